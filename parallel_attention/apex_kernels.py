@@ -1,0 +1,36 @@
+"""Lazy access to NVIDIA apex's fused kernels, with the reason when they are unavailable.
+
+NVIDIA apex is not on PyPI (the PyPI package called `apex` is an unrelated web toolkit), so
+it is only ever found where it was built from source, as in NGC containers. Nothing here
+imports apex until asked.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+
+@functools.lru_cache(maxsize=None)
+def fused_softmax_module():
+    """apex.transformer.functional.fused_softmax, or None when NVIDIA apex is not installed."""
+    try:
+        return importlib.import_module("apex.transformer.functional.fused_softmax")
+    except Exception:  # ImportError, or an unrelated `apex` package without this module
+        return None
+
+
+def apex_available() -> bool:
+    return fused_softmax_module() is not None
+
+
+def active_paths() -> dict[str, str]:
+    """Which implementation each kernel family uses in this environment (for logs and README)."""
+    import torch
+
+    sdpa = "torch SDPA (flash / memory-efficient kernels)" if torch.cuda.is_available() else "torch SDPA (CPU)"
+    return {
+        "attention (backend='auto'/'sdpa')": sdpa,
+        "attention (backend='apex')": "apex fused scale-mask-softmax" if apex_available()
+        else "unavailable: NVIDIA apex is not installed",
+    }

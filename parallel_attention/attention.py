@@ -1,0 +1,220 @@
+"""ParallelSelfAttention: Megatron-style tensor-parallel self-attention.
+
+Shape legend: s sequence, b batch, h hidden, p tensor-parallel size, nh heads, nkv k/v heads
+(query groups), d head dim; nhl = nh/p and nkvl = max(nkv/p, 1) heads on this rank.
+
+    x [s, b, h]                       (sequence_parallel: [s/p, b, h], chunks in rank order)
+      | query_key_value: ColumnParallelLinear h -> (nh + 2 nkv) d, split by query group
+      |   fwd identity / bwd all-reduce  (SP: fwd all-gather s / bwd reduce-scatter s)
+    mixed [s, b, nkvl * (nh/nkv + 2) * d]   per local group g: [q_g,1 .. q_g,nh/nkv | k_g | v_g]
+      | split; rotary on q, k (optional)
+    q [b, nhl, s, d], k, v [b, nkvl, s, d]
+      | local attention (SDPA / math / apex), dropout from the tensor-parallel generator
+    context [s, b, nhl * d]
+      | dense: RowParallelLinear nh d -> h, input_is_parallel
+      |   fwd all-reduce / bwd identity  (SP: fwd reduce-scatter s / bwd all-gather s)
+    y [s, b, h]                       (sequence_parallel: [s/p, b, h])
+
+Rank r owns query heads r*nhl .. (r+1)*nhl - 1. When p > nkv, p/nkv consecutive ranks share
+k/v head r // (p/nkv), each holding a replica; finalize_grads() sums the replicas' gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention_config import AttentionConfig
+from .core_attention import build_core_attention
+from .grads import PartialGrad
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .mappings import all_gather_along_dim
+from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
+from .random import tensor_parallel_rng
+from .rotary import RotaryEmbedding
+
+CANONICAL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class ParallelSelfAttention(nn.Module):
+    def __init__(self, config: AttentionConfig, tp_group: ProcessGroup | None = None, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_group = resolve_tp_group(tp_group)
+        self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
+        self.num_heads_per_rank, self.num_kv_heads_per_rank = config.per_rank_heads(self.tp_size)
+        self.queries_per_group = self.num_heads_per_rank // self.num_kv_heads_per_rank
+        self.kv_replicated = self.tp_size > config.num_kv_heads
+        d, h = config.head_dim, config.hidden_size
+        qkv_per_rank = (self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank) * d
+        common = dict(sequence_parallel=config.sequence_parallel, init_method=None, tp_group=self.tp_group,
+                      device=device, dtype=config.params_dtype)
+        self.query_key_value = ColumnParallelLinear(h, qkv_per_rank * self.tp_size, bias=config.qkv_bias, **common)
+        self.dense = RowParallelLinear(config.num_heads * d, h, bias=config.out_bias, input_is_parallel=True,
+                                       **common)
+        self.core_attention = build_core_attention(config.backend)
+        self.rotary = RotaryEmbedding(d, config.rope_theta) if config.rotary else None
+        self.load_canonical_state_dict(self._initial_canonical_weights(device))
+
+    # ----------------------------------------------------------------------------- weights
+    def _kv_heads_of_rank(self, rank: int) -> list[int]:
+        """Global k/v head indices rank `rank` holds, in its local order."""
+        nkv = self.config.num_kv_heads
+        if self.kv_replicated:
+            return [rank // (self.tp_size // nkv)]
+        return list(range(rank * self.num_kv_heads_per_rank, (rank + 1) * self.num_kv_heads_per_rank))
+
+    def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        c = self.config
+        shapes = {"q_proj.weight": (c.num_heads * c.head_dim, c.hidden_size),
+                  "k_proj.weight": (c.num_kv_heads * c.head_dim, c.hidden_size),
+                  "v_proj.weight": (c.num_kv_heads * c.head_dim, c.hidden_size),
+                  "o_proj.weight": (c.hidden_size, c.num_heads * c.head_dim)}
+        if c.qkv_bias:
+            shapes.update({f"{n}.bias": shapes[f"{n}.weight"][:1] for n in ("q_proj", "k_proj", "v_proj")})
+        if c.out_bias:
+            shapes["o_proj.bias"] = (c.hidden_size,)
+        return shapes
+
+    def _initial_canonical_weights(self, device) -> dict[str, torch.Tensor]:
+        """Full weights drawn from the default generator in a fixed order: independent of p."""
+        weights = {}
+        for name, shape in self._canonical_shapes().items():
+            t = torch.empty(shape, device=device, dtype=self.config.params_dtype)
+            weights[name] = t.normal_(0.0, self.config.init_std) if name.endswith("weight") else t.zero_()
+        return weights
+
+    def _fuse_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the fused projection from full q/k/v (weights or biases)."""
+        d, rest = self.config.head_dim, q.shape[1:]
+        nhl, qpg = self.num_heads_per_rank, self.queries_per_group
+        heads = q.reshape(-1, d, *rest)[self.tp_rank * nhl:(self.tp_rank + 1) * nhl]
+        heads = heads.reshape(self.num_kv_heads_per_rank, qpg, d, *rest)
+        kv_index = torch.tensor(self._kv_heads_of_rank(self.tp_rank), device=q.device)
+        k_heads = k.reshape(-1, d, *rest).index_select(0, kv_index).unsqueeze(1)
+        v_heads = v.reshape(-1, d, *rest).index_select(0, kv_index).unsqueeze(1)
+        return torch.cat([heads, k_heads, v_heads], dim=1).reshape(-1, *rest)
+
+    def _unfuse_all(self, fused_shards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full q, k, v from the ranks' fused rows concatenated in rank order."""
+        c, d = self.config, self.config.head_dim
+        rest = fused_shards.shape[1:]
+        per_rank = fused_shards.reshape(self.tp_size, self.num_kv_heads_per_rank, self.queries_per_group + 2,
+                                        d, *rest)
+        q = per_rank[:, :, :self.queries_per_group].reshape(-1, *rest)
+        k = fused_shards.new_empty((c.num_kv_heads, d, *rest))
+        v = fused_shards.new_empty((c.num_kv_heads, d, *rest))
+        for rank in range(self.tp_size):
+            for local, head in enumerate(self._kv_heads_of_rank(rank)):
+                k[head] = per_rank[rank, local, self.queries_per_group]
+                v[head] = per_rank[rank, local, self.queries_per_group + 1]
+        return q, k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+    @torch.no_grad()
+    def load_canonical_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full, p-independent weights (q_proj/k_proj/v_proj/o_proj .weight/.bias); keep my shard."""
+        expected = self._canonical_shapes()
+        missing = sorted(set(expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"canonical state dict mismatch: missing {missing}, unexpected {unexpected} "
+                f"(qkv_bias={self.config.qkv_bias}, out_bias={self.config.out_bias})."
+            )
+        for name, shape in expected.items():
+            if tuple(state_dict[name].shape) != shape:
+                raise ValueError(
+                    f"canonical state dict: {name} has shape {tuple(state_dict[name].shape)}, expected {shape} "
+                    f"for hidden_size={self.config.hidden_size}, num_heads={self.config.num_heads}, "
+                    f"num_kv_heads={self.config.num_kv_heads}, head_dim={self.config.head_dim}."
+                )
+        sd = {k: v.to(device=self.dense.weight.device, dtype=self.dense.weight.dtype) for k, v in state_dict.items()}
+        qkv = self.query_key_value
+        qkv.weight.copy_(self._fuse_local(sd["q_proj.weight"], sd["k_proj.weight"], sd["v_proj.weight"]))
+        if qkv.bias is not None:
+            qkv.bias.copy_(self._fuse_local(sd["q_proj.bias"], sd["k_proj.bias"], sd["v_proj.bias"]))
+        self.dense.weight.copy_(sd["o_proj.weight"].chunk(self.tp_size, dim=1)[self.tp_rank])
+        if self.dense.bias is not None:
+            self.dense.bias.copy_(sd["o_proj.bias"])
+
+    @torch.no_grad()
+    def canonical_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, p-independent weights on every rank. A collective: every rank of the group calls it."""
+        qkv = self.query_key_value
+        out = dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+                       self._unfuse_all(all_gather_along_dim(qkv.weight, 0, self.tp_group))))
+        if qkv.bias is not None:
+            out.update(zip(("q_proj.bias", "k_proj.bias", "v_proj.bias"),
+                           self._unfuse_all(all_gather_along_dim(qkv.bias, 0, self.tp_group))))
+        out["o_proj.weight"] = all_gather_along_dim(self.dense.weight, 1, self.tp_group)
+        if self.dense.bias is not None:
+            out["o_proj.bias"] = self.dense.bias.detach().clone()
+        return out
+
+    def partial_grads(self) -> list[PartialGrad]:
+        """Replicated k/v heads (p > nkv): each replica's gradient covers only its rank's queries."""
+        if not self.kv_replicated or self.tp_size == 1:
+            return []
+        d, qpg = self.config.head_dim, self.queries_per_group
+        kv_rows = slice(qpg * d, (qpg + 2) * d)  # one local group: [q heads | k | v]
+        slot, num_slots = self._kv_heads_of_rank(self.tp_rank)[0], self.config.num_kv_heads
+        params = [p for p in (self.query_key_value.weight, self.query_key_value.bias) if p is not None]
+        return [PartialGrad(p, self.tp_group, kv_rows, slot, num_slots) for p in params]
+
+    # ----------------------------------------------------------------------------- forward
+    def _check_inputs(self, x, attention_mask, position_ids) -> int:
+        """Validate shapes; return the full sequence length s."""
+        h = self.config.hidden_size
+        if x.dim() != 3 or x.shape[-1] != h:
+            raise ValueError(
+                f"hidden_states must be [s, b, h] with h={h}, got shape {tuple(x.shape)}"
+                + (" (sequence parallel: this rank's [s/p, b, h] chunk)" if self.config.sequence_parallel else "")
+            )
+        s = x.shape[0] * (self.tp_size if self.config.sequence_parallel else 1)
+        b = x.shape[1]
+        if attention_mask is not None:
+            m = attention_mask
+            if m.dtype != torch.bool:
+                raise ValueError(f"attention_mask must be boolean (True = may attend), got dtype {m.dtype}.")
+            if m.dim() != 4 or m.shape[0] not in (1, b) or m.shape[1] != 1 or m.shape[2] not in (1, s) \
+                    or m.shape[3] != s:
+                raise ValueError(
+                    f"attention_mask of shape {tuple(m.shape)} is not broadcastable to [b, 1, s, s] = "
+                    f"[{b}, 1, {s}, {s}]: pass [b, 1, 1, s] key padding or a [b, 1, s, s] pattern."
+                )
+        if position_ids is not None:
+            if position_ids.dtype.is_floating_point or position_ids.shape not in ((s,), (b, s)):
+                raise ValueError(
+                    f"position_ids must be integer [s] or [b, s] = [{s}] or [{b}, {s}], "
+                    f"got shape {tuple(position_ids.shape)} and dtype {position_ids.dtype}."
+                )
+        return s
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        s = self._check_inputs(hidden_states, attention_mask, position_ids)
+        d, qpg = self.config.head_dim, self.queries_per_group
+        mixed = self.query_key_value(hidden_states)  # [s, b, nkvl * (qpg + 2) * d]
+        b = mixed.shape[1]
+        mixed = mixed.view(s, b, self.num_kv_heads_per_rank, qpg + 2, d)
+        q = mixed[:, :, :, :qpg].reshape(s, b, self.num_heads_per_rank, d)
+        k, v = mixed[:, :, :, qpg], mixed[:, :, :, qpg + 1]  # [s, b, nkvl, d]
+        if self.rotary is not None:
+            if position_ids is None:
+                position_ids = torch.arange(s, device=q.device)
+            q, k = self.rotary(q, k, position_ids)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        if dropout_p > 0:
+            with tensor_parallel_rng(q.device):
+                context = self.core_attention(q, k, v, attention_mask, self.config.causal, dropout_p)
+        else:
+            context = self.core_attention(q, k, v, attention_mask, self.config.causal, 0.0)
+        context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_rank * d)
+        return self.dense(context)
+
+    def extra_repr(self) -> str:
+        return (f"tp_size={self.tp_size}, num_heads_per_rank={self.num_heads_per_rank}, "
+                f"num_kv_heads_per_rank={self.num_kv_heads_per_rank}, kv_replicated={self.kv_replicated}")

@@ -1,0 +1,109 @@
+"""AttentionConfig: the global (p-independent) description of one attention block.
+
+The config always describes the whole model; per-rank sizes are derived from it for a given
+tensor-parallel size p by `per_rank_heads`, never written back into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .apex_kernels import apex_available
+
+BACKENDS = ("auto", "sdpa", "math", "apex")
+
+
+@dataclass
+class AttentionConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int | None = None  # None: num_heads (multi-head); 1: multi-query
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    qkv_bias: bool = True
+    out_bias: bool = True
+    attention_dropout: float = 0.0
+    causal: bool = True
+    rotary: bool = False
+    rope_theta: float = 10000.0
+    sequence_parallel: bool = False
+    init_std: float = 0.02
+    params_dtype: torch.dtype = torch.float32
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"AttentionConfig: {name}={value!r} must be a positive integer.")
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if not isinstance(self.num_kv_heads, int) or self.num_kv_heads < 1:
+            raise ValueError(f"AttentionConfig: num_kv_heads={self.num_kv_heads!r} must be a positive integer.")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"AttentionConfig: num_heads={self.num_heads} is not divisible by "
+                f"num_kv_heads={self.num_kv_heads}: each key/value head serves a whole group of query "
+                "heads, so choose num_kv_heads among the divisors of num_heads."
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads != 0:
+                raise ValueError(
+                    f"AttentionConfig: hidden_size={self.hidden_size} is not divisible by "
+                    f"num_heads={self.num_heads}: set head_dim explicitly or change num_heads."
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        if not isinstance(self.head_dim, int) or self.head_dim < 1:
+            raise ValueError(f"AttentionConfig: head_dim={self.head_dim!r} must be a positive integer.")
+        if self.rotary and self.head_dim % 2 != 0:
+            raise ValueError(
+                f"AttentionConfig: rotary=True needs an even head_dim, got head_dim={self.head_dim}."
+            )
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(
+                f"AttentionConfig: attention_dropout={self.attention_dropout!r} must lie in [0, 1)."
+            )
+        if not self.rope_theta > 0:
+            raise ValueError(f"AttentionConfig: rope_theta={self.rope_theta!r} must be positive.")
+        if not self.init_std > 0:
+            raise ValueError(f"AttentionConfig: init_std={self.init_std!r} must be positive.")
+        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
+            raise ValueError(
+                f"AttentionConfig: params_dtype={self.params_dtype!r} must be a floating torch.dtype "
+                "such as torch.float32 or torch.bfloat16."
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"AttentionConfig: backend={self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}."
+            )
+        if self.backend == "apex" and not apex_available():
+            raise ValueError(
+                "AttentionConfig: backend='apex' but NVIDIA apex is not installed (it is not on PyPI; "
+                "it ships in NGC containers or builds from github.com/NVIDIA/apex): use backend='auto'."
+            )
+
+    def per_rank_heads(self, tp_size: int) -> tuple[int, int]:
+        """(num_heads_per_rank, num_kv_heads_per_rank) at tensor-parallel size `tp_size`.
+
+        When tp_size > num_kv_heads each rank keeps a replica of the one k/v head its queries use.
+        """
+        p, nh, nkv = tp_size, self.num_heads, self.num_kv_heads
+        if nh % p != 0:
+            raise ValueError(
+                f"num_heads={nh} is not divisible by tensor_parallel_size={p}: each rank must own whole "
+                f"heads; choose a tensor-parallel size that divides {nh}."
+            )
+        if p <= nkv:
+            if nkv % p != 0:
+                raise ValueError(
+                    f"num_kv_heads={nkv} is not divisible by tensor_parallel_size={p}: choose a "
+                    f"tensor-parallel size that divides {nkv}, or a multiple of it."
+                )
+            return nh // p, nkv // p
+        if p % nkv != 0:
+            raise ValueError(
+                f"tensor_parallel_size={p} is larger than num_kv_heads={nkv} but not a multiple of it: "
+                f"the k/v heads can only be replicated evenly; choose a multiple of {nkv} or a divisor of it."
+            )
+        return nh // p, 1

@@ -1,0 +1,111 @@
+"""Local attention on this rank's heads: one class per backend, chosen once at construction.
+
+Every backend takes q [b, nh, s, d], k and v [b, nkv, s, d] (nh a multiple of nkv; query head
+i uses k/v head i // (nh / nkv)), an optional boolean mask broadcastable to [b, 1, s, s] (True:
+may attend), the causal flag and the dropout probability, and returns [b, nh, s, d]. A query
+row with no key to attend outputs zeros in every backend.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .apex_kernels import fused_softmax_module
+
+
+def combine_masks(mask: torch.Tensor | None, causal: bool, s: int, device) -> torch.Tensor | None:
+    """AND of the user's mask and the causal (lower-triangular) mask; None when neither."""
+    if not causal:
+        return mask
+    tril = torch.ones(s, s, dtype=torch.bool, device=device).tril_()
+    return tril if mask is None else mask & tril
+
+
+class SdpaAttention(nn.Module):
+    """torch.nn.functional.scaled_dot_product_attention: flash / memory-efficient on CUDA."""
+
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:  # the is_causal fast path keeps flash attention eligible
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
+        mask = combine_masks(mask, causal, q.shape[2], q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+def _expand_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    return kv if kv.shape[1] == q.shape[1] else kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
+
+
+class MathAttention(nn.Module):
+    """Explicit softmax(q k^T / sqrt(d)) v; softmax in float32 for half-precision inputs."""
+
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        k, v = _expand_kv(q, k), _expand_kv(q, v)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        mask = combine_masks(mask, causal, q.shape[2], q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        softmax_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+        if mask is not None:  # rows with nothing to attend: zeros, not NaN
+            probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+        if dropout_p > 0:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.matmul(probs, v)
+
+
+class ApexFusedSoftmaxAttention(nn.Module):
+    """apex's fused scale-mask-softmax kernels (fp16/bf16 on CUDA) between two matmuls.
+
+    apex falls back to torch's softmax itself where its kernels do not apply (fp32 inputs,
+    unsupported sizes).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        fused = fused_softmax_module()
+        if fused is None:
+            raise ValueError("backend='apex' but NVIDIA apex is not installed: use backend='auto'.")
+        self._fused = fused
+        self._softmax: dict[tuple, nn.Module] = {}
+
+    def _kernel(self, dtype: torch.dtype, causal_only: bool, scale: float) -> nn.Module:
+        key = (dtype, causal_only, scale)
+        if key not in self._softmax:
+            from apex.transformer.enums import AttnMaskType
+
+            self._softmax[key] = self._fused.FusedScaleMaskSoftmax(
+                dtype == torch.float16, dtype == torch.bfloat16,
+                AttnMaskType.causal if causal_only else AttnMaskType.padding,
+                True, lambda scores, masked_out: scores.masked_fill(masked_out, -10000.0), True, scale,
+            )
+        return self._softmax[key]
+
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        k, v = _expand_kv(q, k), _expand_kv(q, v)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        causal_only = causal and mask is None
+        mask = combine_masks(mask, causal, q.shape[2], q.device)
+        masked_out = None if causal_only or mask is None else ~mask.expand(q.shape[0], 1, -1, -1)
+        probs = self._kernel(q.dtype, causal_only, scale)(scores, masked_out)
+        if masked_out is not None:  # apex's -10000 fill leaves fully masked rows uniform: zero them
+            probs = probs.masked_fill(masked_out.all(dim=-1, keepdim=True), 0.0)
+        if dropout_p > 0:
+            probs = F.dropout(probs, p=dropout_p)
+        return torch.matmul(probs, v)
+
+
+def build_core_attention(backend: str) -> nn.Module:
+    """The backend's module; 'auto' is SDPA, which already picks flash kernels on CUDA."""
+    if backend in ("auto", "sdpa"):
+        return SdpaAttention()
+    if backend == "math":
+        return MathAttention()
+    if backend == "apex":
+        return ApexFusedSoftmaxAttention()
+    raise ValueError(f"unknown attention backend {backend!r}; choose auto, sdpa, math or apex.")

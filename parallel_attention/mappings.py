@@ -1,0 +1,172 @@
+"""Collectives of the tensor-parallel region as autograd functions.
+
+The only module that communicates in the forward/backward pass. Each function takes the
+group it runs on, returns its input unchanged when the group has one rank (or is None),
+and states what it does forward and backward. Shapes: `s` sequence, `b` batch, `h` hidden,
+`p` tensor-parallel size.
+
+    name                                   forward                 backward
+    copy_to_tensor_parallel_region         identity                all-reduce
+    reduce_from_tensor_parallel_region     all-reduce              identity
+    scatter_to_tensor_parallel_region      keep my last-dim chunk  all-gather last dim
+    gather_from_tensor_parallel_region     all-gather last dim     keep my last-dim chunk
+    gather_from_sequence_parallel_region   all-gather dim 0 (s)    reduce-scatter dim 0
+    reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0  all-gather dim 0
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .parallel_state import ProcessGroup, group_rank, group_size
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    p = group_size(group)
+    if x.shape[-1] % p != 0:
+        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by tensor-parallel size {p}.")
+    return x.chunk(p, dim=-1)[group_rank(group)].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    p = group_size(group)
+    # all_gather_into_tensor concatenates along dim 0, so gather with the last dim moved first.
+    moved = x.movedim(-1, 0).contiguous()
+    out = torch.empty((p * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, moved, group=group)
+    return out.movedim(0, -1).contiguous()
+
+
+def _gather_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty((group_size(group) * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    p = group_size(group)
+    if x.shape[0] % p != 0:
+        raise ValueError(
+            f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {p}; "
+            "sequence parallelism needs s % p == 0: pad the sequence."
+        )
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // p,) + x.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.group), None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.group), None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_first_dim(grad, ctx.group), None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first_dim(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: identity. Backward: all-reduce the gradient (the input fed every rank)."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: all-reduce the partial sums. Backward: identity."""
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: keep this rank's chunk of the last dim. Backward: all-gather the last dim."""
+    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: all-gather the last dim in rank order. Backward: keep this rank's chunk."""
+    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: all-gather [s/p, ...] chunks into [s, ...]. Backward: reduce-scatter along s."""
+    return x if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup | None
+) -> torch.Tensor:
+    """Forward: sum the ranks' [s, ...] partials and keep chunk [s/p, ...]. Backward: all-gather along s."""
+    return x if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+
+
+@torch.no_grad()
+def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Plain (no autograd) all-gather of the ranks' shards, concatenated along `dim` in rank order.
+
+    For assembling full weights (state dicts), not for the forward pass.
+    """
+    if group_size(group) == 1:
+        return x.clone()
+    return _gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()

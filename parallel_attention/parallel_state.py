@@ -1,0 +1,177 @@
+"""Process groups for tensor parallelism (TP) and data parallelism (DP).
+
+The one owner of the groups. With world size W and tensor-parallel size p, ranks
+[0..p-1], [p..2p-1], ... form the tensor-parallel groups (consecutive ranks share a node,
+so the chatty TP collectives stay on NVLink); ranks {i, i+p, i+2p, ...} form the
+data-parallel groups. Without `torch.distributed` initialised everything is a single
+rank: sizes are 1, ranks are 0 and groups are None.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+
+@dataclass(frozen=True)
+class _Groups:
+    tensor_parallel: ProcessGroup
+    data_parallel: ProcessGroup
+    tensor_parallel_ranks: tuple[int, ...]
+    data_parallel_ranks: tuple[int, ...]
+
+
+_GROUPS: _Groups | None = None
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
+    """Create the tensor- and data-parallel groups; call once after `init_process_group`.
+
+    Every rank must call it (group creation is collective).
+    """
+    global _GROUPS
+    if not _is_distributed():
+        raise RuntimeError(
+            "initialize_model_parallel() needs torch.distributed to be initialised first: "
+            "call torch.distributed.init_process_group(...) or parallel_attention.init_distributed()."
+        )
+    if _GROUPS is not None:
+        raise RuntimeError(
+            "initialize_model_parallel() was already called; call destroy_model_parallel() first."
+        )
+    world = dist.get_world_size()
+    p = tensor_model_parallel_size
+    if not isinstance(p, int) or p < 1:
+        raise ValueError(f"tensor_model_parallel_size={p!r} must be a positive integer.")
+    if world % p != 0:
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor_model_parallel_size={p}: "
+            f"launch a multiple of {p} processes or choose a tensor-parallel size that divides {world}."
+        )
+    rank = dist.get_rank()
+    tp_group = dp_group = None
+    tp_ranks = dp_ranks = ()
+    # new_group is collective over the whole world: every rank creates every group in the same order.
+    for start in range(0, world, p):
+        ranks = tuple(range(start, start + p))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            tp_group, tp_ranks = group, ranks
+    for offset in range(p):
+        ranks = tuple(range(offset, world, p))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            dp_group, dp_ranks = group, ranks
+    _GROUPS = _Groups(tp_group, dp_group, tp_ranks, dp_ranks)
+
+
+def model_parallel_is_initialized() -> bool:
+    return _GROUPS is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget the groups (the process group itself is left to `destroy_process_group`)."""
+    global _GROUPS
+    _GROUPS = None
+
+
+def get_tensor_model_parallel_group() -> ProcessGroup | None:
+    """The default tensor-parallel group; None when running as a single rank."""
+    if _GROUPS is not None:
+        return _GROUPS.tensor_parallel
+    if _is_distributed() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "torch.distributed is initialised with several ranks but initialize_model_parallel() "
+            "was not called: call it, or pass tp_group= explicitly to the layer."
+        )
+    return None
+
+
+def get_data_parallel_group() -> ProcessGroup | None:
+    if _GROUPS is not None:
+        return _GROUPS.data_parallel
+    get_tensor_model_parallel_group()  # same error when misconfigured
+    return None
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return group_size(get_tensor_model_parallel_group())
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return group_rank(get_tensor_model_parallel_group())
+
+
+def get_data_parallel_world_size() -> int:
+    return group_size(get_data_parallel_group())
+
+
+def get_data_parallel_rank() -> int:
+    return group_rank(get_data_parallel_group())
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of the first member of this rank's tensor-parallel group (for broadcasts)."""
+    return _GROUPS.tensor_parallel_ranks[0] if _GROUPS is not None else 0
+
+
+def resolve_tp_group(tp_group: ProcessGroup | None) -> ProcessGroup | None:
+    """The one place a layer turns its `tp_group` argument into the group it keeps."""
+    return tp_group if tp_group is not None else get_tensor_model_parallel_group()
+
+
+def init_distributed(
+    tensor_model_parallel_size: int = 1,
+    backend: str | None = None,
+    timeout: datetime.timedelta | float = datetime.timedelta(minutes=10),
+) -> torch.device:
+    """Initialise torch.distributed from the torchrun environment, then the model-parallel groups.
+
+    Picks NCCL when CUDA is available and gloo otherwise (`backend=` overrides), binds this
+    process to cuda:LOCAL_RANK, and returns the device the caller should put tensors on.
+    Run without torchrun (no RANK/WORLD_SIZE in the environment) it starts a world of one.
+    """
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, which is not available here: use backend='gloo'.")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible: "
+                "launch at most one process per GPU (--nproc-per-node)."
+            )
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            kwargs = {"device_id": device} if backend == "nccl" else {}
+            dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+        else:
+            store = dist.HashStore()
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+    initialize_model_parallel(tensor_model_parallel_size)
+    return device

@@ -1,0 +1,13 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="parallel_attention",
+    version="0.1.0",
+    description="Megatron-style tensor-parallel self-attention and parallel layers for PyTorch",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["parallel_attention", "parallel_attention.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.5"],
+    extras_require={"dev": ["pytest>=7", "pytest-timeout>=2.1", "numpy"]},
+)

@@ -1,0 +1,90 @@
+"""Run a function on several gloo ranks in spawned processes, for tests.
+
+`run_distributed(fn, world_size, tp_size, *args)` starts `world_size` processes with the
+`spawn` start method (gloo under fork can deadlock), joins them through a file store (no
+port to race for), sets up the tensor-parallel groups, calls `fn(*args)` on every rank and
+returns the per-rank results in rank order. A rank's exception is re-raised in the parent
+with its traceback; a hang past `timeout` seconds kills every rank and fails.
+
+`fn` must be a module-level function (spawned processes import it by name).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 240
+
+
+def _worker(rank, world_size, tp_size, init_file, fn, args, results, timeout):
+    import torch
+    import torch.distributed as dist
+
+    import parallel_attention as pa
+
+    torch.set_num_threads(1)  # ranks share two cores: do not oversubscribe them
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        pa.initialize_model_parallel(tp_size)
+        value = fn(*args)
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        pa.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, tp_size: int | None = None, *args, timeout: float = DEFAULT_TIMEOUT_S):
+    """fn(*args) on each of `world_size` gloo ranks (tensor-parallel size `tp_size`, default all)."""
+    tp_size = world_size if tp_size is None else tp_size
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, tp_size, init_file, fn, args, results, timeout),
+                             daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+
+
+def _collect(procs, results, timeout):
+    collected = {}
+    deadline = time.monotonic() + timeout
+    dead_since: dict[int, float] = {}
+    while len(collected) < len(procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(len(procs))) - set(collected))
+            raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s (hang in a collective?)")
+        try:
+            rank, ok, payload = results.get(timeout=min(1.0, remaining))
+        except queue.Empty:
+            now = time.monotonic()
+            for rank, p in enumerate(procs):
+                if rank not in collected and not p.is_alive():
+                    # allow a moment for a report still in the pipe, then call it a crash
+                    if now - dead_since.setdefault(rank, now) > 5:
+                        raise RuntimeError(f"rank {rank} exited with code {p.exitcode} without reporting")
+            continue
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        collected[rank] = pickle.loads(payload)
+    return [collected[r] for r in range(len(procs))]
