@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 240
 
 
-def _worker(rank, world_size, tp_size, init_file, fn, args, results, timeout):
+def _worker(rank, world_size, tp_size, init_file, fn, args, results, timeout, backend):
     import torch
     import torch.distributed as dist
 
@@ -32,7 +32,9 @@ def _worker(rank, world_size, tp_size, init_file, fn, args, results, timeout):
 
     torch.set_num_threads(1)  # ranks share two cores: do not oversubscribe them
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         pa.initialize_model_parallel(tp_size)
         value = fn(*args)
@@ -45,14 +47,18 @@ def _worker(rank, world_size, tp_size, init_file, fn, args, results, timeout):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, tp_size: int | None = None, *args, timeout: float = DEFAULT_TIMEOUT_S):
-    """fn(*args) on each of `world_size` gloo ranks (tensor-parallel size `tp_size`, default all)."""
+def run_distributed(fn, world_size: int, tp_size: int | None = None, *args, timeout: float = DEFAULT_TIMEOUT_S,
+                    backend: str = "gloo"):
+    """fn(*args) on each of `world_size` ranks (tensor-parallel size `tp_size`, default all).
+
+    backend="nccl" runs rank r on cuda:r (one GPU per rank, as NCCL requires).
+    """
     tp_size = world_size if tp_size is None else tp_size
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, tp_size, init_file, fn, args, results, timeout),
+        procs = [ctx.Process(target=_worker, args=(r, world_size, tp_size, init_file, fn, args, results, timeout, backend),
                              daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
@@ -88,3 +94,28 @@ def _collect(procs, results, timeout):
             raise RuntimeError(f"rank {rank} failed:\n{payload}")
         collected[rank] = pickle.loads(payload)
     return [collected[r] for r in range(len(procs))]
+
+
+def device_params(world_sizes=(1, 2, 4)):
+    """pytest params (world_size, device): CPU/gloo always; CUDA/NCCL where enough GPUs exist."""
+    import pytest
+    import torch
+
+    params = []
+    for p in world_sizes:
+        params.append(pytest.param(p, "cpu", id=f"p{p}-cpu"))
+        enough = torch.cuda.is_available() and torch.cuda.device_count() >= p
+        params.append(pytest.param(p, "cuda", id=f"p{p}-cuda", marks=pytest.mark.skipif(
+            not enough, reason=f"needs {p} CUDA device(s); the CPU variant covers this case")))
+    return params
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def local_device(device: str):
+    """The device this rank computes on (cuda:r for NCCL ranks)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
