@@ -1,0 +1,238 @@
+"""The data pipeline: tokenizers, atomic deterministic preparation, and batches that are a pure function of
+(seed, step) whose union over data-parallel ranks is the same global batch for every layout."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import types
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from parallel_attention.config import DataConfig
+from parallel_attention.training.data import (
+    GlobalBatchSampler,
+    TokenDataset,
+    ensure_prepared,
+    prepare_data,
+    validation_batches,
+)
+from parallel_attention.training.tokenizer import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A small corpus: two .txt files and a .jsonl file of three documents (one non-ASCII), in a subdir too."""
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("the quick brown fox\n" * 40, encoding="utf-8")
+    (root / "sub" / "b.txt").write_text("jumps over the lazy dog\n" * 30, encoding="utf-8")
+    lines = [{"text": f"document {i}: " + "héllo wörld " * (20 + i)} for i in range(3)]
+    (root / "c.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n\n", encoding="utf-8")
+    (root / "ignored.md").write_text("not part of the corpus", encoding="utf-8")
+    return root
+
+
+def test_byte_tokenizer_round_trip():
+    tok = get_tokenizer("byte")
+    text = "déjà vu — ünïcode ✓ and ascii"
+    ids = tok.encode(text)
+    assert (tok.vocab_size, tok.eot_token) == (256, 0)
+    assert all(0 < i < 256 for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.encode_array(text).tolist() == ids
+    assert tok.decode([0xFF, ord("a")]) == "\ufffda"  # invalid UTF-8 is replaced, not raised
+
+
+def test_unknown_tokenizer_names_the_choices():
+    with pytest.raises(ValueError, match="byte"):
+        get_tokenizer("sentencepiece")
+
+
+def test_prepare_writes_little_endian_uint16_with_checksums(corpus, tmp_path):
+    out = tmp_path / "out"
+    meta = prepare_data(str(corpus), "byte", out, val_fraction=0.3)
+    assert meta == json.loads((out / "meta.json").read_text())
+    assert (meta["dtype"], meta["vocab_size"], meta["eot_token"], meta["tokenizer"]) == ("uint16", 256, 0, "byte")
+    assert (meta["num_files"], meta["num_documents"]) == (3, 5)
+    for split in ("train", "val"):
+        path = out / f"{split}.bin"
+        assert path.stat().st_size == 2 * meta[f"num_{split}_tokens"] > 0
+        assert meta[f"{split}_sha256"] == _sha256(path)
+    train = np.fromfile(out / "train.bin", dtype="<u2")
+    val = np.fromfile(out / "val.bin", dtype="<u2")
+    # Every document ends in eot, and the two splits together hold exactly the corpus's documents.
+    docs = ByteTokenizer().decode(np.concatenate([train, val]).tolist()).split("\x00")
+    assert docs[-1] == "" and len(docs) - 1 == 5
+    assert sorted(docs[:-1])[0].startswith("document 0: héllo")
+    assert not list(out.glob(".*tmp*"))
+
+
+def test_prepare_is_deterministic(corpus, tmp_path):
+    first = prepare_data(str(corpus), "byte", tmp_path / "one", val_fraction=0.3)
+    second = prepare_data(str(corpus), "byte", tmp_path / "two", val_fraction=0.3)
+    for split in ("train", "val"):
+        assert (tmp_path / "one" / f"{split}.bin").read_bytes() == (tmp_path / "two" / f"{split}.bin").read_bytes()
+    assert first == second
+
+
+def test_max_bytes_caps_the_text_read(corpus, tmp_path):
+    meta = prepare_data(str(corpus), "byte", tmp_path / "out", val_fraction=0.3, max_bytes=1000)
+    assert meta["num_bytes"] == 1000
+    assert meta["num_train_tokens"] + meta["num_val_tokens"] == 1000 + meta["num_documents"]  # + one eot each
+
+
+def test_single_file_source_is_split_by_tokens(corpus, tmp_path):
+    meta = prepare_data(str(corpus / "a.txt"), "byte", tmp_path / "out", val_fraction=0.1)
+    assert meta["num_documents"] == 1
+    assert meta["num_val_tokens"] == round(0.1 * (len("the quick brown fox\n") * 40 + 1))
+
+
+def test_ensure_prepared_reuses_complete_and_redoes_interrupted(corpus, tmp_path):
+    cfg = DataConfig(source=str(corpus), tokenizer="byte", data_dir=str(tmp_path / "out"), val_fraction=0.3,
+                     max_bytes=None)
+    meta = ensure_prepared(cfg)
+    train = tmp_path / "out" / "train.bin"
+    stamp = train.stat().st_mtime_ns
+    assert ensure_prepared(cfg) == meta and train.stat().st_mtime_ns == stamp  # complete: reused
+
+    # Interrupted: meta.json never written, a temporary left behind and a truncated token file.
+    (tmp_path / "out" / "meta.json").unlink()
+    (tmp_path / "out" / ".train.bin.tmp-12345").write_bytes(b"partial")
+    train.write_bytes(train.read_bytes()[:10])
+    assert ensure_prepared(cfg) == meta
+    assert _sha256(train) == meta["train_sha256"]
+    assert not list((tmp_path / "out").glob(".*tmp*"))
+
+    # A meta.json whose token file does not match it is not trusted either.
+    train.write_bytes(train.read_bytes()[:10])
+    assert ensure_prepared(cfg) == meta and _sha256(train) == meta["train_sha256"]
+
+    # Other settings: prepared again.
+    assert ensure_prepared(replace(cfg, max_bytes=500))["num_bytes"] == 500
+
+
+def test_stdlib_source_yields_train_and_val(tmp_path):
+    meta = prepare_data("stdlib", "byte", tmp_path / "std", val_fraction=0.02, max_bytes=200_000)
+    assert meta["num_bytes"] == 200_000
+    assert meta["num_train_tokens"] > 0 and meta["num_val_tokens"] > 0
+    assert TokenDataset(tmp_path / "std", "val").num_tokens == meta["num_val_tokens"]
+
+
+@pytest.fixture
+def dataset(corpus, tmp_path):
+    prepare_data(str(corpus), "byte", tmp_path / "out", val_fraction=0.3)
+    return TokenDataset(tmp_path / "out", "train")
+
+
+def test_token_dataset_is_a_read_only_memmap(dataset):
+    assert dataset.vocab_size == 256 and dataset.num_tokens == len(dataset.tokens)
+    with pytest.raises((ValueError, TypeError)):
+        dataset.tokens[0] = 1
+
+
+def test_global_batch_is_a_pure_function_of_seed_and_step(dataset):
+    sampler = GlobalBatchSampler(dataset, seq_len=16, global_batch_size=8, seed=7)
+    again = GlobalBatchSampler(dataset, seq_len=16, global_batch_size=8, seed=7)
+    batch = sampler.global_batch(3)
+    assert batch.shape == (8, 17) and batch.dtype == torch.long
+    sampler.global_batch(4)  # drawing other steps in between changes nothing: no hidden state
+    assert torch.equal(again.global_batch(3), batch)
+    assert not torch.equal(sampler.global_batch(4), batch)
+    assert not torch.equal(GlobalBatchSampler(dataset, 16, 8, seed=8).global_batch(3), batch)
+    # Each row is a contiguous window of the token stream.
+    start = int(sampler.offsets(3)[0])
+    assert batch[0].tolist() == dataset.tokens[start:start + 17].tolist()
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_union_over_dp_ranks_is_the_global_batch(dataset, dp_size, micro_batch_size):
+    sampler = GlobalBatchSampler(dataset, seq_len=16, global_batch_size=8, seed=1234)
+    for step in (0, 5):
+        tokens, labels = [], []
+        for dp_rank in range(dp_size):
+            micro = sampler.local_micro_batches(step, dp_rank, dp_size, micro_batch_size)
+            assert len(micro) == 8 // dp_size // micro_batch_size
+            for t, lab in micro:
+                assert t.shape == lab.shape == (micro_batch_size, 16)
+                assert torch.equal(t[:, 1:], lab[:, :-1])  # labels are the tokens shifted by one
+                tokens.append(t)
+                labels.append(lab)
+        full = sampler.global_batch(step)
+        assert torch.equal(torch.cat(tokens), full[:, :-1])
+        assert torch.equal(torch.cat(labels), full[:, 1:])
+
+
+def test_local_micro_batches_rejects_uneven_layouts(dataset):
+    sampler = GlobalBatchSampler(dataset, seq_len=16, global_batch_size=8, seed=0)
+    with pytest.raises(ValueError, match="micro_batch_size=3"):
+        sampler.local_micro_batches(0, 0, 2, 3)
+    with pytest.raises(ValueError, match="dp_rank=2"):
+        sampler.local_micro_batches(0, 2, 2, 1)
+
+
+def test_sequence_longer_than_split_is_a_clear_error(dataset):
+    with pytest.raises(ValueError, match="seq_len"):
+        GlobalBatchSampler(dataset, seq_len=dataset.num_tokens, global_batch_size=2, seed=0)
+
+
+def test_validation_batches_are_fixed_and_split_over_dp(dataset):
+    batches = validation_batches(dataset, seq_len=16, batch_size=4, num_batches=3)
+    assert len(batches) == 3 and all(t.shape == lab.shape == (4, 16) for t, lab in batches)
+    again = validation_batches(dataset, seq_len=16, batch_size=4, num_batches=3)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again))
+    halves = [validation_batches(dataset, 16, 4, 3, dp_rank=r, dp_size=2) for r in range(2)]
+    for b, (tokens, labels) in enumerate(batches):
+        assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), tokens)
+        assert torch.equal(torch.cat([halves[0][b][1], halves[1][b][1]]), labels)
+
+
+def test_gpt2_without_tiktoken_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # makes `import tiktoken` raise ImportError
+    with pytest.raises(TokenizerUnavailableError, match="pip install tiktoken"):
+        get_tokenizer("gpt2")
+
+
+def test_gpt2_without_cached_files_refuses_to_download(monkeypatch, tmp_path):
+    fake = types.ModuleType("tiktoken")
+    fake.get_encoding = lambda name: pytest.fail("tiktoken.get_encoding would download the BPE files")
+    monkeypatch.setitem(sys.modules, "tiktoken", fake)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(TokenizerUnavailableError, match="vocab.bpe, encoder.json.*TIKTOKEN_CACHE_DIR"):
+        get_tokenizer("gpt2")
+    # A corrupt cached file would make tiktoken re-download it: refused as well.
+    for url in ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+                "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"):
+        (tmp_path / hashlib.sha1(url.encode()).hexdigest()).write_bytes(b"truncated")
+    with pytest.raises(TokenizerUnavailableError, match="checksum"):
+        get_tokenizer("gpt2")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken's switch for "no cache": it would download
+    with pytest.raises(TokenizerUnavailableError, match="disables"):
+        get_tokenizer("gpt2")
+
+
+def _gpt2_available() -> bool:
+    try:
+        get_tokenizer("gpt2")
+    except TokenizerUnavailableError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _gpt2_available(), reason="tiktoken or its cached gpt2 BPE files are not on this machine")
+def test_gpt2_round_trip_and_uint16_files(corpus, tmp_path):
+    tok = get_tokenizer("gpt2")
+    assert (tok.vocab_size, tok.eot_token) == (50257, 50256)
+    text = "Hello world <|endoftext|> héllo"
+    assert tok.decode(tok.encode(text)) == text
+    meta = prepare_data(str(corpus), "gpt2", tmp_path / "g", val_fraction=0.3)
+    assert meta["dtype"] == "uint16" and meta["eot_token"] == 50256
