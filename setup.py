@@ -8,6 +8,6 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["parallel_attention", "parallel_attention.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.5"],
+    install_requires=["torch>=2.5", "numpy", "pyyaml", "safetensors", "matplotlib"],
     extras_require={"dev": ["pytest>=7", "pytest-timeout>=2.1", "numpy"]},
 )

@@ -1,0 +1,312 @@
+"""Sharded, atomic, verified checkpoints of a tensor-parallel (p) x data-parallel (dp) run.
+
+Model and optimizer state are sharded across the p tensor-parallel ranks and replicated across the
+dp data-parallel ranks, so the data-parallel rank 0 of each tensor-parallel group writes its shard;
+every global rank writes its own RNG states. Files are safetensors (no pickle): a checkpoint can be
+inspected, and loading it runs no code. Layout and the commit protocol: `checkpoint_manifest`.
+
+    save:  rank 0 picks a nonce -> every rank writes + fsyncs its files into step_N.tmp-<nonce>/
+           -> all_gather of sizes/sha256 -> rank 0 writes manifest.json, renames to step_N/, prunes
+           -> broadcast of the outcome (no rank returns before the checkpoint is complete)
+    load:  every rank verifies the files it reads and checks names/shapes -> all_gather of the
+           verdicts -> only if every rank passed does any rank touch its model, optimizer, RNG
+
+Optimizer state is keyed by parameter name (`exp_avg/<name>`), so the format does not depend on the
+order in which parameters were handed to the optimizer. Collectives use the default group and are
+issued only when torch.distributed is initialised; otherwise this is a world of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .checkpoint_manifest import (FORMAT, FORMAT_VERSION, CheckpointCorruptError, CheckpointError, commit,
+                                  cpu_tensors, latest_checkpoint, list_checkpoints, model_file, optim_file,
+                                  optim_state_dict, optim_tensors, prune, read_manifest, rng_file, rng_tensors,
+                                  seal_file, set_rng, step_dir_name, verify_file, write_manifest)
+from .parallel_state import ProcessGroup, get_data_parallel_group, group_rank, group_size, resolve_tp_group
+
+__all__ = ["CheckpointCorruptError", "CheckpointError", "latest_checkpoint", "list_checkpoints",
+           "load_checkpoint", "load_latest_valid", "save_checkpoint"]
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _broadcast(obj):
+    """Rank 0's `obj` on every rank."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj) -> list:
+    if not _distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+@dataclass(frozen=True)
+class _Placement:
+    rank: int
+    world: int
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+
+    @staticmethod
+    def of(tp_group: ProcessGroup | None, dp_group: ProcessGroup | None) -> "_Placement":
+        tp_group = resolve_tp_group(tp_group)
+        dp_group = dp_group if dp_group is not None else get_data_parallel_group()
+        world = dist.get_world_size() if _distributed() else 1
+        rank = dist.get_rank() if _distributed() else 0
+        tp_size, dp_size = group_size(tp_group), group_size(dp_group)
+        if tp_size * dp_size != world:
+            raise ValueError(f"tensor-parallel size {tp_size} x data-parallel size {dp_size} != world size {world}: "
+                             "pass the tp_group/dp_group the model was built with.")
+        return _Placement(rank, world, group_rank(tp_group), tp_size, group_rank(dp_group))
+
+
+# ---------------------------------------------------------------- save
+
+
+def _write(directory: Path, name: str, tensors: dict, meta: dict | None = None) -> dict:
+    save_file(tensors, str(directory / name), metadata=meta)
+    return {name: seal_file(directory / name)}
+
+
+def _write_shards(tmp: Path, at: _Placement, model: nn.Module, optimizer) -> dict:
+    files, shapes = {}, None
+    if at.dp_rank == 0:  # model and optimizer are replicated across data-parallel ranks
+        tensors = cpu_tensors(model.state_dict())
+        files.update(_write(tmp, model_file(at.tp_rank), tensors))
+        shapes = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in tensors.items()}
+        if optimizer is not None:
+            files.update(_write(tmp, optim_file(at.tp_rank), *optim_tensors(model, optimizer)))
+    files.update(_write(tmp, rng_file(at.rank), *rng_tensors()))
+    return {"files": files, "tp_rank": at.tp_rank, "shapes": shapes}
+
+
+def _manifest(step: int, at: _Placement, config: dict, extra: dict, reports: list[dict]) -> dict:
+    writers = sorted(r["tp_rank"] for r in reports if r["shapes"] is not None)
+    if writers != list(range(at.tp_size)):
+        raise RuntimeError(f"expected one writer per tensor-parallel rank 0..{at.tp_size - 1}, got {writers}: "
+                           "are tp_group and dp_group the groups the run uses?")
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+        "world_size": at.world, "tensor_parallel_size": at.tp_size, "data_parallel_size": at.world // at.tp_size,
+        "torch_version": torch.__version__, "config": config, "extra": extra,
+        "model_shapes": {f"tp{r['tp_rank']:02d}": r["shapes"] for r in reports if r["shapes"] is not None},
+        "files": {name: record for r in reports for name, record in r["files"].items()},
+    }
+
+
+def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    *, config: dict, extra: dict, keep_last: int | None,
+                    tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None) -> Path:
+    """Write `<ckpt_root>/step_<step>/` atomically; call on every rank. Returns the checkpoint path.
+
+    `config` and `extra` (data position, scheduler, scaler, ...) must be JSON-able; rank 0's are kept.
+    `keep_last` complete checkpoints remain afterwards (None keeps all).
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r} must be a non-negative integer.")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last={keep_last!r} must be a positive integer or None (keep all).")
+    config, extra = json.loads(json.dumps(config)), json.loads(json.dumps(extra))  # JSON-able, checked up front
+    at = _Placement.of(tp_group, dp_group)
+    root = Path(ckpt_root)
+    final = root / step_dir_name(step)
+    nonce, error = _broadcast(_make_temporary(final) if at.rank == 0 else None)
+    if error is not None:
+        raise CheckpointError(f"saving step {step}: cannot create a directory under {root}: {error}")
+    tmp = root / f"{final.name}.tmp-{nonce}"
+    try:
+        report = {"ok": True, **_write_shards(tmp, at, model, optimizer)}
+    except Exception as e:  # reported to every rank below, so no rank is left waiting in a collective
+        report, local_failure = {"ok": False, "error": f"rank {at.rank}: {type(e).__name__}: {e}"}, e
+    reports = _all_gather(report)
+    outcome = _commit(step, at, config, extra, reports, tmp, final, nonce, keep_last) if at.rank == 0 else None
+    outcome = _broadcast(outcome)  # doubles as the barrier: nobody returns before the commit
+    if outcome is not None:
+        raise CheckpointError(f"saving step {step} to {final} failed: {outcome}") from (
+            local_failure if not report["ok"] else None)
+    return final
+
+
+def _make_temporary(final: Path) -> tuple[str, str | None]:
+    """Rank 0: a fresh nonce and its empty step_N.tmp-<nonce>/ (or the error), before anyone writes."""
+    nonce = secrets.token_hex(6)
+    try:
+        (final.parent / f"{final.name}.tmp-{nonce}").mkdir(parents=True)
+    except OSError as e:
+        return nonce, str(e)
+    return nonce, None
+
+
+def _commit(step, at, config, extra, reports, tmp: Path, final: Path, nonce: str, keep_last) -> str | None:
+    """Rank 0: manifest, rename into place, retention. Returns an error message, None on success."""
+    errors = [r["error"] for r in reports if not r["ok"]]
+    try:
+        if errors:
+            raise CheckpointError("; ".join(errors))
+        write_manifest(tmp, _manifest(step, at, config, extra, reports))
+        commit(tmp, final, nonce)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"{type(e).__name__}: {e}" if not errors else str(e)
+    try:  # the checkpoint is complete: failing to delete old ones must not fail the save
+        prune(final.parent, keep_last, final, nonce)
+    except OSError as e:
+        warnings.warn(f"checkpoint {final} saved, but removing old checkpoints failed: {e}", RuntimeWarning)
+    return None
+
+
+# ---------------------------------------------------------------- load
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _check_compatible(manifest: dict, world_size: int, tp_size: int, expected_config: dict | None) -> None:
+    """Refuse a checkpoint whose layout or model-shaping settings differ from this run's."""
+    if manifest["tensor_parallel_size"] != tp_size:
+        raise CheckpointError(
+            f"this checkpoint was written at tensor_parallel_size={manifest['tensor_parallel_size']}, "
+            f"this run uses {tp_size} — resharding is not supported by this loader yet.")
+    if manifest["world_size"] != world_size:
+        raise CheckpointError(
+            f"this checkpoint was written by world_size={manifest['world_size']} "
+            f"(data_parallel_size={manifest['data_parallel_size']}), this run has world_size={world_size} "
+            f"(data_parallel_size={world_size // tp_size}): every rank's RNG state and data position are "
+            "saved per rank, so resume with the same number of ranks.")
+    if expected_config is None:
+        return
+    saved = _flatten(manifest.get("config", {}))
+    # JSON turned tuples into lists: compare the run's values as they were written.
+    wanted = _flatten(json.loads(json.dumps(expected_config)))
+    missing = object()
+    diffs = [f"{key}: checkpoint {saved.get(key, '<absent>')!r}, run {value!r}"
+             for key, value in wanted.items() if saved.get(key, missing) != value]
+    if diffs:
+        raise CheckpointError("the checkpoint's config differs from this run's: " + "; ".join(diffs) + ".")
+
+
+def _read(path: Path) -> tuple[dict, dict]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+
+
+def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, expected_config) -> dict:
+    """Everything that can fail, done before anything is modified: verified, checked, ready to apply."""
+    manifest = read_manifest(path)
+    _check_compatible(manifest, at.world, at.tp_size, expected_config)
+    weights, _ = _read(verify_file(path, manifest, model_file(at.tp_rank)))
+    current = model.state_dict()
+    missing, unexpected = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
+    if missing or unexpected:
+        raise CheckpointError(f"{model_file(at.tp_rank)}: parameters in the model but not in the checkpoint "
+                              f"{missing}; in the checkpoint but not in the model {unexpected}.")
+    differ = [f"parameter {name!r}: checkpoint shape {tuple(saved.shape)} {saved.dtype}, "
+              f"model shape {tuple(current[name].shape)} {current[name].dtype}"
+              for name, saved in weights.items()
+              if saved.shape != current[name].shape or saved.dtype != current[name].dtype]
+    if differ:
+        raise CheckpointError(f"{model_file(at.tp_rank)}: " + "; ".join(differ) + ".")
+    loaded = {"manifest": manifest, "weights": weights, "optim": None}
+    if optimizer is not None:
+        if optim_file(at.tp_rank) not in manifest["files"]:
+            raise CheckpointError(f"{path} holds no optimizer state (saved with optimizer=None): "
+                                  "load it with optimizer=None.")
+        tensors, meta = _read(verify_file(path, manifest, optim_file(at.tp_rank)))
+        loaded["optim"] = optim_state_dict(model, optimizer, tensors, meta)
+    loaded["rng"] = _read(verify_file(path, manifest, rng_file(at.rank)))
+    return loaded
+
+
+def _agree(path: Path, failure: Exception | None) -> None:
+    """Raise on every rank if any rank failed: CheckpointCorruptError if only corruption was found."""
+    verdict = None if failure is None else (isinstance(failure, CheckpointCorruptError),
+                                            str(failure) if isinstance(failure, CheckpointError) else repr(failure))
+    verdicts = _all_gather(verdict)
+    ranks_by_message: dict[str, list[str]] = {}
+    for rank, v in enumerate(verdicts):
+        if v is not None:
+            ranks_by_message.setdefault(v[1], []).append(str(rank))
+    if not ranks_by_message:
+        return
+    text = "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {m}" for m, r in ranks_by_message.items())
+    cls = CheckpointCorruptError if all(v[0] for v in verdicts if v is not None) else CheckpointError
+    raise cls(f"cannot load {path}: {text}") from failure
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                    expected_config: dict | None = None,
+                    tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None) -> dict:
+    """Restore model, optimizer and this rank's RNG states from `path`; call on every rank.
+
+    Returns the manifest (its `extra`, `config`, `step`; `path` added). Raises CheckpointError on every
+    rank if any rank finds a problem, and then nothing has been modified on any rank.
+    `expected_config`: the model-shaping settings that must equal those saved (nested dicts compare by
+    dotted key; keys absent here are not checked).
+    """
+    path, at = Path(path), _Placement.of(tp_group, dp_group)
+    try:
+        loaded, failure = _read_and_check(path, at, model, optimizer, expected_config), None
+    except Exception as e:  # every rank must hear of it, or the others would go on alone
+        loaded, failure = None, e
+    _agree(path, failure)
+    model.load_state_dict(loaded["weights"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optim"])
+    set_rng(*loaded["rng"])
+    return {**loaded["manifest"], "path": str(path)}
+
+
+def load_latest_valid(ckpt_root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                      *, expected_config: dict | None = None,
+                      tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None) -> dict | None:
+    """Load the newest complete checkpoint that verifies, falling back past corrupt ones.
+
+    Rank 0's listing is used by every rank and every attempt ends in a collective verdict, so all
+    ranks land on the same step. Returns None when there is no checkpoint at all. Incompatibility
+    (tensor-parallel size, config, shapes) is raised at once: an older checkpoint would not fix it.
+    """
+    candidates = _broadcast([str(p) for p in list_checkpoints(ckpt_root)])
+    rank = dist.get_rank() if _distributed() else 0
+    failures = []
+    for path in reversed(candidates):
+        try:
+            return load_checkpoint(path, model, optimizer, expected_config=expected_config,
+                                   tp_group=tp_group, dp_group=dp_group)
+        except CheckpointCorruptError as e:
+            failures.append(str(e))
+            if rank == 0:
+                warnings.warn(f"skipping corrupt checkpoint: {e}", RuntimeWarning, stacklevel=2)
+    if failures:
+        raise CheckpointCorruptError(f"no valid checkpoint under {ckpt_root}: " + " | ".join(failures))
+    return None
