@@ -27,6 +27,7 @@ from torch import nn
 from .attention_config import AttentionConfig
 from .core_attention import build_core_attention
 from .grads import PartialGrad
+from .kv_cache import LayerKVCache
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import all_gather_along_dim
 from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
@@ -162,8 +163,13 @@ class ParallelSelfAttention(nn.Module):
         return [PartialGrad(p, self.tp_group, kv_rows, slot, num_slots) for p in params]
 
     # ----------------------------------------------------------------------------- forward
-    def _check_inputs(self, x, attention_mask, position_ids) -> int:
+    def _check_inputs(self, x, attention_mask, position_ids, kv_cache) -> int:
         """Validate shapes; return the full sequence length s."""
+        if kv_cache is not None and (self.config.sequence_parallel or attention_mask is not None):
+            raise ValueError(
+                "kv_cache (incremental decoding) supports neither sequence_parallel=True nor an attention_mask: "
+                "decode with sequence_parallel=False and equal-length prompts."
+            )
         h = self.config.hidden_size
         if x.dim() != 3 or x.shape[-1] != h:
             raise ValueError(
@@ -192,26 +198,32 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
-        s = self._check_inputs(hidden_states, attention_mask, position_ids)
+        """[s, b, h] -> [s, b, h]. With `kv_cache` (decoding) hidden_states are the new tokens only."""
+        s = self._check_inputs(hidden_states, attention_mask, position_ids, kv_cache)
         d, qpg = self.config.head_dim, self.queries_per_group
         mixed = self.query_key_value(hidden_states)  # [s, b, nkvl * (qpg + 2) * d]
         b = mixed.shape[1]
         mixed = mixed.view(s, b, self.num_kv_heads_per_rank, qpg + 2, d)
         q = mixed[:, :, :, :qpg].reshape(s, b, self.num_heads_per_rank, d)
         k, v = mixed[:, :, :, qpg], mixed[:, :, :, qpg + 1]  # [s, b, nkvl, d]
+        offset = 0 if kv_cache is None else kv_cache.offset
         if self.rotary is not None:
             if position_ids is None:
-                position_ids = torch.arange(s, device=q.device)
+                position_ids = torch.arange(offset, offset + s, device=q.device)
             q, k = self.rotary(q, k, position_ids)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        causal = self.config.causal
+        if kv_cache is not None:  # new queries against every cached key, causal by position
+            k, v = kv_cache.update(k, v)
+            attention_mask, causal = (kv_cache.causal_mask(s, q.device) if causal else None), False
         dropout_p = self.config.attention_dropout if self.training else 0.0
         if dropout_p > 0:
             with tensor_parallel_rng(q.device):
-                context = self.core_attention(q, k, v, attention_mask, self.config.causal, dropout_p)
+                context = self.core_attention(q, k, v, attention_mask, causal, dropout_p)
         else:
-            context = self.core_attention(q, k, v, attention_mask, self.config.causal, 0.0)
+            context = self.core_attention(q, k, v, attention_mask, causal, 0.0)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_rank * d)
         return self.dense(context)
 

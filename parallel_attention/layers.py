@@ -158,19 +158,22 @@ class RowParallelLinear(_TensorParallelModule):
 class VocabParallelEmbedding(_TensorParallelModule):
     """Embedding table split by vocabulary rows; each rank looks up the tokens it owns.
 
-        tokens [...]            every rank sees all tokens
+        tokens [s, b]           every rank sees all tokens
         E_r [V/p, h]            rows r*V/p .. (r+1)*V/p - 1
           | tokens outside my range look up zeros
-          | forward: all-reduce -> [..., h]; backward: identity
+          | forward: all-reduce -> [s, b, h]  (SP: reduce-scatter along s -> [s/p, b, h])
+          | backward: identity                (SP: all-gather along s)
     """
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, init_method: InitMethod | None = init_normal(0.02),
-        tp_group: ProcessGroup | None = None, device=None, dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False, tp_group: ProcessGroup | None = None, device=None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self._bind_group(tp_group)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel
         self.num_embeddings_per_rank = _divide(num_embeddings, self.tp_size, "num_embeddings")
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
@@ -183,9 +186,10 @@ class VocabParallelEmbedding(_TensorParallelModule):
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local = (tokens - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return mappings.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return mappings.reduce_from_tensor_parallel_region(out, self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, per_rank={self.num_embeddings_per_rank}, "
-                f"embedding_dim={self.embedding_dim}")
-
+                f"embedding_dim={self.embedding_dim}, sequence_parallel={self.sequence_parallel}")

@@ -22,6 +22,15 @@ import torch.distributed as dist
 from .parallel_state import ProcessGroup, group_rank, group_size
 
 
+def _all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns); older releases lack it
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+
+
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, group=group)
@@ -40,14 +49,14 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     # all_gather_into_tensor concatenates along dim 0, so gather with the last dim moved first.
     moved = x.movedim(-1, 0).contiguous()
     out = torch.empty((p * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    _all_gather_tensor(out, moved, group)
     return out.movedim(0, -1).contiguous()
 
 
 def _gather_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((group_size(group) * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_tensor(out, x, group)
     return out
 
 
@@ -60,7 +69,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Ten
         )
     x = x.contiguous()
     out = torch.empty((x.shape[0] // p,) + x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_tensor(out, x, group)
     return out
 
 
@@ -170,3 +179,11 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) 
     if group_size(group) == 1:
         return x.clone()
     return _gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
+
+
+@torch.no_grad()
+def all_reduce_(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce outside autograd (for statistics such as the loss's max and sums)."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x

@@ -83,3 +83,29 @@ def get_tensor_parallel_rng_state() -> dict[str, torch.Tensor]:
 def set_tensor_parallel_rng_state(states: dict[str, torch.Tensor]) -> None:
     _tp_states.clear()
     _tp_states.update({k: v.clone() for k, v in states.items()})
+
+
+def checkpoint_with_tp_rng(function, *args):
+    """Activation recomputation (torch.utils.checkpoint) that also replays the tensor-parallel
+    generator, so dropout inside the parallel region draws the same masks when recomputed.
+
+    torch.utils.checkpoint already replays the default CPU/CUDA generators.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    tp_states_at_forward = get_tensor_parallel_rng_state()
+    calls = 0
+
+    def run(*inputs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return function(*inputs)
+        current = get_tensor_parallel_rng_state()
+        set_tensor_parallel_rng_state(tp_states_at_forward)
+        try:
+            return function(*inputs)
+        finally:
+            set_tensor_parallel_rng_state(current)
+
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

@@ -7,9 +7,11 @@ from collections import Counter
 
 import torch.distributed as dist
 
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "reduce_scatter",
-               "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
-               "send", "recv", "isend", "irecv")
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
+               "reduce_scatter_single", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+               "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv")
+# torch >= 2.10 renamed the tensor forms; count both spellings under the older, longer-lived names
+ALIASES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
 
 
 @contextlib.contextmanager
@@ -20,7 +22,7 @@ def count_collectives():
 
     def wrap(name, fn):
         def counted(*args, **kwargs):
-            counts[name] += 1
+            counts[ALIASES.get(name, name)] += 1
             return fn(*args, **kwargs)
         return counted
 

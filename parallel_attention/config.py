@@ -1,0 +1,289 @@
+"""Typed configuration of a pretraining run: dataclasses loaded from YAML, validated early.
+
+`load_config(path, overrides)` reads YAML with `yaml.safe_load`, rejects unknown keys with
+their dotted path, checks every value's type, applies `--section.key=value` overrides, and
+returns a `PretrainConfig`. `validate(world_size)` checks the parallel layout against the
+model before any process group exists; every error names the values and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .attention_config import AttentionConfig
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # the byte-level tokenizer; padded to a multiple of 64 p inside the model
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_hidden_size: int | None = None  # None: 4h (gelu) or 8h/3 rounded up to 64 (swiglu)
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    position_embedding: Literal["learned", "rotary"] = "learned"
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    qkv_bias: bool = True
+    out_bias: bool = True
+    mlp_bias: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+    recompute_activations: bool = False
+    attention_backend: Literal["auto", "sdpa", "math", "apex"] = "auto"
+
+    def attention_config(self, sequence_parallel: bool = False) -> AttentionConfig:
+        return AttentionConfig(
+            hidden_size=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, qkv_bias=self.qkv_bias, out_bias=self.out_bias,
+            attention_dropout=self.attention_dropout, causal=True, rotary=self.position_embedding == "rotary",
+            rope_theta=self.rope_theta, sequence_parallel=sequence_parallel, init_std=self.init_std,
+            backend=self.attention_backend,
+        )
+
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return 64 * -(-(8 * self.hidden_size // 3) // 64)
+        return 4 * self.hidden_size
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib": this interpreter's standard-library sources; or a dir of .txt/.jsonl
+    tokenizer: Literal["byte", "gpt2"] = "byte"
+    data_dir: str = "data/stdlib_byte"  # where prepare_data writes train.bin / val.bin / meta.json
+    val_fraction: float = 0.02
+    max_bytes: int | None = 8_000_000  # cap on the corpus read (None: all of it)
+    seq_len: int = 128
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # by the global norm; 0 disables
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 20
+    decay: Literal["cosine", "constant"] = "cosine"
+
+
+@dataclass
+class TrainingConfig:
+    max_steps: int = 300
+    global_batch_size: int = 16  # sequences per optimizer step, across data-parallel ranks
+    micro_batch_size: int = 8  # sequences per forward on one rank
+    seed: int = 1234
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # autocast dtype on GPUs
+    eval_interval: int = 50
+    eval_batches: int = 4
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 100
+    keep_last: int = 2
+    resume: str = "auto"  # "auto": newest complete checkpoint if any; "none"; or a step directory
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/gpt_tiny"
+    log_interval: int = 10
+    progress_bar: bool = True
+    tensorboard: bool = True  # used when tensorboard is installed
+
+
+@dataclass
+class PretrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self, world_size: int) -> None:
+        """Check the whole run against `world_size` processes; raise ValueError naming the fix."""
+        p, m, t = self.parallel.tensor_parallel_size, self.model, self.training
+        _positive(self, world_size)
+        if world_size % p != 0:
+            raise ValueError(
+                f"parallel.tensor_parallel_size={p} does not divide the world size {world_size}: launch a "
+                f"multiple of {p} processes (--nproc-per-node x --nnodes) or change tensor_parallel_size."
+            )
+        m.attention_config(self.parallel.sequence_parallel).per_rank_heads(p)  # heads / kv heads vs p, with its own messages
+        ffn = m.resolved_ffn_hidden_size()
+        if ffn % p != 0:
+            raise ValueError(f"model.ffn_hidden_size={ffn} is not divisible by tensor_parallel_size={p}.")
+        dp = world_size // p
+        if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+            raise ValueError(
+                f"training.global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size="
+                f"{t.micro_batch_size} x data-parallel size {dp} (world {world_size} / tp {p}): "
+                f"choose a global batch that is a multiple of {t.micro_batch_size * dp}."
+            )
+        if self.data.seq_len > m.max_seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}.")
+        if self.parallel.sequence_parallel and self.data.seq_len % p != 0:
+            raise ValueError(
+                f"parallel.sequence_parallel needs data.seq_len={self.data.seq_len} divisible by "
+                f"tensor_parallel_size={p}."
+            )
+        if not 0 <= m.hidden_dropout < 1:
+            raise ValueError(f"model.hidden_dropout={m.hidden_dropout} must lie in [0, 1).")
+        tokenizer_vocab = {"byte": 256, "gpt2": 50257}[self.data.tokenizer]
+        if m.vocab_size < tokenizer_vocab:
+            raise ValueError(
+                f"model.vocab_size={m.vocab_size} is smaller than the {self.data.tokenizer!r} tokenizer's "
+                f"{tokenizer_vocab} tokens: set model.vocab_size >= {tokenizer_vocab}."
+            )
+        if self.data.max_bytes is not None and self.data.max_bytes < 1:
+            raise ValueError(f"data.max_bytes={self.data.max_bytes} must be positive, or null for the whole corpus.")
+        if not 0 < self.data.val_fraction < 1:
+            raise ValueError(f"data.val_fraction={self.data.val_fraction} must lie in (0, 1).")
+        if self.optimizer.min_lr > self.optimizer.lr:
+            raise ValueError(f"optimizer.min_lr={self.optimizer.min_lr} exceeds optimizer.lr={self.optimizer.lr}.")
+
+    def gradient_accumulation_steps(self, world_size: int) -> int:
+        dp = world_size // self.parallel.tensor_parallel_size
+        return self.training.global_batch_size // (self.training.micro_batch_size * dp)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(cfg: PretrainConfig, world_size: int) -> None:
+    checks = {"model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
+              "model.vocab_size": cfg.model.vocab_size, "parallel.tensor_parallel_size":
+              cfg.parallel.tensor_parallel_size, "data.seq_len": cfg.data.seq_len,
+              "training.max_steps": cfg.training.max_steps, "training.micro_batch_size":
+              cfg.training.micro_batch_size, "training.global_batch_size": cfg.training.global_batch_size,
+              "checkpoint.interval": cfg.checkpoint.interval, "checkpoint.keep_last": cfg.checkpoint.keep_last,
+              "logging.log_interval": cfg.logging.log_interval, "training.eval_interval":
+              cfg.training.eval_interval, "world size": world_size}
+    for name, value in checks.items():
+        if value < 1:
+            raise ValueError(f"{name}={value} must be a positive integer.")
+
+
+# ---------------------------------------------------------------------- loading
+def _check_type(path: str, value: Any, annotation: Any) -> Any:
+    """Return `value` if it fits `annotation` (ints are accepted for floats), else raise."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            try:
+                return _check_type(path, value, option)
+            except ValueError:
+                pass
+        raise ValueError(f"{path}={value!r} has type {type(value).__name__}; expected {_type_name(annotation)}.")
+    if origin is Literal:
+        if value not in typing.get_args(annotation):
+            raise ValueError(f"{path}={value!r} is not one of {list(typing.get_args(annotation))}.")
+        return value
+    if annotation is type(None):
+        if value is None:
+            return None
+    elif annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif annotation in (bool, str) and isinstance(value, annotation):
+        return value
+    raise ValueError(f"{path}={value!r} has type {type(value).__name__}; expected {_type_name(annotation)}.")
+
+
+def _type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + str(list(typing.get_args(annotation)))
+    return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
+def _build(cls, data: dict[str, Any], prefix: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}.")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = ", ".join(f"{prefix}{k}" for k in unknown)
+        raise ValueError(f"unknown config key(s): {where}; known keys here: {', '.join(sorted(names))}.")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _check_type(f"{prefix}{name}", value, hint)
+    return cls(**kwargs)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `section.key=value` (leading dashes allowed); the value is parsed as YAML."""
+    text = override.lstrip("-")
+    if "=" not in text:
+        raise ValueError(f"override {override!r} must look like --section.key=value.")
+    dotted, raw = text.split("=", 1)
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {override!r}: {key} is not a section.")
+    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PretrainConfig:
+    """Read a YAML config (or the defaults), apply overrides, and type-check everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of sections.")
+    for override in overrides:
+        apply_override(data, override)
+    return _build(PretrainConfig, data, "")
+
+
+def config_from_dict(data: dict[str, Any]) -> PretrainConfig:
+    """The config saved in a run directory or checkpoint manifest, checked like a YAML file."""
+    return _build(PretrainConfig, data, "")
+
+
+def save_config(cfg: PretrainConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")

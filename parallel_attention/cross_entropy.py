@@ -1,0 +1,55 @@
+"""Cross entropy over vocabulary-parallel logits, without ever gathering the full logits.
+
+Each rank holds logits [s, b, V/p] for its slice of the (padded) vocabulary. Two all-reduces
+per call: the max (for a stable softmax) and, stacked together, the sum of exponentials and
+the target's logit. Columns past the true vocabulary size (padding so V splits evenly) are
+masked out, so the loss does not depend on how much padding p requires.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .mappings import all_reduce_
+from .parallel_state import ProcessGroup, group_rank, group_size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size, group):
+        per_rank = logits.shape[-1]
+        start = group_rank(group) * per_rank
+        if logits.dtype in (torch.float16, torch.bfloat16):  # softmax statistics in float32
+            logits = logits.float()
+        padding = torch.arange(start, start + per_rank, device=logits.device) >= vocab_size
+        if padding.any():
+            logits = logits.masked_fill(padding, float("-inf"))
+        logits_max = all_reduce_(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        outside = (target < start) | (target >= start + per_rank)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        stats = all_reduce_(torch.stack([exp.sum(dim=-1), target_logit]), group)
+        sum_exp, target_logit = stats[0], stats[1]
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), outside, local_target)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, outside, local_target = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - onehot(target), this rank's columns only
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), (~outside).to(grad.dtype).neg().unsqueeze(-1))
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, group: ProcessGroup | None
+) -> torch.Tensor:
+    """Per-token loss [...] from this rank's logits [..., V_padded/p] and global targets [...]."""
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)}[:-1].")
+    if vocab_size > logits.shape[-1] * group_size(group):
+        raise ValueError(f"vocab_size={vocab_size} exceeds the padded vocabulary {logits.shape[-1] * group_size(group)}.")
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, group)

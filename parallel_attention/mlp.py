@@ -1,0 +1,103 @@
+"""ParallelMLP: column-parallel up-projection, activation, row-parallel down-projection.
+
+    x [s, b, h]                 (SP: [s/p, b, h])
+      | fc_in: ColumnParallelLinear h -> f (SwiGLU: [gate_r | up_r] fused, 2f/p rows per rank)
+      | GELU (tanh form, as GPT-2), or SiLU(gate) * up
+      | fc_out: RowParallelLinear f -> h, input_is_parallel (fwd all-reduce; SP: reduce-scatter)
+    y [s, b, h]                 (SP: [s/p, b, h])
+
+Canonical (p-independent) names: `fc_in`, `fc_out` (GELU); `gate_proj`, `up_proj`, `down_proj` (SwiGLU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .mappings import all_gather_along_dim
+from .parallel_state import ProcessGroup
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", bias: bool = True,
+                 sequence_parallel: bool = False, init_std: float = 0.02, tp_group: ProcessGroup | None = None,
+                 device=None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if activation not in ("gelu", "swiglu"):
+            raise ValueError(f"activation={activation!r} is unknown; choose gelu or swiglu.")
+        self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
+        self.gated, self.init_std = activation == "swiglu", init_std
+        common = dict(sequence_parallel=sequence_parallel, init_method=None, tp_group=tp_group, device=device,
+                      dtype=dtype)
+        self.fc_in = ColumnParallelLinear(hidden_size, ffn_hidden_size * (2 if self.gated else 1), bias=bias,
+                                          **common)
+        self.fc_out = RowParallelLinear(ffn_hidden_size, hidden_size, bias=bias, input_is_parallel=True, **common)
+        self.tp_size, self.tp_rank = self.fc_in.tp_size, self.fc_in.tp_rank
+        self.load_canonical_state_dict(self._initial_canonical_weights())
+
+    def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, f = self.hidden_size, self.ffn_hidden_size
+        names = ("gate_proj", "up_proj", "down_proj") if self.gated else ("fc_in", "fc_out")
+        shapes = {f"{n}.weight": (f, h) for n in names[:-1]}
+        shapes[f"{names[-1]}.weight"] = (h, f)
+        if self.fc_in.bias is not None:
+            shapes.update({f"{n}.bias": (f,) for n in names[:-1]})
+            shapes[f"{names[-1]}.bias"] = (h,)
+        return shapes
+
+    def _initial_canonical_weights(self) -> dict[str, torch.Tensor]:
+        w = self.fc_in.weight
+        return {name: torch.empty(shape, device=w.device, dtype=w.dtype).normal_(0.0, self.init_std)
+                if name.endswith("weight") else torch.zeros(shape, device=w.device, dtype=w.dtype)
+                for name, shape in self._canonical_shapes().items()}
+
+    def _shard_rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(self.tp_size, dim=0)[self.tp_rank]
+
+    @torch.no_grad()
+    def load_canonical_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        expected = self._canonical_shapes()
+        if set(sd) != set(expected):
+            raise ValueError(f"MLP canonical state dict: missing {sorted(set(expected) - set(sd))}, "
+                             f"unexpected {sorted(set(sd) - set(expected))}.")
+        for name, shape in expected.items():
+            if tuple(sd[name].shape) != shape:
+                raise ValueError(f"MLP canonical state dict: {name} has shape {tuple(sd[name].shape)}, expected {shape}.")
+        ins = ("gate_proj", "up_proj") if self.gated else ("fc_in",)
+        out = "down_proj" if self.gated else "fc_out"
+        self.fc_in.weight.copy_(torch.cat([self._shard_rows(sd[f"{n}.weight"]) for n in ins]))
+        self.fc_out.weight.copy_(sd[f"{out}.weight"].chunk(self.tp_size, dim=1)[self.tp_rank])
+        if self.fc_in.bias is not None:
+            self.fc_in.bias.copy_(torch.cat([self._shard_rows(sd[f"{n}.bias"]) for n in ins]))
+            self.fc_out.bias.copy_(sd[f"{out}.bias"])
+
+    @torch.no_grad()
+    def canonical_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on every rank (a collective over the tensor-parallel group)."""
+        group, p = self.fc_in.tp_group, self.tp_size
+
+        def unfuse(local: torch.Tensor) -> list[torch.Tensor]:
+            if not self.gated:
+                return [all_gather_along_dim(local, 0, group)]
+            per_rank = all_gather_along_dim(local, 0, group).reshape(p, 2, -1, *local.shape[1:])
+            return [per_rank[:, 0].reshape(-1, *local.shape[1:]), per_rank[:, 1].reshape(-1, *local.shape[1:])]
+
+        ins = ("gate_proj", "up_proj") if self.gated else ("fc_in",)
+        out = "down_proj" if self.gated else "fc_out"
+        sd = {f"{n}.weight": t for n, t in zip(ins, unfuse(self.fc_in.weight))}
+        sd[f"{out}.weight"] = all_gather_along_dim(self.fc_out.weight, 1, group)
+        if self.fc_in.bias is not None:
+            sd.update({f"{n}.bias": t for n, t in zip(ins, unfuse(self.fc_in.bias))})
+            sd[f"{out}.bias"] = self.fc_out.bias.detach().clone()
+        return sd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc_in(x)
+        if self.gated:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return self.fc_out(y)

@@ -1,0 +1,36 @@
+"""AdamW with weight-decay groups, and the warm-up + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import OptimizerConfig, ScheduleConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """Matrices (linear and embedding weights) decay; biases, norms and other vectors do not."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False keeps the update order fixed, so a resumed run repeats the same float operations
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+
+
+def learning_rate(step: int, max_steps: int, opt: OptimizerConfig, schedule: ScheduleConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine decay from lr to min_lr at max_steps."""
+    if step < schedule.warmup_steps:
+        return opt.lr * (step + 1) / schedule.warmup_steps
+    if schedule.decay == "constant":
+        return opt.lr
+    progress = (step - schedule.warmup_steps) / max(1, max_steps - schedule.warmup_steps)
+    return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

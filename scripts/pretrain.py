@@ -1,0 +1,50 @@
+"""Pretrain a GPT model from a YAML config under torchrun.
+
+    torchrun --standalone --nproc-per-node 2 scripts/pretrain.py --config configs/gpt_tiny.yaml \
+        [--resume] [--section.key=value ...]
+
+The config is read and validated before any process group exists, so a typo or an impossible
+layout fails at once with a message that names the value and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from parallel_attention.config import load_config
+from parallel_attention.training.trainer import train
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/gpt_tiny.yaml", help="YAML config (default: %(default)s)")
+    parser.add_argument("--resume", nargs="?", const="auto", default=None,
+                        help="continue from the newest complete checkpoint (or from the step directory given)")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like --section.key=value")
+    return args, overrides
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    except (ValueError, OSError) as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    result = train(cfg, resume=args.resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        final = result.val_losses.get(result.last_step)
+        print(f"finished at step {result.last_step}" + (f", validation loss {final:.4f}" if final else "")
+              + (" (stopped by SIGTERM; resume with --resume)" if result.stopped_by_signal else "")
+              + f"; outputs in {result.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
