@@ -218,6 +218,11 @@ def _check_type(path: str, value: Any, annotation: Any) -> Any:
             return None
     elif annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    elif annotation is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     elif annotation is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     elif annotation in (bool, str) and isinstance(value, annotation):

@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,8 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
         if manifest is not None:
             start_step = manifest["step"]
             scaler.load_state_dict(manifest["extra"]["loss_scaler"])
+            if rank == 0:
+                print(f"resumed from {manifest['path']} at step {start_step}", file=sys.stderr, flush=True)
 
     logger = MetricsLogger(run_dir, cfg.training.max_steps, start_step, cfg.logging.progress_bar,
                            cfg.logging.tensorboard) if rank == 0 else None

@@ -1,0 +1,87 @@
+"""Configs: every shipped YAML loads and validates; bad keys, types and layouts fail early and clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel_attention.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = {"gpt_tiny.yaml": 2, "gpt2_124m.yaml": 8, "llama_1b_tp8.yaml": 8}  # config -> world size it is sized for
+
+
+def test_every_shipped_config_is_listed_here():
+    assert sorted(p.name for p in (ROOT / "configs").glob("*.yaml")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name,world", SHIPPED.items())
+def test_shipped_config_loads_and_validates(name, world):
+    cfg = load_config(ROOT / "configs" / name)
+    cfg.validate(world)
+    assert cfg.parallel.tensor_parallel_size <= world
+
+
+def test_llama_config_is_gqa_rotary_rmsnorm_swiglu_at_p8():
+    cfg = load_config(ROOT / "configs" / "llama_1b_tp8.yaml")
+    m = cfg.model
+    assert (m.num_kv_heads < m.num_heads, m.position_embedding, m.norm, m.activation) == (True, "rotary", "rmsnorm",
+                                                                                          "swiglu")
+    assert cfg.parallel.tensor_parallel_size == 8
+
+
+def test_dotted_overrides_parse_yaml_values():
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml",
+                      ["--model.num_layers=6", "--optimizer.lr=3e-4", "--model.num_kv_heads=null",
+                       "--parallel.sequence_parallel=true"])
+    assert (cfg.model.num_layers, cfg.optimizer.lr, cfg.model.num_kv_heads, cfg.parallel.sequence_parallel) == \
+        (6, 3e-4, None, True)
+
+
+@pytest.mark.parametrize("overrides,needles", [
+    (["--model.num_layer=4"], ["model.num_layer", "num_layers"]),
+    (["--training.oops.deep=1"], ["training.oops"]),
+    (["--model.num_layers=four"], ["model.num_layers='four'", "expected int"]),
+    (["--optimizer.lr=fast"], ["optimizer.lr='fast'", "float"]),
+    (["--model.norm=batchnorm"], ["model.norm='batchnorm'", "layernorm", "rmsnorm"]),
+    (["--parallel.sequence_parallel=3"], ["parallel.sequence_parallel=3", "bool"]),
+    (["model.num_layers"], ["--section.key=value"]),
+])
+def test_bad_keys_and_types_are_named(overrides, needles):
+    with pytest.raises(ValueError) as info:
+        load_config(ROOT / "configs" / "gpt_tiny.yaml", overrides)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("overrides,world,needles", [
+    ([], 3, ["tensor_parallel_size=2", "world size 3"]),
+    (["--model.num_heads=6", "--model.hidden_size=96"], 4, ["num_heads=6", "tensor_parallel_size=4"]),
+    (["--training.global_batch_size=12", "--training.micro_batch_size=8"], 2, ["global_batch_size=12", "8"]),
+    (["--parallel.sequence_parallel=true", "--data.seq_len=127"], 2, ["seq_len=127"]),
+    (["--data.tokenizer=gpt2"], 2, ["vocab_size=256", "50257"]),
+    (["--data.seq_len=512"], 2, ["seq_len=512", "max_seq_len=128"]),
+])
+def test_impossible_layouts_fail_in_validate(overrides, world, needles):
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", [*overrides, f"--parallel.tensor_parallel_size="
+                                                            f"{4 if world == 4 else 2}"])
+    with pytest.raises(ValueError) as info:
+        cfg.validate(world)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_pretrain_entry_rejects_before_any_process_group(monkeypatch, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_entry", ROOT / "scripts" / "pretrain.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert entry.main(["--config", str(ROOT / "configs" / "gpt_tiny.yaml")]) == 2
+    assert "tensor_parallel_size=2" in capsys.readouterr().err
+    assert entry.main(["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden=3"]) == 2
+    assert "model.hidden" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
