@@ -81,7 +81,8 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        # autograd may hand the same gradient tensor to other branches: reduce a copy
+        return _all_reduce(grad.clone(), ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):

@@ -43,7 +43,7 @@ def _device_types() -> list[str]:
 
 def manual_seed(seed: int, tp_group: ProcessGroup | None = None) -> None:
     """Seed the default generators identically and the tensor-parallel generators per TP rank."""
-    if not isinstance(seed, int) or seed < 0:
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed={seed!r} must be a non-negative integer.")
     tp_rank = group_rank(resolve_tp_group(tp_group))
     tp_seed = seed + _TP_SEED_OFFSET + tp_rank
