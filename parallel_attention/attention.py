@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import sharding
 from .attention_config import AttentionConfig
 from .core_attention import build_core_attention
 from .grads import PartialGrad
@@ -58,14 +59,7 @@ class ParallelSelfAttention(nn.Module):
         self.load_canonical_state_dict(self._initial_canonical_weights(device))
 
     # ----------------------------------------------------------------------------- weights
-    def _kv_heads_of_rank(self, rank: int) -> list[int]:
-        """Global k/v head indices rank `rank` holds, in its local order."""
-        nkv = self.config.num_kv_heads
-        if self.kv_replicated:
-            return [rank // (self.tp_size // nkv)]
-        return list(range(rank * self.num_kv_heads_per_rank, (rank + 1) * self.num_kv_heads_per_rank))
-
-    def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         c = self.config
         shapes = {"q_proj.weight": (c.num_heads * c.head_dim, c.hidden_size),
                   "k_proj.weight": (c.num_kv_heads * c.head_dim, c.hidden_size),
@@ -80,41 +74,25 @@ class ParallelSelfAttention(nn.Module):
     def _initial_canonical_weights(self, device) -> dict[str, torch.Tensor]:
         """Full weights drawn from the default generator in a fixed order: independent of p."""
         weights = {}
-        for name, shape in self._canonical_shapes().items():
+        for name, shape in self.canonical_shapes().items():
             t = torch.empty(shape, device=device, dtype=self.config.params_dtype)
             weights[name] = t.normal_(0.0, self.config.init_std) if name.endswith("weight") else t.zero_()
         return weights
 
     def _fuse_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the fused projection from full q/k/v (weights or biases)."""
-        d, rest = self.config.head_dim, q.shape[1:]
-        nhl, qpg = self.num_heads_per_rank, self.queries_per_group
-        heads = q.reshape(-1, d, *rest)[self.tp_rank * nhl:(self.tp_rank + 1) * nhl]
-        heads = heads.reshape(self.num_kv_heads_per_rank, qpg, d, *rest)
-        kv_index = torch.tensor(self._kv_heads_of_rank(self.tp_rank), device=q.device)
-        k_heads = k.reshape(-1, d, *rest).index_select(0, kv_index).unsqueeze(1)
-        v_heads = v.reshape(-1, d, *rest).index_select(0, kv_index).unsqueeze(1)
-        return torch.cat([heads, k_heads, v_heads], dim=1).reshape(-1, *rest)
+        c = self.config
+        return sharding.fuse_qkv(q, k, v, c.num_heads, c.num_kv_heads, c.head_dim, self.tp_size, self.tp_rank)
 
-    def _unfuse_all(self, fused_shards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Full q, k, v from the ranks' fused rows concatenated in rank order."""
-        c, d = self.config, self.config.head_dim
-        rest = fused_shards.shape[1:]
-        per_rank = fused_shards.reshape(self.tp_size, self.num_kv_heads_per_rank, self.queries_per_group + 2,
-                                        d, *rest)
-        q = per_rank[:, :, :self.queries_per_group].reshape(-1, *rest)
-        k = fused_shards.new_empty((c.num_kv_heads, d, *rest))
-        v = fused_shards.new_empty((c.num_kv_heads, d, *rest))
-        for rank in range(self.tp_size):
-            for local, head in enumerate(self._kv_heads_of_rank(rank)):
-                k[head] = per_rank[rank, local, self.queries_per_group]
-                v[head] = per_rank[rank, local, self.queries_per_group + 1]
-        return q, k.reshape(-1, *rest), v.reshape(-1, *rest)
+    def _unfuse_all(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full q, k, v gathered from every rank's fused rows (a collective)."""
+        gathered = all_gather_along_dim(local, 0, self.tp_group).chunk(self.tp_size, dim=0)
+        c = self.config
+        return sharding.unfuse_qkv(list(gathered), c.num_heads, c.num_kv_heads, c.head_dim)
 
     @torch.no_grad()
     def load_canonical_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full, p-independent weights (q_proj/k_proj/v_proj/o_proj .weight/.bias); keep my shard."""
-        expected = self._canonical_shapes()
+        expected = self.canonical_shapes()
         missing = sorted(set(expected) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(expected))
         if missing or unexpected:
@@ -134,7 +112,7 @@ class ParallelSelfAttention(nn.Module):
         qkv.weight.copy_(self._fuse_local(sd["q_proj.weight"], sd["k_proj.weight"], sd["v_proj.weight"]))
         if qkv.bias is not None:
             qkv.bias.copy_(self._fuse_local(sd["q_proj.bias"], sd["k_proj.bias"], sd["v_proj.bias"]))
-        self.dense.weight.copy_(sd["o_proj.weight"].chunk(self.tp_size, dim=1)[self.tp_rank])
+        self.dense.weight.copy_(sharding.row_shard(sd["o_proj.weight"], self.tp_size, self.tp_rank))
         if self.dense.bias is not None:
             self.dense.bias.copy_(sd["o_proj.bias"])
 
@@ -143,10 +121,10 @@ class ParallelSelfAttention(nn.Module):
         """Full, p-independent weights on every rank. A collective: every rank of the group calls it."""
         qkv = self.query_key_value
         out = dict(zip(("q_proj.weight", "k_proj.weight", "v_proj.weight"),
-                       self._unfuse_all(all_gather_along_dim(qkv.weight, 0, self.tp_group))))
+                       self._unfuse_all(qkv.weight)))
         if qkv.bias is not None:
             out.update(zip(("q_proj.bias", "k_proj.bias", "v_proj.bias"),
-                           self._unfuse_all(all_gather_along_dim(qkv.bias, 0, self.tp_group))))
+                           self._unfuse_all(qkv.bias)))
         out["o_proj.weight"] = all_gather_along_dim(self.dense.weight, 1, self.tp_group)
         if self.dense.bias is not None:
             out["o_proj.bias"] = self.dense.bias.detach().clone()
@@ -158,7 +136,8 @@ class ParallelSelfAttention(nn.Module):
             return []
         d, qpg = self.config.head_dim, self.queries_per_group
         kv_rows = slice(qpg * d, (qpg + 2) * d)  # one local group: [q heads | k | v]
-        slot, num_slots = self._kv_heads_of_rank(self.tp_rank)[0], self.config.num_kv_heads
+        slot = sharding.kv_heads_of_rank(self.config.num_kv_heads, self.tp_size, self.tp_rank)[0]
+        num_slots = self.config.num_kv_heads
         params = [p for p in (self.query_key_value.weight, self.query_key_value.bias) if p is not None]
         return [PartialGrad(p, self.tp_group, kv_rows, slot, num_slots) for p in params]
 

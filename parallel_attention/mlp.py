@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import sharding
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import all_gather_along_dim
 from .parallel_state import ProcessGroup
@@ -37,7 +38,7 @@ class ParallelMLP(nn.Module):
         self.tp_size, self.tp_rank = self.fc_in.tp_size, self.fc_in.tp_rank
         self.load_canonical_state_dict(self._initial_canonical_weights())
 
-    def _canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         h, f = self.hidden_size, self.ffn_hidden_size
         names = ("gate_proj", "up_proj", "down_proj") if self.gated else ("fc_in", "fc_out")
         shapes = {f"{n}.weight": (f, h) for n in names[:-1]}
@@ -51,14 +52,11 @@ class ParallelMLP(nn.Module):
         w = self.fc_in.weight
         return {name: torch.empty(shape, device=w.device, dtype=w.dtype).normal_(0.0, self.init_std)
                 if name.endswith("weight") else torch.zeros(shape, device=w.device, dtype=w.dtype)
-                for name, shape in self._canonical_shapes().items()}
-
-    def _shard_rows(self, t: torch.Tensor) -> torch.Tensor:
-        return t.chunk(self.tp_size, dim=0)[self.tp_rank]
+                for name, shape in self.canonical_shapes().items()}
 
     @torch.no_grad()
     def load_canonical_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        expected = self._canonical_shapes()
+        expected = self.canonical_shapes()
         if set(sd) != set(expected):
             raise ValueError(f"MLP canonical state dict: missing {sorted(set(expected) - set(sd))}, "
                              f"unexpected {sorted(set(sd) - set(expected))}.")
@@ -67,10 +65,13 @@ class ParallelMLP(nn.Module):
                 raise ValueError(f"MLP canonical state dict: {name} has shape {tuple(sd[name].shape)}, expected {shape}.")
         ins = ("gate_proj", "up_proj") if self.gated else ("fc_in",)
         out = "down_proj" if self.gated else "fc_out"
-        self.fc_in.weight.copy_(torch.cat([self._shard_rows(sd[f"{n}.weight"]) for n in ins]))
-        self.fc_out.weight.copy_(sd[f"{out}.weight"].chunk(self.tp_size, dim=1)[self.tp_rank])
+        p, rank = self.tp_size, self.tp_rank
+        fc_in = (lambda kind: sharding.fuse_gated(*(sd[f"{n}.{kind}"] for n in ins), p, rank) if self.gated  # noqa: E731
+                 else sharding.column_shard(sd[f"fc_in.{kind}"], p, rank))
+        self.fc_in.weight.copy_(fc_in("weight"))
+        self.fc_out.weight.copy_(sharding.row_shard(sd[f"{out}.weight"], p, rank))
         if self.fc_in.bias is not None:
-            self.fc_in.bias.copy_(torch.cat([self._shard_rows(sd[f"{n}.bias"]) for n in ins]))
+            self.fc_in.bias.copy_(fc_in("bias"))
             self.fc_out.bias.copy_(sd[f"{out}.bias"])
 
     @torch.no_grad()
@@ -79,10 +80,8 @@ class ParallelMLP(nn.Module):
         group, p = self.fc_in.tp_group, self.tp_size
 
         def unfuse(local: torch.Tensor) -> list[torch.Tensor]:
-            if not self.gated:
-                return [all_gather_along_dim(local, 0, group)]
-            per_rank = all_gather_along_dim(local, 0, group).reshape(p, 2, -1, *local.shape[1:])
-            return [per_rank[:, 0].reshape(-1, *local.shape[1:]), per_rank[:, 1].reshape(-1, *local.shape[1:])]
+            gathered = all_gather_along_dim(local, 0, group)
+            return list(sharding.unfuse_gated(list(gathered.chunk(p, dim=0)))) if self.gated else [gathered]
 
         ins = ("gate_proj", "up_proj") if self.gated else ("fc_in",)
         out = "down_proj" if self.gated else "fc_out"

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import mappings
+from . import mappings, sharding
 from .attention import ParallelSelfAttention
 from .config import ModelConfig
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -27,15 +27,10 @@ from .grads import PartialGrad
 from .kv_cache import KVCache
 from .layers import ColumnParallelLinear, VocabParallelEmbedding
 from .mlp import ParallelMLP
+from .model_sharding import canonical_sources, padded_vocab_size, shard_state_dict, unshard
 from .norms import build_norm
 from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 from .random import checkpoint_with_tp_rng, tensor_parallel_rng
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
-    """Round up to a multiple of 64 p: the embedding splits evenly and matmuls stay aligned."""
-    multiple = 64 * tp_size
-    return multiple * -(-vocab_size // multiple)
 
 
 def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
@@ -102,9 +97,7 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def _load_vocab_rows(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """Copy this rank's rows of a full [V, h] table, padding rows past V with zeros."""
-        padded = torch.zeros(self.padded_vocab_size, full.shape[1], device=shard.device, dtype=shard.dtype)
-        padded[:full.shape[0]] = full
-        shard.copy_(padded.chunk(self.tp_size, dim=0)[self.tp_rank])
+        shard.copy_(sharding.vocab_shard(full, self.padded_vocab_size, self.tp_size, self.tp_rank))
 
     def partial_grads(self) -> list[PartialGrad]:
         """Under SP each rank adds only its own positions' gradient to the learned position table."""
@@ -169,24 +162,20 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, p-independent weights on every rank (a collective over the tensor-parallel group)."""
-        gather_vocab = lambda w: mappings.all_gather_along_dim(w, 0, self.tp_group)[:self.vocab_size]  # noqa: E731
-        sd = {"embed_tokens.weight": gather_vocab(self.embed_tokens.weight)}
-        if self.embed_positions is not None:
-            sd["embed_positions.weight"] = self.embed_positions.detach().clone()
-        for i, layer in enumerate(self.layers):
-            parts = {"input_norm": layer.input_norm.state_dict(), "attention": layer.attention.canonical_state_dict(),
-                     "post_attention_norm": layer.post_attention_norm.state_dict(),
-                     "mlp": layer.mlp.canonical_state_dict()}
-            sd.update({f"layers.{i}.{part}.{k}": v.detach().clone() for part, d in parts.items() for k, v in d.items()})
-        sd.update({f"final_norm.{k}": v.detach().clone() for k, v in self.final_norm.state_dict().items()})
-        if self.lm_head is not None:
-            sd["lm_head.weight"] = gather_vocab(self.lm_head.weight)
-        return sd
+        canonical = {}
+        for key, local in self.state_dict().items():
+            if canonical_sources(self.config, key)[0] == "replicated":
+                shards = [local] * self.tp_size
+            else:
+                dim = 1 if canonical_sources(self.config, key)[0] == "row" else 0
+                shards = list(mappings.all_gather_along_dim(local, dim, self.tp_group).chunk(self.tp_size, dim))
+            canonical.update({k: v.clone() for k, v in unshard(self.config, key, shards).items()})
+        return canonical
 
     @torch.no_grad()
     def load_canonical_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load full weights (as canonical_state_dict returns them); each rank keeps its shard."""
-        expected = {k: tuple(v) for k, v in self._canonical_shapes().items()}
+        expected = self.canonical_shapes()
         missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
         if missing or unexpected:
             raise ValueError(f"model canonical state dict: missing {missing}, unexpected {unexpected}.")
@@ -194,33 +183,23 @@ class GPTModel(nn.Module):
             if tuple(sd[name].shape) != shape:
                 raise ValueError(f"model canonical state dict: {name} has shape {tuple(sd[name].shape)}, "
                                  f"this model expects {shape}.")
-        self._load_vocab_rows(self.embed_tokens.weight, sd["embed_tokens.weight"])
-        if self.embed_positions is not None:
-            self.embed_positions.copy_(sd["embed_positions.weight"])
-        for i, layer in enumerate(self.layers):
-            part = lambda name: {k[len(f"layers.{i}.{name}."):]: v for k, v in sd.items()  # noqa: E731
-                                 if k.startswith(f"layers.{i}.{name}.")}
-            layer.input_norm.load_state_dict(part("input_norm"))
-            layer.attention.load_canonical_state_dict(part("attention"))
-            layer.post_attention_norm.load_state_dict(part("post_attention_norm"))
-            layer.mlp.load_canonical_state_dict(part("mlp"))
-        self.final_norm.load_state_dict({k[len("final_norm."):]: v for k, v in sd.items() if k.startswith("final_norm.")})
-        if self.lm_head is not None:
-            self._load_vocab_rows(self.lm_head.weight, sd["lm_head.weight"])
+        local = self.state_dict()
+        sd = {k: v.to(device=local[next(iter(local))].device) for k, v in sd.items()}
+        self.load_state_dict(shard_state_dict(self.config, list(local), sd, self.tp_size, self.tp_rank))
 
-    def _canonical_shapes(self) -> dict[str, torch.Size]:
-        """Names and shapes of the canonical state dict, without communicating."""
+    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of the canonical state dict (no communication)."""
         h = self.config.hidden_size
-        shapes = {"embed_tokens.weight": torch.Size((self.vocab_size, h))}
+        shapes = {"embed_tokens.weight": (self.vocab_size, h)}
         if self.embed_positions is not None:
-            shapes["embed_positions.weight"] = self.embed_positions.shape
+            shapes["embed_positions.weight"] = tuple(self.embed_positions.shape)
         for i, layer in enumerate(self.layers):
             for part in ("input_norm", "post_attention_norm"):
-                shapes.update({f"layers.{i}.{part}.{k}": v.shape for k, v in getattr(layer, part).state_dict().items()})
-            shapes.update({f"layers.{i}.attention.{k}": torch.Size(v)
-                           for k, v in layer.attention._canonical_shapes().items()})
-            shapes.update({f"layers.{i}.mlp.{k}": torch.Size(v) for k, v in layer.mlp._canonical_shapes().items()})
-        shapes.update({f"final_norm.{k}": v.shape for k, v in self.final_norm.state_dict().items()})
+                shapes.update({f"layers.{i}.{part}.{k}": tuple(v.shape)
+                               for k, v in getattr(layer, part).state_dict().items()})
+            shapes.update({f"layers.{i}.attention.{k}": v for k, v in layer.attention.canonical_shapes().items()})
+            shapes.update({f"layers.{i}.mlp.{k}": v for k, v in layer.mlp.canonical_shapes().items()})
+        shapes.update({f"final_norm.{k}": tuple(v.shape) for k, v in self.final_norm.state_dict().items()})
         if self.lm_head is not None:
-            shapes["lm_head.weight"] = torch.Size((self.vocab_size, h))
+            shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes

@@ -123,3 +123,22 @@ def kv_cache_worker(spec):
 def test_kv_cache_matches_full_recomputation(world_size, spec):
     # float32, same math in a different order (cached keys vs a longer matmul): ~1e-6
     assert max(run_distributed(kv_cache_worker, world_size, world_size, spec)) < 1e-5
+
+
+def test_model_sharding_round_trips_without_processes():
+    """Pure resharding: canonical -> p shards -> canonical is exact, for p in 1, 2, 4, 8."""
+    from parallel_attention.model_sharding import shard_state_dict, unshard_state_dict
+
+    for spec, sizes in ((GPT2_LIKE, (1, 2, 4)), (LLAMA_LIKE, (1, 2, 4, 8))):  # p = 8 > nkv = 2: replicas
+        cfg = ModelConfig(**spec)
+        pa.manual_seed(0)
+        model = GPTModel(cfg)
+        canonical = {k: torch.randn_like(v) for k, v in model.canonical_state_dict().items()}
+        keys = list(model.state_dict())
+        for p in sizes:
+            shards = [shard_state_dict(cfg, keys, canonical, p, r) for r in range(p)]
+            back = unshard_state_dict(cfg, shards)
+            assert back.keys() == canonical.keys()
+            assert all(torch.equal(back[k], canonical[k]) for k in canonical), f"p={p}"
+        with pytest.raises(ValueError, match="num_heads=4 is not divisible by tensor_parallel_size=8"):
+            shard_state_dict(ModelConfig(**GPT2_LIKE), keys, canonical, 8, 0)

@@ -1,0 +1,107 @@
+"""GPTModel's state dict <-> canonical (full, p-independent) state dict, as pure functions.
+
+Sharded keys are those of `GPTModel.state_dict()` on one rank; canonical keys are
+Hugging Face-like (`layers.0.attention.q_proj.weight`, `layers.0.mlp.gate_proj.weight`, ...).
+Used by GPTModel itself, by checkpoint resharding (any p to any p' without processes) and by
+the Hugging Face conversion. The rule for each kind of weight lives in `sharding`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from . import sharding
+from .config import ModelConfig
+
+_ATTN = re.compile(r"layers\.(\d+)\.attention\.(query_key_value|dense)\.(weight|bias)")
+_MLP = re.compile(r"layers\.(\d+)\.mlp\.(fc_in|fc_out)\.(weight|bias)")
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Round up to a multiple of 64 p: the embedding splits evenly and matmuls stay aligned."""
+    multiple = 64 * tp_size
+    return multiple * -(-vocab_size // multiple)
+
+
+def _mlp_names(cfg: ModelConfig) -> tuple[tuple[str, ...], str]:
+    return (("gate_proj", "up_proj"), "down_proj") if cfg.activation == "swiglu" else (("fc_in",), "fc_out")
+
+
+def canonical_sources(cfg: ModelConfig, key: str) -> tuple[str, list[str]]:
+    """(kind, canonical names) the sharded `key` is built from."""
+    if key in ("embed_tokens.weight", "lm_head.weight"):
+        return "vocab", [key]
+    if key == "embed_positions":
+        return "replicated", ["embed_positions.weight"]
+    m = _ATTN.fullmatch(key)
+    if m:
+        layer, module, kind = m.groups()
+        prefix = f"layers.{layer}.attention."
+        if module == "query_key_value":
+            return "qkv", [f"{prefix}{n}.{kind}" for n in ("q_proj", "k_proj", "v_proj")]
+        return ("row" if kind == "weight" else "replicated"), [f"{prefix}o_proj.{kind}"]
+    m = _MLP.fullmatch(key)
+    if m:
+        layer, module, kind = m.groups()
+        ins, out = _mlp_names(cfg)
+        prefix = f"layers.{layer}.mlp."
+        if module == "fc_in":
+            return ("gated" if len(ins) == 2 else "column"), [f"{prefix}{n}.{kind}" for n in ins]
+        return ("row" if kind == "weight" else "replicated"), [f"{prefix}{out}.{kind}"]
+    return "replicated", [key]  # norms
+
+
+def shard(cfg: ModelConfig, key: str, canonical: dict[str, torch.Tensor], p: int, rank: int) -> torch.Tensor:
+    kind, names = canonical_sources(cfg, key)
+    tensors = [canonical[n] for n in names]
+    if kind == "vocab":
+        return sharding.vocab_shard(tensors[0], padded_vocab_size(cfg.vocab_size, p), p, rank)
+    if kind == "qkv":
+        attn = cfg.attention_config()
+        return sharding.fuse_qkv(*tensors, attn.num_heads, attn.num_kv_heads, attn.head_dim, p, rank)
+    if kind == "gated":
+        return sharding.fuse_gated(*tensors, p, rank)
+    if kind == "column":
+        return sharding.column_shard(tensors[0], p, rank)
+    if kind == "row":
+        return sharding.row_shard(tensors[0], p, rank)
+    return tensors[0]
+
+
+def unshard(cfg: ModelConfig, key: str, shards: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical tensors from every rank's shard of `key` (p = len(shards))."""
+    kind, names = canonical_sources(cfg, key)
+    if kind == "vocab":
+        values = [sharding.vocab_unshard(shards, cfg.vocab_size)]
+    elif kind == "qkv":
+        attn = cfg.attention_config()
+        values = list(sharding.unfuse_qkv(shards, attn.num_heads, attn.num_kv_heads, attn.head_dim))
+    elif kind == "gated":
+        values = list(sharding.unfuse_gated(shards))
+    elif kind == "column":
+        values = [torch.cat(shards, dim=0)]
+    elif kind == "row":
+        values = [torch.cat(shards, dim=1)]
+    else:
+        values = [shards[0]]
+    return dict(zip(names, values))
+
+
+def shard_state_dict(cfg: ModelConfig, keys: list[str], canonical: dict[str, torch.Tensor], p: int,
+                     rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s state dict (for the sharded `keys`) at tensor-parallel size p."""
+    cfg.attention_config().per_rank_heads(p)  # raises, naming the values, where p cannot split the heads
+    if cfg.resolved_ffn_hidden_size() % p != 0:
+        raise ValueError(f"ffn_hidden_size={cfg.resolved_ffn_hidden_size()} is not divisible by "
+                         f"tensor_parallel_size={p}.")
+    return {key: shard(cfg, key, canonical, p, rank).contiguous() for key in keys}
+
+
+def unshard_state_dict(cfg: ModelConfig, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The canonical state dict from every rank's state dict (p = len(shards))."""
+    canonical = {}
+    for key in shards[0]:
+        canonical.update(unshard(cfg, key, [s[key] for s in shards]))
+    return canonical
