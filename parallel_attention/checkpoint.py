@@ -39,7 +39,7 @@ from .checkpoint_manifest import (FORMAT, FORMAT_VERSION, CheckpointCorruptError
 from .parallel_state import ProcessGroup, get_data_parallel_group, group_rank, group_size, resolve_tp_group
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "latest_checkpoint", "list_checkpoints",
-           "load_checkpoint", "load_latest_valid", "load_model_weights", "save_checkpoint"]
+           "load_checkpoint", "load_latest_valid", "resolve_step_dir", "save_checkpoint"]
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -312,19 +312,13 @@ def load_latest_valid(ckpt_root: str | os.PathLike, model: nn.Module, optimizer:
     return None
 
 
-def load_model_weights(path: str | os.PathLike, model: nn.Module, *, tp_group: ProcessGroup | None = None) -> dict:
-    """Only the model weights of `path` (for generation or evaluation), at any data-parallel size.
-
-    The tensor-parallel size must match the checkpoint's. Verifies this rank's shard, loads it and
-    returns the manifest; no optimizer, no RNG, no collective.
-    """
+def resolve_step_dir(path: str | os.PathLike) -> Path:
+    """A step directory as given, or the newest complete checkpoint of a run (or its checkpoints/) directory."""
     path = Path(path)
-    manifest = read_manifest(path)
-    tp_size, tp_rank = group_size(resolve_tp_group(tp_group)), group_rank(resolve_tp_group(tp_group))
-    if manifest["tensor_parallel_size"] != tp_size:
-        raise CheckpointError(f"{path} was written at tensor_parallel_size={manifest['tensor_parallel_size']}, "
-                              f"this process group has {tp_size}: launch {manifest['tensor_parallel_size']} "
-                              "processes per model (resharding is not supported by this loader yet).")
-    weights, _ = _read(verify_file(path, manifest, model_file(tp_rank)))
-    model.load_state_dict(weights)
-    return {**manifest, "path": str(path)}
+    if (path / "manifest.json").exists():
+        return path
+    for root in (path / "checkpoints", path):
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    raise CheckpointError(f"no complete checkpoint under {path}: pass a run directory or a step_XXXXXXX directory.")

@@ -29,6 +29,22 @@ def _mlp_names(cfg: ModelConfig) -> tuple[tuple[str, ...], str]:
     return (("gate_proj", "up_proj"), "down_proj") if cfg.activation == "swiglu" else (("fc_in",), "fc_out")
 
 
+def state_dict_keys(cfg: ModelConfig) -> list[str]:
+    """The keys of GPTModel(cfg).state_dict() (the same at every p), without building the model."""
+    norm = ["weight", "bias"] if cfg.norm == "layernorm" else ["weight"]
+    keys = ["embed_tokens.weight"] + (["embed_positions"] if cfg.position_embedding == "learned" else [])
+    for i in range(cfg.num_layers):
+        keys += [f"layers.{i}.input_norm.{n}" for n in norm]
+        keys += [f"layers.{i}.attention.query_key_value.weight"] + (
+            [f"layers.{i}.attention.query_key_value.bias"] if cfg.qkv_bias else [])
+        keys += [f"layers.{i}.attention.dense.weight"] + ([f"layers.{i}.attention.dense.bias"] if cfg.out_bias else [])
+        keys += [f"layers.{i}.post_attention_norm.{n}" for n in norm]
+        for module in ("fc_in", "fc_out"):
+            keys += [f"layers.{i}.mlp.{module}.weight"] + ([f"layers.{i}.mlp.{module}.bias"] if cfg.mlp_bias else [])
+    keys += [f"final_norm.{n}" for n in norm]
+    return keys + ([] if cfg.tie_embeddings else ["lm_head.weight"])
+
+
 def canonical_sources(cfg: ModelConfig, key: str) -> tuple[str, list[str]]:
     """(kind, canonical names) the sharded `key` is built from."""
     if key in ("embed_tokens.weight", "lm_head.weight"):

@@ -127,7 +127,7 @@ def test_kv_cache_matches_full_recomputation(world_size, spec):
 
 def test_model_sharding_round_trips_without_processes():
     """Pure resharding: canonical -> p shards -> canonical is exact, for p in 1, 2, 4, 8."""
-    from parallel_attention.model_sharding import shard_state_dict, unshard_state_dict
+    from parallel_attention.model_sharding import shard_state_dict, state_dict_keys, unshard_state_dict
 
     for spec, sizes in ((GPT2_LIKE, (1, 2, 4)), (LLAMA_LIKE, (1, 2, 4, 8))):  # p = 8 > nkv = 2: replicas
         cfg = ModelConfig(**spec)
@@ -135,6 +135,7 @@ def test_model_sharding_round_trips_without_processes():
         model = GPTModel(cfg)
         canonical = {k: torch.randn_like(v) for k, v in model.canonical_state_dict().items()}
         keys = list(model.state_dict())
+        assert sorted(state_dict_keys(cfg)) == sorted(keys)
         for p in sizes:
             shards = [shard_state_dict(cfg, keys, canonical, p, r) for r in range(p)]
             back = unshard_state_dict(cfg, shards)

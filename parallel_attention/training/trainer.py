@@ -21,12 +21,14 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
-from ..checkpoint import load_checkpoint, load_latest_valid, save_checkpoint
+from ..checkpoint import CheckpointCorruptError, CheckpointError, latest_checkpoint, load_checkpoint, load_latest_valid, save_checkpoint
+from ..checkpoint_manifest import read_manifest
 from ..config import PretrainConfig, save_config
 from ..grads import finalize_grads
 from ..model import GPTModel
 from ..parallel_state import init_distributed
 from ..random import manual_seed
+from ..reshard import load_resharded
 from .data import GlobalBatchSampler, TokenDataset, ensure_prepared, validation_batches
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
@@ -102,6 +104,37 @@ def evaluate(model: GPTModel, batches, cfg: PretrainConfig, device) -> float:
     return _mean_over(total / len(batches), ps.get_data_parallel_group())
 
 
+def _resume(cfg: PretrainConfig, resume: str, ckpt_root: Path, model, optimizer, tp_group, dp_group, world: int):
+    """Load the checkpoint to continue from: exactly at the same layout, resharded at another one."""
+    target = latest_checkpoint(ckpt_root) if resume == "auto" else Path(resume)
+    if target is None:
+        return None
+    model_cfg = {k: v for k, v in cfg.to_dict()["model"].items() if k not in _MODEL_KEYS_FREE_TO_CHANGE}
+    common = dict(expected_config={"model": model_cfg}, tp_group=tp_group, dp_group=dp_group)
+    try:
+        saved = read_manifest(target)
+    except CheckpointCorruptError:
+        if resume != "auto":
+            raise
+        return load_latest_valid(ckpt_root, model, optimizer, **common)  # falls back past it
+    differs = {k: (saved["config"]["model"].get(k), v) for k, v in model_cfg.items()
+               if saved["config"]["model"].get(k) != v}
+    if differs:
+        raise CheckpointError(f"{target} holds another model: " + "; ".join(
+            f"model.{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differs.items()))
+    same_layout = (saved["tensor_parallel_size"], saved["world_size"]) == (cfg.parallel.tensor_parallel_size, world)
+    if same_layout and not saved.get("resharded"):
+        return (load_latest_valid(ckpt_root, model, optimizer, **common) if resume == "auto"
+                else load_checkpoint(target, model, optimizer, **common))
+    manifest = load_resharded(target, model, optimizer, tp_group=tp_group)
+    manual_seed(cfg.training.seed + manifest["step"])  # per-rank RNG states do not carry across layouts
+    return manifest
+
+
+# settings that change how the model runs, not what its weights are
+_MODEL_KEYS_FREE_TO_CHANGE = {"hidden_dropout", "attention_dropout", "recompute_activations", "attention_backend"}
+
+
 def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.validate(world)  # before any process group exists
@@ -126,12 +159,11 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
     start_step = 0
     resume = resume or cfg.checkpoint.resume
     if resume != "none":
-        common = dict(expected_config={"model": cfg.to_dict()["model"]}, tp_group=tp_group, dp_group=dp_group)
-        manifest = (load_latest_valid(ckpt_root, model, optimizer, **common) if resume == "auto"
-                    else load_checkpoint(resume, model, optimizer, **common))
+        manifest = _resume(cfg, resume, ckpt_root, model, optimizer, tp_group, dp_group, world)
         if manifest is not None:
             start_step = manifest["step"]
-            scaler.load_state_dict(manifest["extra"]["loss_scaler"])
+            if "loss_scaler" in manifest["extra"]:
+                scaler.load_state_dict(manifest["extra"]["loss_scaler"])
             if rank == 0:
                 print(f"resumed from {manifest['path']} at step {start_step}", file=sys.stderr, flush=True)
 

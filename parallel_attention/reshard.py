@@ -1,0 +1,170 @@
+"""Move checkpoints between tensor-parallel sizes through the canonical (p-independent) state dict.
+
+No per-pair conversion code: every shard of the source is read (and verified), turned into the
+canonical state dict with `model_sharding`, and cut again for the target p. Optimizer state
+(AdamW's exp_avg / exp_avg_sq have the shapes of their parameters) moves the same way, so a
+resumed run continues with its moments. RNG states are per rank and do not survive a change of
+layout: a resharded run reseeds from (seed, step).
+
+    read_canonical_checkpoint(step_dir)             -> (config, canonical weights)
+    write_canonical_checkpoint(root, cfg, canonical) -> step_dir at cfg.parallel.tensor_parallel_size
+    reshard_checkpoint(step_dir, out_root, tp)      -> step_dir (offline, weights + optimizer)
+    load_resharded(step_dir, model, optimizer)      -> manifest (on resume at another p; every rank)
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .checkpoint_manifest import (FORMAT, FORMAT_VERSION, CheckpointError, commit, model_file, optim_file,
+                                  optim_state_dict, read_manifest, seal_file, step_dir_name, verify_file,
+                                  write_manifest)
+from .config import PretrainConfig, config_from_dict
+from .model_sharding import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
+from .parallel_state import group_rank, group_size, resolve_tp_group
+
+_SCALAR_STATE = ("step",)  # per-parameter optimizer scalars: the same on every shard
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+
+
+def _source(step_dir: Path) -> tuple[dict, PretrainConfig, int]:
+    manifest = read_manifest(step_dir)
+    return manifest, config_from_dict(manifest["config"]), manifest["tensor_parallel_size"]
+
+
+def read_canonical_checkpoint(step_dir: str | Path) -> tuple[PretrainConfig, dict[str, torch.Tensor]]:
+    """The run config and full weights of a checkpoint written at any p (every shard verified)."""
+    step_dir = Path(step_dir)
+    manifest, cfg, p = _source(step_dir)
+    shards = [_read(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p)]
+    return cfg, unshard_state_dict(cfg.model, shards)
+
+
+def _canonical_optimizer(step_dir: Path, manifest: dict, cfg: PretrainConfig, p: int):
+    """Optimizer state per state key as canonical dicts, plus rank 0's metadata (names, hyper-parameters)."""
+    if optim_file(0) not in manifest["files"]:
+        return None, None
+    per_rank = [_read(verify_file(step_dir, manifest, optim_file(r))) for r in range(p)]
+    by_key: dict[str, list[dict]] = {}
+    for tensors, _ in per_rank:
+        grouped: dict[str, dict] = {}
+        for name, t in tensors.items():
+            key, param = name.split("/", 1)
+            grouped.setdefault(key, {})[param] = t
+        for key, params in grouped.items():
+            by_key.setdefault(key, []).append(params)
+    canonical = {key: (shards[0] if key in _SCALAR_STATE or key.startswith("__") else
+                       unshard_state_dict(cfg.model, shards)) for key, shards in by_key.items()}
+    return canonical, per_rank[0][1]
+
+
+def _optimizer_shard(cfg: PretrainConfig, canonical: dict, keys: list[str], p: int, rank: int) -> dict:
+    """Rank `rank`'s optimizer tensors (`<state key>/<param name>`) at tensor-parallel size p."""
+    tensors = {}
+    for key, state in canonical.items():
+        if key in _SCALAR_STATE or key.startswith("__"):  # per-parameter scalars, group hyper-parameters
+            shard = state
+        else:
+            shard = shard_state_dict(cfg.model, [k for k in keys if k in _names_with_state(cfg, state, keys)],
+                                     state, p, rank)
+        tensors.update({f"{key}/{name}": t for name, t in shard.items()})
+    return tensors
+
+
+def _names_with_state(cfg: PretrainConfig, canonical_state: dict, keys: list[str]) -> set[str]:
+    """Sharded parameter names whose canonical sources all have this state (every trainable one)."""
+    return {k for k in keys if all(n in canonical_state for n in canonical_sources(cfg.model, k)[1])}
+
+
+def write_canonical_checkpoint(ckpt_root: str | Path, cfg: PretrainConfig, canonical: dict[str, torch.Tensor],
+                               step: int = 0, *, optimizer: tuple[dict, dict] | None = None,
+                               extra: dict | None = None) -> Path:
+    """Write `ckpt_root/step_XXXXXXX/` sharded at cfg.parallel.tensor_parallel_size, in one process.
+
+    `optimizer`: (canonical optimizer state per key, optimizer metadata) as read from another
+    checkpoint, or None for weights only. No RNG files: a run resumed from it seeds afresh.
+    """
+    p = cfg.parallel.tensor_parallel_size
+    keys = state_dict_keys(cfg.model)
+    root = Path(ckpt_root)
+    final = root / step_dir_name(step)
+    nonce = secrets.token_hex(6)
+    tmp = root / f"{final.name}.tmp-{nonce}"
+    tmp.mkdir(parents=True)
+    try:
+        files = {}
+        for rank in range(p):
+            weights = shard_state_dict(cfg.model, keys, canonical, p, rank)
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / model_file(rank)))
+            files[model_file(rank)] = seal_file(tmp / model_file(rank))
+            if optimizer is not None:
+                state, meta = optimizer
+                tensors = _optimizer_shard(cfg, state, keys, p, rank)
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / optim_file(rank)), metadata=meta)
+                files[optim_file(rank)] = seal_file(tmp / optim_file(rank))
+        write_manifest(tmp, {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "world_size": p,
+            "tensor_parallel_size": p, "data_parallel_size": 1, "torch_version": torch.__version__,
+            "config": cfg.to_dict(), "extra": extra or {}, "files": files, "resharded": True,
+        })
+        commit(tmp, final, nonce)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parallel_size: int) -> Path:
+    """Offline: the checkpoint at `step_dir` (any p) rewritten at `tensor_parallel_size`, optimizer included."""
+    step_dir = Path(step_dir)
+    manifest, cfg, p = _source(step_dir)
+    shards = [_read(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p)]
+    canonical = unshard_state_dict(cfg.model, shards)
+    optimizer = _canonical_optimizer(step_dir, manifest, cfg, p)
+    target = config_from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"],
+                                                              "tensor_parallel_size": tensor_parallel_size}})
+    return write_canonical_checkpoint(out_root, target, canonical, manifest["step"],
+                                      optimizer=optimizer if optimizer[0] is not None else None,
+                                      extra=manifest.get("extra"))
+
+
+@torch.no_grad()
+def load_resharded(step_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                   tp_group=None) -> dict:
+    """Resume from a checkpoint written at another p or world size; call on every rank.
+
+    Each rank reads every source shard (a shared filesystem), verifies it, and keeps its own cut
+    at this run's p. Returns the manifest (with `path`).
+    """
+    step_dir = Path(step_dir)
+    manifest, cfg, p_source = _source(step_dir)
+    tp_group = resolve_tp_group(tp_group)
+    p, rank = group_size(tp_group), group_rank(tp_group)
+    shards = [_read(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p_source)]
+    canonical = unshard_state_dict(cfg.model, shards)
+    keys = list(model.state_dict())
+    weights = shard_state_dict(cfg.model, keys, canonical, p, rank)
+    current = model.state_dict()
+    differ = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(current[k].shape)}"
+              for k, v in weights.items() if v.shape != current[k].shape]
+    if differ:
+        raise CheckpointError(f"{step_dir}: resharded weights do not fit this model: " + "; ".join(differ))
+    model.load_state_dict(weights)
+    if optimizer is not None:
+        state, meta = _canonical_optimizer(step_dir, manifest, cfg, p_source)
+        if state is None:
+            raise CheckpointError(f"{step_dir} holds no optimizer state: load it with optimizer=None.")
+        tensors = _optimizer_shard(cfg, state, keys, p, rank)
+        optimizer.load_state_dict(optim_state_dict(model, optimizer, tensors, meta))
+    return {**manifest, "path": str(step_dir)}

@@ -1,0 +1,39 @@
+"""Rewrite a checkpoint at another tensor-parallel size (weights and optimizer state), offline.
+
+    python scripts/reshard_checkpoint.py --in runs/gpt_tiny --out runs/gpt_tiny_tp4 --tp 4
+
+--in takes a step directory or a run directory (its newest complete checkpoint); the result is
+written as OUT/checkpoints/step_XXXXXXX/, so `--resume` with --logging.run_dir=OUT continues it.
+The canonical (p-independent) state dict is the pivot, so any p converts to any p' that divides the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from parallel_attention.checkpoint import resolve_step_dir
+from parallel_attention.reshard import reshard_checkpoint
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--in", dest="source", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path, help="run directory to write into")
+    parser.add_argument("--tp", required=True, type=int, help="target tensor_parallel_size")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    source = resolve_step_dir(args.source)
+    try:
+        written = reshard_checkpoint(source, args.out / "checkpoints", args.tp)
+    except ValueError as error:
+        print(f"cannot reshard {source}: {error}", file=sys.stderr)
+        return 2
+    print(f"{source} -> {written} (tensor_parallel_size={args.tp}) in {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
