@@ -9,5 +9,8 @@ setup(
     packages=find_packages(include=["parallel_attention", "parallel_attention.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy", "pyyaml", "safetensors", "matplotlib"],
-    extras_require={"dev": ["pytest>=7", "pytest-timeout>=2.1", "numpy"]},
+    extras_require={
+        "hf": ["transformers>=4.45"],
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "transformers>=4.45"],
+    },
 )

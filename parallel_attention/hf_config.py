@@ -81,20 +81,20 @@ class _Fields:
         self.used.add(key)
         return self.hf.get(key, self.defaults[key])
 
-    def int(self, key: str, default: int | None = None) -> int:
+    def positive_int(self, key: str, default: int | None = None) -> int:
         value = self.get(key)
         value = default if value is None else value
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"config.json: {key}={value!r} must be a positive integer.")
         return value
 
-    def float(self, key: str) -> float:
+    def number(self, key: str) -> float:
         value = self.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"config.json: {key}={value!r} must be a non-negative number.")
         return float(value)
 
-    def bool(self, key: str) -> bool:
+    def flag(self, key: str) -> bool:
         value = self.get(key)
         if not isinstance(value, bool):
             raise ValueError(f"config.json: {key}={value!r} must be true or false.")
@@ -133,7 +133,10 @@ def _rope_theta(f: _Fields) -> float:
     if kind != "default":
         raise ValueError(f"config.json: {source}={rope!r} is not supported: this model computes the default, "
                          "unscaled rotary embedding; only rope_scaling=null (rope_type 'default') is accepted.")
-    theta = rope.get("rope_theta", f.get("rope_theta"))
+    theta, top_level = rope.get("rope_theta"), f.get("rope_theta")
+    if theta is not None and "rope_theta" in f.hf and theta != top_level:
+        raise ValueError(f"config.json: rope_theta={top_level!r} disagrees with {source}.rope_theta={theta!r}.")
+    theta = top_level if theta is None else theta
     partial = rope.get("partial_rotary_factor", f.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"config.json: partial_rotary_factor={partial!r} is not supported: rotary covers the "
@@ -144,35 +147,35 @@ def _rope_theta(f: _Fields) -> float:
 
 
 def _llama_to_model(f: _Fields) -> ModelConfig:
-    h, nh = f.int("hidden_size"), f.int("num_attention_heads")
+    h, nh = f.positive_int("hidden_size"), f.positive_int("num_attention_heads")
     head_dim = f.get("head_dim")
     if head_dim is None and h % nh != 0:
         raise ValueError(f"config.json: hidden_size={h} is not divisible by num_attention_heads={nh}; "
                          "set head_dim.")
-    head_dim = f.int("head_dim", h // nh)
-    nkv = f.int("num_key_value_heads", nh)
+    head_dim = f.positive_int("head_dim", h // nh)
+    nkv = f.positive_int("num_key_value_heads", nh)
     f.require("hidden_act", ("silu", "swish"), "the MLP is SwiGLU: SiLU(gate) * up")
     mistral = f.arch == "MistralForCausalLM"
-    max_seq_len = f.int("max_position_embeddings")
+    max_seq_len = f.positive_int("max_position_embeddings")
     if mistral and f.get("sliding_window") is not None:
         # Within max_seq_len <= sliding_window no key ever falls out of the window: plain causal attention.
-        max_seq_len = min(max_seq_len, f.int("sliding_window"))
+        max_seq_len = min(max_seq_len, f.positive_int("sliding_window"))
     if not mistral:
-        f.int("pretraining_tp", 1)  # only slices the same matmuls (identical math)
-    attention_bias = False if mistral else f.bool("attention_bias")
+        f.positive_int("pretraining_tp", 1)  # only slices the same matmuls (identical math)
+    attention_bias = False if mistral else f.flag("attention_bias")
     return ModelConfig(
-        vocab_size=f.int("vocab_size"), hidden_size=h, num_layers=f.int("num_hidden_layers"), num_heads=nh,
-        num_kv_heads=nkv, head_dim=None if head_dim * nh == h else head_dim,
-        ffn_hidden_size=f.int("intermediate_size"), activation="swiglu", norm="rmsnorm",
-        norm_eps=f.float("rms_norm_eps"), position_embedding="rotary", max_seq_len=max_seq_len,
-        rope_theta=_rope_theta(f), tie_embeddings=f.bool("tie_word_embeddings"), qkv_bias=attention_bias,
-        out_bias=attention_bias, mlp_bias=False if mistral else f.bool("mlp_bias"), hidden_dropout=0.0,
-        attention_dropout=f.float("attention_dropout"), init_std=f.float("initializer_range"),
+        vocab_size=f.positive_int("vocab_size"), hidden_size=h, num_layers=f.positive_int("num_hidden_layers"),
+        num_heads=nh, num_kv_heads=nkv, head_dim=None if head_dim * nh == h else head_dim,
+        ffn_hidden_size=f.positive_int("intermediate_size"), activation="swiglu", norm="rmsnorm",
+        norm_eps=f.number("rms_norm_eps"), position_embedding="rotary", max_seq_len=max_seq_len,
+        rope_theta=_rope_theta(f), tie_embeddings=f.flag("tie_word_embeddings"), qkv_bias=attention_bias,
+        out_bias=attention_bias, mlp_bias=False if mistral else f.flag("mlp_bias"), hidden_dropout=0.0,
+        attention_dropout=f.number("attention_dropout"), init_std=f.number("initializer_range"),
     )
 
 
 def _gpt2_to_model(f: _Fields) -> ModelConfig:
-    h, nh = f.int("n_embd"), f.int("n_head")
+    h, nh = f.positive_int("n_embd"), f.positive_int("n_head")
     if h % nh != 0:
         raise ValueError(f"config.json: n_embd={h} is not divisible by n_head={nh}.")
     f.require("activation_function", ("gelu_new", "gelu_pytorch_tanh"), "the MLP's GELU is the tanh approximation")
@@ -180,16 +183,17 @@ def _gpt2_to_model(f: _Fields) -> ModelConfig:
     f.require("scale_attn_by_inverse_layer_idx", (False,), "no per-layer score scaling")
     f.require("reorder_and_upcast_attn", (False,), "attention runs in the input dtype")
     f.require("add_cross_attention", (False,), "decoder-only, no cross-attention")
-    resid, embd = f.float("resid_pdrop"), f.float("embd_pdrop")
+    resid, embd = f.number("resid_pdrop"), f.number("embd_pdrop")
     if resid != embd:
         raise ValueError(f"config.json: embd_pdrop={embd} differs from resid_pdrop={resid}: model.hidden_dropout "
                          "is one rate for both (dropout is training-only: set them equal in config.json).")
     return ModelConfig(
-        vocab_size=f.int("vocab_size"), hidden_size=h, num_layers=f.int("n_layer"), num_heads=nh,
-        ffn_hidden_size=f.int("n_inner", 4 * h), activation="gelu", norm="layernorm",
-        norm_eps=f.float("layer_norm_epsilon"), position_embedding="learned", max_seq_len=f.int("n_positions"),
-        tie_embeddings=f.bool("tie_word_embeddings"), qkv_bias=True, out_bias=True, mlp_bias=True,
-        hidden_dropout=resid, attention_dropout=f.float("attn_pdrop"), init_std=f.float("initializer_range"),
+        vocab_size=f.positive_int("vocab_size"), hidden_size=h, num_layers=f.positive_int("n_layer"), num_heads=nh,
+        ffn_hidden_size=f.positive_int("n_inner", 4 * h), activation="gelu", norm="layernorm",
+        norm_eps=f.number("layer_norm_epsilon"), position_embedding="learned",
+        max_seq_len=f.positive_int("n_positions"), tie_embeddings=f.flag("tie_word_embeddings"), qkv_bias=True,
+        out_bias=True, mlp_bias=True,
+        hidden_dropout=resid, attention_dropout=f.number("attn_pdrop"), init_std=f.number("initializer_range"),
     )
 
 

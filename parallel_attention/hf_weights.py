@@ -79,6 +79,10 @@ def _fused_qkv(hf: str, canonical: tuple[str, str, str], shape: tuple[int, ...])
     return Rule(hf, canonical, shape, lambda t: tuple(c.clone() for c in t.chunk(3)), lambda ts: torch.cat(ts))
 
 
+def _qkv_names(layer: str, kind: str) -> tuple[str, str, str]:
+    return tuple(f"{layer}attention.{n}_proj.{kind}" for n in "qkv")
+
+
 def _llama_rules(cfg: ModelConfig) -> list[Rule]:
     h, f, nh = cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.num_heads
     nkv, d = cfg.num_kv_heads or nh, cfg.head_dim or cfg.hidden_size // nh
@@ -106,10 +110,9 @@ def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
              _copy("transformer.wpe.weight", "embed_positions.weight", (cfg.max_seq_len, h))]
     for i in range(cfg.num_layers):
         src, dst = f"transformer.h.{i}.", f"layers.{i}."
-        qkv = lambda kind: tuple(f"{dst}attention.{n}.{kind}" for n in ("q_proj", "k_proj", "v_proj"))  # noqa: E731
         rules += [_copy(f"{src}ln_1.{k}", f"{dst}input_norm.{k}", (h,)) for k in ("weight", "bias")]
-        rules += [_fused_qkv(f"{src}attn.c_attn.weight", qkv("weight"), (h, 3 * h)),
-                  _fused_qkv(f"{src}attn.c_attn.bias", qkv("bias"), (3 * h,)),
+        rules += [_fused_qkv(f"{src}attn.c_attn.weight", _qkv_names(dst, "weight"), (h, 3 * h)),
+                  _fused_qkv(f"{src}attn.c_attn.bias", _qkv_names(dst, "bias"), (3 * h,)),
                   _conv1d(f"{src}attn.c_proj.weight", f"{dst}attention.o_proj.weight", (h, h)),
                   _copy(f"{src}attn.c_proj.bias", f"{dst}attention.o_proj.bias", (h,))]
         rules += [_copy(f"{src}ln_2.{k}", f"{dst}post_attention_norm.{k}", (h,)) for k in ("weight", "bias")]

@@ -1,0 +1,278 @@
+"""Hugging Face import/export: logits of imported models match transformers' at p = 1, 2, 4; export
+round trips are exact; every misfit (tensor, shape, field, architecture) is named in its error.
+
+Models are built from configs with random weights (nothing is downloaded) and perturbed so that
+biases and norm weights are not at their trivial initial values.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip(
+    "transformers", reason="Hugging Face import/export tests need transformers (pip install -e .[hf])")
+
+import parallel_attention as pa  # noqa: E402
+from distributed import run_distributed  # noqa: E402
+from parallel_attention.config import ModelConfig, load_config  # noqa: E402
+from parallel_attention.hf_convert import canonical_to_hf, hf_to_canonical, read_hf_config  # noqa: E402
+from parallel_attention.mappings import all_gather_along_dim  # noqa: E402
+from parallel_attention.model import GPTModel  # noqa: E402
+from parallel_attention.reshard import read_canonical_checkpoint  # noqa: E402
+
+VOCAB = 300  # not a multiple of 64 p: the model's internal vocabulary padding is exercised
+LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=64,
+             rms_norm_eps=1e-5)
+GPT2 = dict(vocab_size=VOCAB, n_embd=48, n_head=4, n_layer=2, n_positions=64, bos_token_id=None, eos_token_id=None)
+VARIANTS = {  # checked at p = 1, in process
+    "llama_biases_tied_head_dim": ("LlamaConfig", "LlamaForCausalLM", {
+        **LLAMA, "num_key_value_heads": 4, "head_dim": 16, "attention_bias": True, "mlp_bias": True,
+        "tie_word_embeddings": True}),
+    "mistral_sliding_window": ("MistralConfig", "MistralForCausalLM", {
+        **LLAMA, "sliding_window": 32}),
+    "gpt2_untied_n_inner": ("GPT2Config", "GPT2LMHeadModel", {
+        **GPT2, "n_inner": 80, "layer_norm_epsilon": 1e-4, "tie_word_embeddings": False}),
+}
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
+
+
+def _save_hf_model(config_cls: str, model_cls: str, fields: dict, path: Path, **save_kwargs):
+    """A seeded, perturbed transformers model saved at `path`; returns it (eval mode) and its logits."""
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():  # tied parameters are listed once
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(path, **save_kwargs)
+    with torch.no_grad():
+        return model, model(_tokens()).logits
+
+
+def _hf_logits(path: Path) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(_tokens()).logits
+
+
+def _our_logits(cfg: ModelConfig, canonical: dict) -> torch.Tensor:
+    """Full-vocabulary logits [b, s, V] of GPTModel(cfg) on this rank's tensor-parallel group."""
+    model = GPTModel(cfg).eval()  # eval: the imported GPT-2 keeps its dropout rates
+    model.load_canonical_state_dict(canonical)
+    with torch.no_grad():
+        local = model(_tokens())  # [s, b, V_padded / p]
+    full = all_gather_along_dim(local, -1, pa.get_tensor_model_parallel_group())[..., :cfg.vocab_size]
+    return full.transpose(0, 1)
+
+
+def _logits_worker(cases):
+    return [_our_logits(cfg, canonical) for cfg, canonical in cases]
+
+
+def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    # float32, same weights: only summation orders differ (and the split across ranks), ~1e-7 relative
+    error = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert error <= 1e-4, f"{what}: max error {error:.2e} relative to the largest logit"
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """{name: (directory, transformers logits)} for the two main test models."""
+    root = tmp_path_factory.mktemp("hf")
+    return {"llama": (root / "llama", _save_hf_model("LlamaConfig", "LlamaForCausalLM", LLAMA, root / "llama")[1]),
+            "gpt2": (root / "gpt2", _save_hf_model("GPT2Config", "GPT2LMHeadModel", GPT2, root / "gpt2")[1])}
+
+
+# ------------------------------------------------------------------------------ numerics
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_imported_logits_match_transformers(hf_models, p):
+    names = sorted(hf_models)
+    cases = [hf_to_canonical(hf_models[name][0]) for name in names]
+    for rank, per_model in enumerate(run_distributed(_logits_worker, p, p, cases)):
+        for name, ours in zip(names, per_model):
+            _assert_close(ours, hf_models[name][1], f"{name} p={p} rank {rank}")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_export_round_trip_is_exact(hf_models, name, tmp_path):
+    hf_dir, ref = hf_models[name]
+    cfg, canonical = hf_to_canonical(hf_dir)
+    canonical_to_hf(cfg, canonical, tmp_path / "out", source_config=read_hf_config(hf_dir))
+    assert read_hf_config(tmp_path / "out")["architectures"] == read_hf_config(hf_dir)["architectures"]
+    assert torch.equal(_hf_logits(tmp_path / "out"), ref)  # the same tensors, bit for bit
+    cfg2, canonical2 = hf_to_canonical(tmp_path / "out")
+    assert cfg2 == cfg and canonical2.keys() == canonical.keys()
+    assert all(torch.equal(canonical2[k], canonical[k]) for k in canonical)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_match_and_round_trip(variant, tmp_path):
+    config_cls, model_cls, fields = VARIANTS[variant]
+    _, ref = _save_hf_model(config_cls, model_cls, fields, tmp_path / "hf")
+    cfg, canonical = hf_to_canonical(tmp_path / "hf")
+    _assert_close(_our_logits(cfg, canonical), ref, variant)
+    canonical_to_hf(cfg, canonical, tmp_path / "out", source_config=read_hf_config(tmp_path / "hf"))
+    assert read_hf_config(tmp_path / "out")["architectures"] == [model_cls]
+    assert torch.equal(_hf_logits(tmp_path / "out"), ref)
+
+
+def test_mistral_sliding_window_bounds_the_sequence(tmp_path):
+    _save_hf_model(*VARIANTS["mistral_sliding_window"], tmp_path / "hf")
+    cfg, _ = hf_to_canonical(tmp_path / "hf")
+    assert cfg.max_seq_len == 32  # min(max_position_embeddings=64, sliding_window=32): the window never bites
+
+
+def test_sharded_files_both_ways(hf_models, tmp_path):
+    _, ref = _save_hf_model("LlamaConfig", "LlamaForCausalLM", LLAMA, tmp_path / "hf", max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    cfg, canonical = hf_to_canonical(tmp_path / "hf")
+    single_cfg, single = hf_to_canonical(hf_models["llama"][0])
+    assert cfg == single_cfg and all(torch.equal(canonical[k], single[k]) for k in single)
+    canonical_to_hf(cfg, canonical, tmp_path / "out", max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert torch.equal(_hf_logits(tmp_path / "out"), ref)
+
+
+def test_gpt2_weights_without_base_prefix(hf_models, tmp_path):
+    """The original hub GPT-2 names its tensors without `transformer.` (saved from the base model)."""
+    hf_dir = hf_models["gpt2"][0]
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, tmp_path / "hf" / "model.safetensors",
+              metadata={"format": "pt"})
+    _, expected = hf_to_canonical(hf_dir)
+    _, canonical = hf_to_canonical(tmp_path / "hf")
+    assert all(torch.equal(canonical[k], expected[k]) for k in expected)
+
+
+def test_rope_theta_read_from_either_config_format(hf_models, tmp_path):
+    """transformers < 5 writes rope_theta/rope_scaling at the top level, >= 5 a rope_parameters mapping."""
+    hf = read_hf_config(hf_models["llama"][0])
+    hf.pop("rope_parameters", None)
+    hf.update(rope_theta=123456.0, rope_scaling=None)
+    cfg, _ = hf_to_canonical(_copy_with_config(hf_models["llama"][0], tmp_path, hf))
+    assert cfg.rope_theta == 123456.0
+
+
+# ------------------------------------------------------------------------------ errors
+def _copy_with_config(hf_dir: Path, tmp_path: Path, config: dict, tensors: dict | None = None) -> Path:
+    out = tmp_path / "edited"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors if tensors is not None else load_file(hf_dir / "model.safetensors"), out / "model.safetensors",
+              metadata={"format": "pt"})
+    return out
+
+
+def test_missing_tensor_is_named(hf_models, tmp_path):
+    hf_dir = hf_models["llama"][0]
+    tensors = load_file(hf_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight is missing"):
+        hf_to_canonical(_copy_with_config(hf_dir, tmp_path, read_hf_config(hf_dir), tensors))
+
+
+def test_shape_that_disagrees_with_config_is_named(hf_models, tmp_path):
+    hf_dir = hf_models["llama"][0]
+    config = {**read_hf_config(hf_dir), "num_key_value_heads": 4}  # k/v: 4 heads of 8 = 32 rows, file has 16
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight .* shape \(16, 64\), "
+                                         r"but config\.json implies \(32, 64\)"):
+        hf_to_canonical(_copy_with_config(hf_dir, tmp_path, config))
+
+
+def test_unexpected_tensor_is_named(hf_models, tmp_path):
+    hf_dir = hf_models["gpt2"][0]
+    tensors = {**load_file(hf_dir / "model.safetensors"), "transformer.h.0.attn.extra.weight": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.extra\.weight"):
+        hf_to_canonical(_copy_with_config(hf_dir, tmp_path, read_hf_config(hf_dir), tensors))
+
+
+@pytest.mark.parametrize("model,edit,field", [
+    ("llama", {"architectures": ["BertModel"], "model_type": "bert"}, "BertModel"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ("gpt2", {"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
+    ("gpt2", {"activation_function": "relu"}, "activation_function"),
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),
+    ("gpt2", {"scale_attn_weights": False}, "scale_attn_weights"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_unsupported_config_is_named(hf_models, tmp_path, model, edit, field):
+    hf_dir = hf_models[model][0]
+    with pytest.raises(ValueError, match=field):
+        hf_to_canonical(_copy_with_config(hf_dir, tmp_path, {**read_hf_config(hf_dir), **edit}))
+
+
+def test_unknown_config_field_warns(hf_models, tmp_path):
+    hf_dir = hf_models["llama"][0]
+    with pytest.warns(UserWarning, match="logit_softcapping"):
+        hf_to_canonical(_copy_with_config(hf_dir, tmp_path, {**read_hf_config(hf_dir), "logit_softcapping": 30.0}))
+
+
+def test_export_refuses_what_neither_family_expresses(hf_models, tmp_path):
+    cfg, canonical = hf_to_canonical(hf_models["llama"][0])
+    mixed = ModelConfig(**{**cfg.__dict__, "norm": "layernorm"})
+    with pytest.raises(ValueError, match=r"neither GPT-2 nor Llama.*norm='layernorm'"):
+        canonical_to_hf(mixed, canonical, tmp_path / "a")
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel: .*num_kv_heads=2"):
+        canonical_to_hf(cfg, canonical, tmp_path / "b", architecture="GPT2LMHeadModel")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        canonical_to_hf(cfg, canonical, tmp_path / "c")
+
+
+# ------------------------------------------------------------------------------ script
+def _convert_script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "convert_hf.py"
+    spec = importlib.util.spec_from_file_location("convert_hf", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_script_import_tp2_then_export(hf_models, name, tmp_path, capsys):
+    hf_dir, ref = hf_models[name]
+    script, run = _convert_script(), tmp_path / "run"
+    assert script.main(["import", "--hf", str(hf_dir), "--out", str(run), "--tp", "2"]) == 0
+    cfg = load_config(run / "config.yaml")
+    cfg.validate(world_size=2)
+    assert cfg.parallel.tensor_parallel_size == 2 and cfg.data.tokenizer == "byte"  # vocab 300 < 50257
+    step_cfg, canonical = read_canonical_checkpoint(run / "checkpoints" / "step_0000000")
+    expected_cfg, expected = hf_to_canonical(hf_dir)
+    assert step_cfg.model == expected_cfg and all(torch.equal(canonical[k], expected[k]) for k in expected)
+    assert script.main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert read_hf_config(tmp_path / "out")["architectures"] == read_hf_config(hf_dir)["architectures"]
+    assert torch.equal(_hf_logits(tmp_path / "out"), ref)
+
+
+def test_script_reports_an_impossible_layout(hf_models, tmp_path, capsys):
+    script = _convert_script()
+    assert script.main(["import", "--hf", str(hf_models["llama"][0]), "--out", str(tmp_path / "run"),
+                        "--tp", "3"]) == 2
+    assert "num_heads=8 is not divisible by tensor_parallel_size=3" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_import_leaves_no_unknown_field_warning(hf_models):
+    """save_pretrained's own config.json is fully accounted for (mapped, checked or known not to matter)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("llama", "gpt2"):
+            hf_to_canonical(hf_models[name][0])
