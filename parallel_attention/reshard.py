@@ -145,7 +145,8 @@ def load_resharded(step_dir: str | Path, model: nn.Module, optimizer: torch.opti
     """Resume from a checkpoint written at another p or world size; call on every rank.
 
     Each rank reads every source shard (a shared filesystem), verifies it, and keeps its own cut
-    at this run's p. Returns the manifest (with `path`).
+    at this run's p. A checkpoint without optimizer state (an import) leaves the optimizer fresh.
+    Returns the manifest (with `path`).
     """
     step_dir = Path(step_dir)
     manifest, cfg, p_source = _source(step_dir)
@@ -163,8 +164,8 @@ def load_resharded(step_dir: str | Path, model: nn.Module, optimizer: torch.opti
     model.load_state_dict(weights)
     if optimizer is not None:
         state, meta = _canonical_optimizer(step_dir, manifest, cfg, p_source)
-        if state is None:
-            raise CheckpointError(f"{step_dir} holds no optimizer state: load it with optimizer=None.")
+        if state is None:  # weights only (an import, say): the optimizer starts fresh
+            return {**manifest, "path": str(step_dir), "optimizer_restored": False}
         tensors = _optimizer_shard(cfg, state, keys, p, rank)
         optimizer.load_state_dict(optim_state_dict(model, optimizer, tensors, meta))
     return {**manifest, "path": str(step_dir)}
