@@ -41,43 +41,51 @@ def test_canonical_weights_bit_identical_across_p():
             torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
 
 
-def count_worker(device_kind, sequence_parallel, num_kv_heads):
+def count_worker(device_kind, variants):
+    """Collectives of construction, one forward, one backward and finalize_grads, per variant."""
     device = local_device(device_kind)
-    cfg = pa.AttentionConfig(hidden_size=32, num_heads=4, num_kv_heads=num_kv_heads, rotary=True,
-                             sequence_parallel=sequence_parallel)
-    with count_collectives() as construction:
-        module = pa.ParallelSelfAttention(cfg, device=device)
     p = pa.get_tensor_model_parallel_world_size()
-    s_local = 8 // p if sequence_parallel else 8
-    x = torch.randn(s_local, 2, 32, device=device, requires_grad=True)
-    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool, device=device)
-    with count_collectives() as forward:
-        out = module(x, attention_mask=mask)
-    with count_collectives() as backward:
-        out.sum().backward()
-    with count_collectives() as finalize:
-        pa.finalize_grads(module)
-    return dict(construction), dict(forward), dict(backward), dict(finalize)
+    results = []
+    for sequence_parallel, num_kv_heads in variants:
+        cfg = pa.AttentionConfig(hidden_size=32, num_heads=4, num_kv_heads=num_kv_heads, rotary=True,
+                                 sequence_parallel=sequence_parallel)
+        with count_collectives() as construction:
+            module = pa.ParallelSelfAttention(cfg, device=device)
+        s_local = 8 // p if sequence_parallel else 8
+        x = torch.randn(s_local, 2, 32, device=device, requires_grad=True)
+        mask = torch.ones(2, 1, 1, 8, dtype=torch.bool, device=device)
+        with count_collectives() as forward:
+            out = module(x, attention_mask=mask)
+        with count_collectives() as backward:
+            out.sum().backward()
+        with count_collectives() as finalize:
+            pa.finalize_grads(module)
+        results.append((dict(construction), dict(forward), dict(backward), dict(finalize)))
+    return results
+
+
+# (sequence_parallel, num_kv_heads): num_kv_heads=2 replicates k/v heads at p=4, which finalize_grads must sum
+COUNT_VARIANTS = [(False, 4), (False, 2), (True, 4), (True, 2)]
 
 
 @pytest.mark.parametrize("world_size,device", device_params())
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_exact_collective_counts(world_size, device, sequence_parallel):
-    # num_kv_heads=2: replicated k/v heads at p=4 need a finalize_grads reduction
-    for num_kv_heads in (4, 2):
-        per_rank = run_distributed(count_worker, world_size, world_size, device, sequence_parallel, num_kv_heads,
-                                   backend=backend_for(device))
-        for construction, forward, backward, finalize in per_rank:
-            assert construction == {}
+def test_exact_collective_counts(world_size, device):
+    per_rank = run_distributed(count_worker, world_size, world_size, device, COUNT_VARIANTS,
+                               backend=backend_for(device))
+    for results in per_rank:
+        for (sequence_parallel, num_kv_heads), (construction, forward, backward, finalize) in zip(COUNT_VARIANTS,
+                                                                                              results):
+            where = f"p={world_size} sequence_parallel={sequence_parallel} num_kv_heads={num_kv_heads}"
+            assert construction == {}, where
             if world_size == 1:
-                assert forward == backward == finalize == {}
+                assert forward == backward == finalize == {}, where
                 continue
             expected = ({"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1} if sequence_parallel
                         else {"all_reduce": 1})
-            assert forward == expected, f"forward at p={world_size}"
-            assert backward == expected, f"backward at p={world_size}"
+            assert forward == expected, f"forward at {where}"
+            assert backward == expected, f"backward at {where}"
             needs_reduction = sequence_parallel or world_size > num_kv_heads
-            assert finalize == ({"all_reduce": 1} if needs_reduction else {}), f"finalize at p={world_size}"
+            assert finalize == ({"all_reduce": 1} if needs_reduction else {}), f"finalize at {where}"
 
 
 def dropout_worker(draws):

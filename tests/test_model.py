@@ -18,6 +18,7 @@ GPT2_LIKE = dict(vocab_size=203, hidden_size=32, num_layers=2, num_heads=4, max_
 LLAMA_LIKE = dict(vocab_size=203, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=2, activation="swiglu",
                   norm="rmsnorm", position_embedding="rotary", tie_embeddings=False, qkv_bias=False, out_bias=False,
                   mlp_bias=False, ffn_hidden_size=40, max_seq_len=16)
+SPECS = {"gpt2_like": GPT2_LIKE, "llama_like": LLAMA_LIKE}
 
 
 def _canonical_grads(model: GPTModel) -> dict[str, torch.Tensor]:
@@ -33,33 +34,24 @@ def _canonical_grads(model: GPTModel) -> dict[str, torch.Tensor]:
     return grads
 
 
-def model_worker(spec, sequence_parallel, recompute):
-    torch.manual_seed(3)
-    tokens = torch.randint(0, spec["vocab_size"], (3, 9))
-    pa.manual_seed(42)
-    cfg = ModelConfig(**spec, recompute_activations=recompute)
-    model = GPTModel(cfg, sequence_parallel=sequence_parallel)
-    weights = model.canonical_state_dict()
-    loss = model(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    pa.finalize_grads(model)
-    return loss.item(), weights, _canonical_grads(model)
+def model_worker(sequence_parallel, recompute):
+    """Loss, canonical weights and canonical gradients of both model families, and the
+    vocab-parallel cross entropy against torch's, at the launched p."""
+    results = {}
+    for name, spec in SPECS.items():
+        torch.manual_seed(3)
+        tokens = torch.randint(0, spec["vocab_size"], (3, 9))
+        pa.manual_seed(42)
+        model = GPTModel(ModelConfig(**spec, recompute_activations=recompute), sequence_parallel=sequence_parallel)
+        weights = model.canonical_state_dict()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        pa.finalize_grads(model)
+        results[name] = (loss.item(), weights, _canonical_grads(model))
+    return results, _cross_entropy_errors(203)
 
 
-@pytest.mark.parametrize("spec", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2_like", "llama_like"])
-def test_loss_and_gradients_match_p1(spec):
-    ref_loss, ref_weights, ref_grads = run_distributed(model_worker, 1, 1, spec, False, False)[0]
-    for p, sp, recompute in [(2, False, False), (4, True, False), (2, True, True)]:
-        for loss, weights, grads in run_distributed(model_worker, p, p, spec, sp, recompute):
-            for name in ref_weights:  # initialisation does not depend on p
-                assert torch.equal(weights[name], ref_weights[name]), f"{name} initialised differently at p={p}"
-            # float32: only summation orders differ between p, errors ~1e-7 relative
-            assert loss == pytest.approx(ref_loss, rel=1e-5), f"p={p} sp={sp}"
-            for name, g in ref_grads.items():
-                torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=f"grad {name} p={p} sp={sp}")
-
-
-def cross_entropy_worker(vocab_size):
+def _cross_entropy_errors(vocab_size):
     torch.manual_seed(0)
     p, rank = pa.get_tensor_model_parallel_world_size(), pa.get_tensor_model_parallel_rank()
     padded = 64 * p * -(-vocab_size // (64 * p))
@@ -77,11 +69,22 @@ def cross_entropy_worker(vocab_size):
         grad[..., vocab_size:].abs().max().item() if padded > vocab_size else 0.0
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_vocab_parallel_cross_entropy_matches_torch(world_size):
-    for loss_err, grad_err, padding_grad in run_distributed(cross_entropy_worker, world_size, world_size, 203):
-        assert loss_err < 1e-12 and grad_err < 1e-12  # float64: exact up to rounding
-        assert padding_grad == 0.0  # padded vocabulary columns take no probability mass
+def test_loss_gradients_and_cross_entropy_match_p1():
+    reference_run = run_distributed(model_worker, 1, 1, False, False)
+    reference = reference_run[0][0]
+    for p, sp, recompute in [(1, False, False), (2, False, False), (4, True, False), (2, True, True)]:
+        runs = run_distributed(model_worker, p, p, sp, recompute) if p > 1 else reference_run
+        for results, (loss_err, grad_err, padding_grad) in runs:
+            assert loss_err < 1e-12 and grad_err < 1e-12, f"cross entropy at p={p}"  # float64: rounding only
+            assert padding_grad == 0.0  # padded vocabulary columns take no probability mass
+            for name, (ref_loss, ref_weights, ref_grads) in reference.items():
+                loss, weights, grads = results[name]
+                for key in ref_weights:  # initialisation does not depend on p
+                    assert torch.equal(weights[key], ref_weights[key]), f"{name}: {key} initialised differently, p={p}"
+                # float32: only summation orders differ between p, errors ~1e-7 relative
+                assert loss == pytest.approx(ref_loss, rel=1e-5), f"{name} p={p} sp={sp}"
+                for key, g in ref_grads.items():
+                    torch.testing.assert_close(grads[key], g, rtol=1e-4, atol=1e-6, msg=f"{name} grad {key} p={p}")
 
 
 def recompute_worker(sequence_parallel):
@@ -105,24 +108,26 @@ def test_recomputation_replays_dropout(world_size, sequence_parallel):
     assert all(run_distributed(recompute_worker, world_size, world_size, sequence_parallel))
 
 
-def kv_cache_worker(spec):
-    pa.manual_seed(5)
-    model = GPTModel(ModelConfig(**spec)).eval()
-    torch.manual_seed(2)
-    tokens = torch.randint(0, spec["vocab_size"], (2, 12))
-    cache = model.new_kv_cache(batch_size=2, max_len=12)
-    steps = [model.next_token_logits(tokens[:, :5], cache)]  # prompt of 5, then 1 token, then 3 at once
-    steps.append(model.next_token_logits(tokens[:, 5:6], cache))
-    steps.append(model.next_token_logits(tokens[:, 6:9], cache))
-    full = [model.next_token_logits(tokens[:, :n]) for n in (5, 6, 9)]
-    return max((a - b).abs().max().item() for a, b in zip(steps, full))
+def kv_cache_worker():
+    errors = []
+    for spec in SPECS.values():
+        pa.manual_seed(5)
+        model = GPTModel(ModelConfig(**spec)).eval()
+        torch.manual_seed(2)
+        tokens = torch.randint(0, spec["vocab_size"], (2, 12))
+        cache = model.new_kv_cache(batch_size=2, max_len=12)
+        steps = [model.next_token_logits(tokens[:, :5], cache)]  # prompt of 5, then 1 token, then 3 at once
+        steps.append(model.next_token_logits(tokens[:, 5:6], cache))
+        steps.append(model.next_token_logits(tokens[:, 6:9], cache))
+        full = [model.next_token_logits(tokens[:, :n]) for n in (5, 6, 9)]
+        errors.append(max((a - b).abs().max().item() for a, b in zip(steps, full)))
+    return max(errors)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("spec", [GPT2_LIKE, LLAMA_LIKE], ids=["gpt2_like", "llama_like"])
-def test_kv_cache_matches_full_recomputation(world_size, spec):
+def test_kv_cache_matches_full_recomputation(world_size):
     # float32, same math in a different order (cached keys vs a longer matmul): ~1e-6
-    assert max(run_distributed(kv_cache_worker, world_size, world_size, spec)) < 1e-5
+    assert max(run_distributed(kv_cache_worker, world_size, world_size)) < 1e-5
 
 
 def test_model_sharding_round_trips_without_processes():
