@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+import torch
+
 from parallel_attention.config import load_config
 from parallel_attention.training.trainer import train
 
@@ -38,6 +40,7 @@ def main(argv: list[str]) -> int:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     result = train(cfg, resume=args.resume)
+    torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         final = result.val_losses.get(result.last_step)
         print(f"finished at step {result.last_step}" + (f", validation loss {final:.4f}" if final else "")
