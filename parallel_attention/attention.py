@@ -185,8 +185,11 @@ class ParallelSelfAttention(nn.Module):
         mixed = self.query_key_value(hidden_states)  # [s, b, nkvl * (qpg + 2) * d]
         b = mixed.shape[1]
         mixed = mixed.view(s, b, self.num_kv_heads_per_rank, qpg + 2, d)
-        q = mixed[:, :, :, :qpg].reshape(s, b, self.num_heads_per_rank, d)
-        k, v = mixed[:, :, :, qpg], mixed[:, :, :, qpg + 1]  # [s, b, nkvl, d]
+        # split, not three slices: its backward is one concatenation instead of three zero-filled
+        # buffers of the fused size added together (measured: ~3% of a CPU step, docs/benchmarks.md)
+        q, k, v = mixed.split([qpg, 1, 1], dim=3)
+        q = q.reshape(s, b, self.num_heads_per_rank, d)
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, nkvl, d]
         offset = 0 if kv_cache is None else kv_cache.offset
         if self.rotary is not None:
             if position_ids is None:
