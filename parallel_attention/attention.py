@@ -92,21 +92,10 @@ class ParallelSelfAttention(nn.Module):
     @torch.no_grad()
     def load_canonical_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full, p-independent weights (q_proj/k_proj/v_proj/o_proj .weight/.bias); keep my shard."""
-        expected = self.canonical_shapes()
-        missing = sorted(set(expected) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(expected))
-        if missing or unexpected:
-            raise ValueError(
-                f"canonical state dict mismatch: missing {missing}, unexpected {unexpected} "
-                f"(qkv_bias={self.config.qkv_bias}, out_bias={self.config.out_bias})."
-            )
-        for name, shape in expected.items():
-            if tuple(state_dict[name].shape) != shape:
-                raise ValueError(
-                    f"canonical state dict: {name} has shape {tuple(state_dict[name].shape)}, expected {shape} "
-                    f"for hidden_size={self.config.hidden_size}, num_heads={self.config.num_heads}, "
-                    f"num_kv_heads={self.config.num_kv_heads}, head_dim={self.config.head_dim}."
-                )
+        c = self.config
+        sharding.check_canonical(state_dict, self.canonical_shapes(), "canonical state dict",
+                                 f" (hidden_size={c.hidden_size}, num_heads={c.num_heads}, num_kv_heads="
+                                 f"{c.num_kv_heads}, head_dim={c.head_dim}, qkv_bias={c.qkv_bias}, out_bias={c.out_bias})")
         sd = {k: v.to(device=self.dense.weight.device, dtype=self.dense.weight.dtype) for k, v in state_dict.items()}
         qkv = self.query_key_value
         qkv.weight.copy_(self._fuse_local(sd["q_proj.weight"], sd["k_proj.weight"], sd["v_proj.weight"]))

@@ -56,13 +56,7 @@ class ParallelMLP(nn.Module):
 
     @torch.no_grad()
     def load_canonical_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        expected = self.canonical_shapes()
-        if set(sd) != set(expected):
-            raise ValueError(f"MLP canonical state dict: missing {sorted(set(expected) - set(sd))}, "
-                             f"unexpected {sorted(set(sd) - set(expected))}.")
-        for name, shape in expected.items():
-            if tuple(sd[name].shape) != shape:
-                raise ValueError(f"MLP canonical state dict: {name} has shape {tuple(sd[name].shape)}, expected {shape}.")
+        sharding.check_canonical(sd, self.canonical_shapes(), "MLP canonical state dict")
         ins = ("gate_proj", "up_proj") if self.gated else ("fc_in",)
         out = "down_proj" if self.gated else "fc_out"
         p, rank = self.tp_size, self.tp_rank

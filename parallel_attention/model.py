@@ -175,14 +175,7 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def load_canonical_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load full weights (as canonical_state_dict returns them); each rank keeps its shard."""
-        expected = self.canonical_shapes()
-        missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"model canonical state dict: missing {missing}, unexpected {unexpected}.")
-        for name, shape in expected.items():
-            if tuple(sd[name].shape) != shape:
-                raise ValueError(f"model canonical state dict: {name} has shape {tuple(sd[name].shape)}, "
-                                 f"this model expects {shape}.")
+        sharding.check_canonical(sd, self.canonical_shapes(), "model canonical state dict")
         local = self.state_dict()
         sd = {k: v.to(device=local[next(iter(local))].device) for k, v in sd.items()}
         self.load_state_dict(shard_state_dict(self.config, list(local), sd, self.tp_size, self.tp_rank))

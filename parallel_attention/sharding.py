@@ -83,3 +83,15 @@ def fuse_gated(gate: torch.Tensor, up: torch.Tensor, p: int, rank: int) -> torch
 def unfuse_gated(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     halves = [s.chunk(2, dim=0) for s in shards]
     return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
+
+
+def check_canonical(state_dict: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], what: str,
+                    hint: str = "") -> None:
+    """Refuse a canonical state dict with missing, unexpected or mis-shaped tensors, naming them."""
+    missing, unexpected = sorted(set(expected) - set(state_dict)), sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing {missing}, unexpected {unexpected}{hint}.")
+    for name, shape in expected.items():
+        if tuple(state_dict[name].shape) != tuple(shape):
+            raise ValueError(f"{what}: {name} has shape {tuple(state_dict[name].shape)}, expected {tuple(shape)}"
+                             f"{hint}.")
