@@ -164,10 +164,11 @@ class GPTModel(nn.Module):
         """Full, p-independent weights on every rank (a collective over the tensor-parallel group)."""
         canonical = {}
         for key, local in self.state_dict().items():
-            if canonical_sources(self.config, key)[0] == "replicated":
+            kind = canonical_sources(self.config, key)[0]
+            if kind == "replicated":
                 shards = [local] * self.tp_size
             else:
-                dim = 1 if canonical_sources(self.config, key)[0] == "row" else 0
+                dim = 1 if kind == "row" else 0
                 shards = list(mappings.all_gather_along_dim(local, dim, self.tp_group).chunk(self.tp_size, dim))
             canonical.update({k: v.clone() for k, v in unshard(self.config, key, shards).items()})
         return canonical

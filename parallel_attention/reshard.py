@@ -43,12 +43,17 @@ def _source(step_dir: Path) -> tuple[dict, PretrainConfig, int]:
     return manifest, config_from_dict(manifest["config"]), manifest["tensor_parallel_size"]
 
 
+def _canonical_weights(step_dir: Path, manifest: dict, cfg: PretrainConfig, p: int) -> dict[str, torch.Tensor]:
+    """Every model shard of the checkpoint, verified, joined into the canonical state dict."""
+    shards = [_read(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p)]
+    return unshard_state_dict(cfg.model, shards)
+
+
 def read_canonical_checkpoint(step_dir: str | Path) -> tuple[PretrainConfig, dict[str, torch.Tensor]]:
     """The run config and full weights of a checkpoint written at any p (every shard verified)."""
     step_dir = Path(step_dir)
     manifest, cfg, p = _source(step_dir)
-    shards = [_read(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p)]
-    return cfg, unshard_state_dict(cfg.model, shards)
+    return cfg, _canonical_weights(step_dir, manifest, cfg, p)
 
 
 def _canonical_optimizer(step_dir: Path, manifest: dict, cfg: PretrainConfig, p: int):
@@ -76,15 +81,14 @@ def _optimizer_shard(cfg: PretrainConfig, canonical: dict, keys: list[str], p: i
         if key in _SCALAR_STATE or key.startswith("__"):  # per-parameter scalars, group hyper-parameters
             shard = state
         else:
-            shard = shard_state_dict(cfg.model, [k for k in keys if k in _names_with_state(cfg, state, keys)],
-                                     state, p, rank)
+            shard = shard_state_dict(cfg.model, _names_with_state(cfg, state, keys), state, p, rank)
         tensors.update({f"{key}/{name}": t for name, t in shard.items()})
     return tensors
 
 
-def _names_with_state(cfg: PretrainConfig, canonical_state: dict, keys: list[str]) -> set[str]:
-    """Sharded parameter names whose canonical sources all have this state (every trainable one)."""
-    return {k for k in keys if all(n in canonical_state for n in canonical_sources(cfg.model, k)[1])}
+def _names_with_state(cfg: PretrainConfig, canonical_state: dict, keys: list[str]) -> list[str]:
+    """Sharded parameter names, in `keys` order, whose canonical sources all have this state."""
+    return [k for k in keys if all(n in canonical_state for n in canonical_sources(cfg.model, k)[1])]
 
 
 def write_canonical_checkpoint(ckpt_root: str | Path, cfg: PretrainConfig, canonical: dict[str, torch.Tensor],
@@ -129,8 +133,7 @@ def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parall
     """Offline: the checkpoint at `step_dir` (any p) rewritten at `tensor_parallel_size`, optimizer included."""
     step_dir = Path(step_dir)
     manifest, cfg, p = _source(step_dir)
-    shards = [_read(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p)]
-    canonical = unshard_state_dict(cfg.model, shards)
+    canonical = _canonical_weights(step_dir, manifest, cfg, p)
     optimizer = _canonical_optimizer(step_dir, manifest, cfg, p)
     target = config_from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"],
                                                               "tensor_parallel_size": tensor_parallel_size}})
@@ -152,8 +155,7 @@ def load_resharded(step_dir: str | Path, model: nn.Module, optimizer: torch.opti
     manifest, cfg, p_source = _source(step_dir)
     tp_group = resolve_tp_group(tp_group)
     p, rank = group_size(tp_group), group_rank(tp_group)
-    shards = [_read(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p_source)]
-    canonical = unshard_state_dict(cfg.model, shards)
+    canonical = _canonical_weights(step_dir, manifest, cfg, p_source)
     keys = list(model.state_dict())
     weights = shard_state_dict(cfg.model, keys, canonical, p, rank)
     current = model.state_dict()
