@@ -61,7 +61,7 @@ def torch_tp(module: PlainAttention, device_type: str, world: int) -> nn.Module:
     return parallelize_module(module, mesh, plan)
 
 
-# Collectives as called in Python: c10d (what parallel_attention.mappings calls) and the functional
+# Collectives as called in Python: c10d (what parallel_attention.tensor_parallel.collectives calls) and the functional
 # collectives DTensor redistributes with. Each maps to its payload in bytes, from (args, world size):
 # the full buffer, i.e. the all-reduced tensor, the gathered output, the reduce-scattered input.
 def _nbytes(t: torch.Tensor) -> int:

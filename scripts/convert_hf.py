@@ -25,12 +25,10 @@ import json
 import sys
 from pathlib import Path
 
-from parallel_attention.checkpoint import resolve_step_dir
-from parallel_attention.config import (DataConfig, LoggingConfig, ModelConfig, ParallelConfig, PretrainConfig,
+from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_step_dir, write_canonical_checkpoint
+from parallel_attention.training import (DataConfig, LoggingConfig, ModelConfig, ParallelConfig, PretrainConfig,
                                        save_config)
-from parallel_attention.hf_config import FAMILY
-from parallel_attention.hf_convert import canonical_to_hf, hf_to_canonical, read_hf_config
-from parallel_attention.reshard import read_canonical_checkpoint, write_canonical_checkpoint
+from parallel_attention.hf import FAMILY, canonical_to_hf, hf_to_canonical, read_hf_config
 
 SOURCE_CONFIG = "hf_config.json"
 
@@ -55,7 +53,7 @@ def run_import(hf_dir: Path, run_dir: Path, tp: int) -> Path:
         raise ValueError(f"{ckpt_root} already holds checkpoints: import into a new run directory.")
     model, canonical = hf_to_canonical(hf_dir)
     cfg = build_run_config(model, tp, run_dir)
-    step_dir = write_canonical_checkpoint(ckpt_root, cfg, canonical, step=0)
+    step_dir = write_canonical_checkpoint(ckpt_root, cfg.to_dict(), canonical, step=0)
     save_config(cfg, run_dir / "config.yaml")
     (run_dir / SOURCE_CONFIG).write_text(json.dumps(read_hf_config(hf_dir), indent=2) + "\n", encoding="utf-8")
     return step_dir
@@ -63,10 +61,11 @@ def run_import(hf_dir: Path, run_dir: Path, tp: int) -> Path:
 
 def run_export(checkpoint: Path, out_dir: Path, architecture: str | None) -> Path:
     step_dir = resolve_step_dir(checkpoint)
-    cfg, canonical = read_canonical_checkpoint(step_dir)
+    saved, canonical = read_canonical_checkpoint(step_dir)
+    model = ModelConfig.from_dict(saved["model"])
     recorded = step_dir.parent.parent / SOURCE_CONFIG  # RUN/checkpoints/step_XXXXXXX -> RUN/hf_config.json
     source = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else None
-    return canonical_to_hf(cfg.model, canonical, out_dir, architecture, source)
+    return canonical_to_hf(model, canonical, out_dir, architecture, source)
 
 
 def main(argv: list[str]) -> int:

@@ -16,11 +16,10 @@ import sys
 import torch
 
 import parallel_attention as pa
-from parallel_attention.checkpoint import resolve_step_dir
-from parallel_attention.generation import generate
-from parallel_attention.model import GPTModel
-from parallel_attention.reshard import read_canonical_checkpoint
-from parallel_attention.training.tokenizer import get_tokenizer
+from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_step_dir
+from parallel_attention.training import config_from_dict
+from parallel_attention.transformer import GPTModel, generate
+from parallel_attention.training import get_tokenizer
 
 
 def main(argv: list[str]) -> int:
@@ -36,7 +35,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     step_dir = resolve_step_dir(args.checkpoint)
-    cfg, canonical = read_canonical_checkpoint(step_dir)  # written at any p
+    saved, canonical = read_canonical_checkpoint(step_dir)  # written at any p
+    cfg = config_from_dict(saved)
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     device = pa.init_distributed(tensor_model_parallel_size=tp)
     model = GPTModel(cfg.model, sequence_parallel=False, device=device)  # decoding runs without SP

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from parallel_attention.config import DataConfig
-from parallel_attention.training.data import prepare_data
+from parallel_attention.training import DataConfig
+from parallel_attention.training import prepare_data
 
 
 def _max_bytes(text: str) -> int | None:

@@ -15,8 +15,9 @@ import sys
 
 import torch
 
-from parallel_attention.config import load_config
-from parallel_attention.training.trainer import train
+from parallel_attention import load_config
+from parallel_attention.training import ConfigError
+from parallel_attention.training import train
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -35,11 +36,14 @@ def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)
-        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     except (ValueError, OSError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    result = train(cfg, resume=args.resume)
+    try:
+        result = train(cfg, resume=args.resume)  # validates the config before any process group exists
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
     torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         final = result.val_losses.get(result.last_step)

@@ -14,8 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from parallel_attention.checkpoint import resolve_step_dir
-from parallel_attention.reshard import reshard_checkpoint
+from parallel_attention.checkpointing import reshard_checkpoint, resolve_step_dir
 
 
 def main(argv: list[str]) -> int:

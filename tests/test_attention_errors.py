@@ -7,6 +7,13 @@ import torch
 
 import parallel_attention as pa
 from distributed import run_distributed
+from parallel_attention.transformer import apex_available
+
+
+def test_the_old_name_backend_still_works_with_a_warning():
+    with pytest.warns(FutureWarning, match="attention_kernel"):
+        cfg = pa.AttentionConfig(hidden_size=16, num_heads=4, backend="math")
+    assert cfg.attention_kernel == "math" and cfg.backend is None
 
 
 @pytest.mark.parametrize("kwargs,needles", [
@@ -14,16 +21,16 @@ from distributed import run_distributed
     (dict(hidden_size=20, num_heads=6), ["hidden_size=20", "num_heads=6", "head_dim"]),
     (dict(hidden_size=16, num_heads=4, attention_dropout=1.0), ["attention_dropout=1.0", "[0, 1)"]),
     (dict(hidden_size=16, num_heads=4, attention_dropout=-0.1), ["attention_dropout=-0.1"]),
-    (dict(hidden_size=16, num_heads=4, backend="flash3"), ["backend='flash3'", "auto"]),
-    (dict(hidden_size=16, num_heads=4, backend="apex"), ["backend='apex'", "not installed", "auto"]),
+    (dict(hidden_size=16, num_heads=4, attention_kernel="flash3"), ["attention_kernel='flash3'", "auto"]),
+    (dict(hidden_size=16, num_heads=4, attention_kernel="apex"), ["attention_kernel='apex'", "not installed", "auto"]),
     (dict(hidden_size=0, num_heads=4), ["hidden_size=0"]),
     (dict(hidden_size=16, num_heads=4, head_dim=3, rotary=True), ["head_dim=3", "even"]),
     (dict(hidden_size=16, num_heads=4, params_dtype=torch.int32), ["params_dtype"]),
     (dict(hidden_size=16, num_heads=4, rope_theta=0.0), ["rope_theta=0.0"]),
 ])
 def test_invalid_config_names_values(kwargs, needles):
-    if kwargs.get("backend") == "apex" and pa.apex_kernels.apex_available():
-        pytest.skip("NVIDIA apex is installed here, so backend='apex' is valid")
+    if kwargs.get("attention_kernel") == "apex" and apex_available():
+        pytest.skip("NVIDIA apex is installed here, so attention_kernel='apex' is valid")
     with pytest.raises(ValueError) as info:
         pa.AttentionConfig(**kwargs)
     for needle in needles:

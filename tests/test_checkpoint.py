@@ -22,9 +22,9 @@ from distributed import run_distributed
 from torch import nn
 
 import parallel_attention as pa
-from parallel_attention.checkpoint import (CheckpointCorruptError, CheckpointError, latest_checkpoint,
+from parallel_attention.checkpointing import (CheckpointCorruptError, CheckpointError, latest_checkpoint,
                                            list_checkpoints, load_checkpoint, load_latest_valid, save_checkpoint)
-from parallel_attention.random import get_tensor_parallel_rng_state, set_tensor_parallel_rng_state, tensor_parallel_rng
+from parallel_attention.tensor_parallel import get_tensor_parallel_rng_state, set_tensor_parallel_rng_state, tensor_parallel_rng
 
 H, FFN, B = 12, 20, 6  # awkward sizes: a transposed shard changes a shape instead of passing
 CONFIG = {"model": {"hidden": H, "ffn": FFN}, "train": {"lr": 1e-2, "betas": [0.9, 0.95]}}

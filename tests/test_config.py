@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel_attention.config import load_config
+from parallel_attention import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = {"gpt_tiny.yaml": 2, "gpt2_124m.yaml": 8, "llama_1b_tp8.yaml": 8}  # config -> world size it is sized for
@@ -85,3 +85,32 @@ def test_pretrain_entry_rejects_before_any_process_group(monkeypatch, capsys):
     assert entry.main(["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden=3"]) == 2
     assert "model.hidden" in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("old,new,value", [("parallel.backend", "parallel.distributed_backend", "gloo"),
+                                           ("model.attention_backend", "model.attention_kernel", "math")])
+def test_renamed_keys_still_load_with_a_warning(tmp_path, old, new, value):
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {key}: {value}\n")
+    for source, overrides in ((path, []), (None, [f"--{old}={value}"])):
+        with pytest.warns(FutureWarning, match=new):
+            cfg = load_config(source, overrides)
+        assert getattr(getattr(cfg, section), new.split(".")[1]) == value
+    with pytest.raises(ValueError, match=f"{old}.*{new}"):
+        load_config(path, [f"--{new}={value}"])
+
+
+def test_a_saved_config_with_old_names_reads_silently(recwarn):
+    from parallel_attention.training import config_from_dict
+
+    cfg = config_from_dict({"model": {"attention_backend": "math"}, "parallel": {"backend": "gloo"}})
+    assert (cfg.model.attention_kernel, cfg.parallel.distributed_backend) == ("math", "gloo")
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
+def test_validation_errors_are_config_errors():
+    from parallel_attention.training import ConfigError
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3"):
+        load_config(None, ["--parallel.tensor_parallel_size=3"]).validate(4)

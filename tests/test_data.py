@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from parallel_attention.config import DataConfig
-from parallel_attention.training.data import (
+from parallel_attention.training import DataConfig
+from parallel_attention.training import (
     GlobalBatchSampler,
     TokenDataset,
     ensure_prepared,
     prepare_data,
     validation_batches,
 )
-from parallel_attention.training.tokenizer import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
+from parallel_attention.training import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
 
 
 def _sha256(path) -> str:

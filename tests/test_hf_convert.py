@@ -21,11 +21,10 @@ transformers = pytest.importorskip(
 
 import parallel_attention as pa  # noqa: E402
 from distributed import run_distributed  # noqa: E402
-from parallel_attention.config import ModelConfig, load_config  # noqa: E402
-from parallel_attention.hf_convert import canonical_to_hf, hf_to_canonical, read_hf_config  # noqa: E402
-from parallel_attention.mappings import all_gather_along_dim  # noqa: E402
-from parallel_attention.model import GPTModel  # noqa: E402
-from parallel_attention.reshard import read_canonical_checkpoint  # noqa: E402
+from parallel_attention import GPTModel, ModelConfig, canonical_to_hf, hf_to_canonical, load_config  # noqa: E402
+from parallel_attention.hf import read_hf_config  # noqa: E402
+from parallel_attention.tensor_parallel import all_gather_along_dim  # noqa: E402
+from parallel_attention.checkpointing import read_canonical_checkpoint  # noqa: E402
 
 VOCAB = 300  # not a multiple of 64 p: the model's internal vocabulary padding is exercised
 LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -256,7 +255,7 @@ def test_script_import_tp2_then_export(hf_models, name, tmp_path, capsys):
     assert cfg.parallel.tensor_parallel_size == 2 and cfg.data.tokenizer == "byte"  # vocab 300 < 50257
     step_cfg, canonical = read_canonical_checkpoint(run / "checkpoints" / "step_0000000")
     expected_cfg, expected = hf_to_canonical(hf_dir)
-    assert step_cfg.model == expected_cfg and all(torch.equal(canonical[k], expected[k]) for k in expected)
+    assert ModelConfig.from_dict(step_cfg["model"]) == expected_cfg and all(torch.equal(canonical[k], expected[k]) for k in expected)
     assert script.main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 0
     assert read_hf_config(tmp_path / "out")["architectures"] == read_hf_config(hf_dir)["architectures"]
     assert torch.equal(_hf_logits(tmp_path / "out"), ref)

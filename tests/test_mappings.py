@@ -19,7 +19,7 @@ import torch.distributed as dist
 from distributed import backend_for, device_params, local_device, run_distributed
 
 import parallel_attention as pa
-from parallel_attention import mappings
+from parallel_attention.tensor_parallel import collectives as mappings
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA; the cpu variant runs the same checks"))]

@@ -9,10 +9,8 @@ import torch.nn.functional as F
 
 import parallel_attention as pa
 from distributed import run_distributed
-from parallel_attention.config import ModelConfig
-from parallel_attention.cross_entropy import vocab_parallel_cross_entropy
-from parallel_attention.mappings import all_gather_along_dim
-from parallel_attention.model import GPTModel
+from parallel_attention import GPTModel, ModelConfig, vocab_parallel_cross_entropy
+from parallel_attention.tensor_parallel import all_gather_along_dim
 
 GPT2_LIKE = dict(vocab_size=203, hidden_size=32, num_layers=2, num_heads=4, max_seq_len=16)
 LLAMA_LIKE = dict(vocab_size=203, hidden_size=32, num_layers=2, num_heads=8, num_kv_heads=2, activation="swiglu",
@@ -116,9 +114,9 @@ def kv_cache_worker():
         torch.manual_seed(2)
         tokens = torch.randint(0, spec["vocab_size"], (2, 12))
         cache = model.new_kv_cache(batch_size=2, max_len=12)
-        steps = [model.next_token_logits(tokens[:, :5], cache)]  # prompt of 5, then 1 token, then 3 at once
-        steps.append(model.next_token_logits(tokens[:, 5:6], cache))
-        steps.append(model.next_token_logits(tokens[:, 6:9], cache))
+        steps = [model.decode(tokens[:, :5], cache)]  # prompt of 5, then 1 token, then 3 at once
+        steps.append(model.decode(tokens[:, 5:6], cache))
+        steps.append(model.decode(tokens[:, 6:9], cache))
         full = [model.next_token_logits(tokens[:, :n]) for n in (5, 6, 9)]
         errors.append(max((a - b).abs().max().item() for a, b in zip(steps, full)))
     return max(errors)
@@ -132,7 +130,7 @@ def test_kv_cache_matches_full_recomputation(world_size):
 
 def test_model_sharding_round_trips_without_processes():
     """Pure resharding: canonical -> p shards -> canonical is exact, for p in 1, 2, 4, 8."""
-    from parallel_attention.model_sharding import shard_state_dict, state_dict_keys, unshard_state_dict
+    from parallel_attention.transformer import shard_state_dict, state_dict_keys, unshard_state_dict
 
     for spec, sizes in ((GPT2_LIKE, (1, 2, 4)), (LLAMA_LIKE, (1, 2, 4, 8))):  # p = 8 > nkv = 2: replicas
         cfg = ModelConfig(**spec)

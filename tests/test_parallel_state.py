@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from distributed import backend_for, local_device, run_distributed
 
 import parallel_attention as pa
-from parallel_attention.parallel_state import get_tensor_model_parallel_src_rank
 
 WORLDS = [pytest.param(world, kind, id=f"p{world}-{kind}", marks=pytest.mark.skipif(
     kind == "cuda" and torch.cuda.device_count() < world, reason=f"needs {world} CUDA device(s) for NCCL; "
@@ -43,7 +42,6 @@ def _layout(dev):
         "dp_size": pa.get_data_parallel_world_size(), "dp_rank": pa.get_data_parallel_rank(),
         "tp_members": tuple(dist.get_process_group_ranks(tp)), "dp_members": tuple(dist.get_process_group_ranks(dp)),
         "tp_reduced": _members_by_all_reduce(tp, world, dev), "dp_reduced": _members_by_all_reduce(dp, world, dev),
-        "src_rank": get_tensor_model_parallel_src_rank(),
     }
 
 
@@ -79,7 +77,7 @@ def _expected_layout(rank, world, tp):
     dp_members = tuple(range(rank % tp, world, tp))
     return {"tp_size": tp, "tp_rank": rank % tp, "dp_size": world // tp, "dp_rank": rank // tp,
             "tp_members": tp_members, "dp_members": dp_members, "tp_reduced": tp_members,
-            "dp_reduced": dp_members, "src_rank": tp_members[0]}
+            "dp_reduced": dp_members}
 
 
 @pytest.mark.parametrize("world_size,device", WORLDS)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, environment, free_port, metrics, torchrun, torchrun_command, train_losses
-from parallel_attention.checkpoint import list_checkpoints
-from parallel_attention.training.data import prepare_data
+from parallel_attention.checkpointing import list_checkpoints
+from parallel_attention.training import prepare_data
 
 MAX_BYTES, VAL_FRACTION = 300_000, 0.05
 
@@ -38,15 +38,19 @@ def tiny_args(data_dir: Path, run_dir: Path, tp: int, steps: int, *extra: str) -
 def test_losses_do_not_depend_on_the_parallel_layout(data_dir, tmp_path):
     layouts = {"p1": (1, 1, []), "p2": (2, 2, []), "p2_dp2": (4, 2, []),
                "p2_sequence_parallel": (2, 2, ["--parallel.sequence_parallel=true"])}
-    losses = {}
+    losses, norms = {}, {}
     for name, (world, tp, extra) in layouts.items():
         torchrun("pretrain.py", world, tiny_args(data_dir, tmp_path / name, tp, 10, *extra))
         losses[name] = train_losses(tmp_path / name)
-    assert sorted(losses["p1"]) == list(range(1, 11))
+        norms[name] = {r["step"]: r["grad_norm"] for r in metrics(tmp_path / name) if "grad_norm" in r}
+    assert sorted(losses["p1"]) == list(range(1, 11)) and sorted(norms["p1"]) == list(range(1, 11))
     for name, run in losses.items():
         for step, loss in losses["p1"].items():
             # float32: the layouts sum the same products in other orders (TP matmul splits, DP means)
             assert run[step] == pytest.approx(loss, rel=1e-4), f"{name} step {step}"
+            # the logged norm counts each parameter once: a DP sum instead of a mean, or a replicated
+            # parameter counted per rank, moves it by far more than float noise
+            assert norms[name][step] == pytest.approx(norms["p1"][step], rel=1e-4), f"{name} grad_norm step {step}"
 
 
 def test_exact_resume_falls_back_past_a_corrupt_checkpoint(data_dir, tmp_path):

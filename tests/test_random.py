@@ -13,7 +13,7 @@ import torch.distributed as dist
 from distributed import backend_for, local_device, run_distributed
 
 import parallel_attention as pa
-from parallel_attention.random import (
+from parallel_attention.tensor_parallel import (
     get_tensor_parallel_rng_state,
     set_tensor_parallel_rng_state,
     tensor_parallel_rng,

@@ -12,7 +12,7 @@ import pytest
 
 from launch import ROOT, environment, train_losses, torchrun
 from test_pretrain import MAX_BYTES, VAL_FRACTION, tiny_args
-from parallel_attention.training.data import prepare_data
+from parallel_attention.training import prepare_data
 
 GQA = ["--model.num_kv_heads=2", "--model.position_embedding=rotary", "--checkpoint.interval=3"]
 

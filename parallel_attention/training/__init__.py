@@ -1,1 +1,17 @@
-"""Training machinery: data pipeline, optimiser, loop and metrics (see DESIGN.md, layer 9)."""
+"""Config-driven pretraining: the top layer of the library.
+
+Owns the run config (`config`: PretrainConfig, YAML loading and validation), data and
+tokenizers, the optimizer and schedule, gradient reductions across data parallelism and the
+global norm (`gradients`), loss scaling, metrics, where a run resumes from (`resume`), and the
+loop itself (`trainer`). May import every other sub-package; nothing imports it but the scripts
+(and the top-level package, for `PretrainConfig` and `load_config`).
+"""
+
+from .config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
+                     ParallelConfig, PretrainConfig, ScheduleConfig, TrainingConfig, config_from_dict, load_config,
+                     save_config)
+from .data import GlobalBatchSampler, TokenDataset, ensure_prepared, prepare_data, read_meta, validation_batches
+from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
+from .optim import build_optimizer, learning_rate
+from .tokenizer import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
+from .trainer import TrainResult, train

@@ -12,7 +12,6 @@ same global batch for any layout, and a resumed run sees exactly the batches it 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checkpointing.tensor_io import write_atomic
 from .tokenizer import get_tokenizer
 
 __all__ = ["GlobalBatchSampler", "TokenDataset", "ensure_prepared", "prepare_data", "read_meta", "validation_batches"]
@@ -84,28 +84,6 @@ def _read_corpus(source: str, max_bytes: int | None) -> tuple[list[str], int, in
 
 
 # ---------------------------------------------------------------------- writing token files
-def _write_atomic(path: Path, chunks) -> str:
-    """Write byte chunks to a temporary name, fsync, rename over `path`; return the sha256."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    digest = hashlib.sha256()
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            digest.update(chunk)
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_val(index: int, val_fraction: float) -> bool:
     """Document `index` goes to validation when index * val_fraction crosses an integer: every ~1/f-th one."""
     return int((index + 1) * val_fraction) > int(index * val_fraction)
@@ -165,9 +143,8 @@ def prepare_data(source: str, tokenizer: str, out_dir, val_fraction: float = 0.0
     if source == "stdlib":
         meta["python_version"] = sys.version.split()[0]
     for split, parts in (("train", train), ("val", val)):
-        meta[f"{split}_sha256"] = _write_atomic(out / f"{split}.bin", (a.tobytes() for a in parts))
-    _write_atomic(out / META, [json.dumps(meta, indent=2).encode("utf-8")])
-    _fsync_dir(out)
+        meta[f"{split}_sha256"] = write_atomic(out / f"{split}.bin", (a.tobytes() for a in parts))
+    write_atomic(out / META, [json.dumps(meta, indent=2).encode("utf-8")])
     return meta
 
 

@@ -1,21 +1,20 @@
-"""Gradient reductions of a training step beyond the tensor-parallel ones (see grads.finalize_grads).
+"""Gradient reductions of a training step beyond the tensor-parallel ones (see finalize_grads).
 
 - `all_reduce_data_parallel`: average gradients across data-parallel replicas in flat buckets.
-- `global_grad_norm`: the norm of the whole model's gradient, each parameter counted once:
-  tensor-parallel shards add up across the TP group, replicated parameters are counted on TP
-  rank 0 only, and replicated k/v heads (p > num_kv_heads) once per replica set.
+- `global_grad_norm`: the norm of the whole model's gradient with each parameter counted once,
+  read off the declared parameter kinds: sharded parameters add up across the tensor-parallel
+  group, replicated ones count on its first rank, and partial rows shared by several ranks (k/v
+  replicas) count 1/replicas on each.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..attention import ParallelSelfAttention
-from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from ..parallel_state import ProcessGroup, group_rank, group_size
+from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.param_kinds import Partial, Sharded, parameter_kinds
+from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
 
 
 @torch.no_grad()
@@ -24,10 +23,9 @@ def all_reduce_data_parallel(params: list[nn.Parameter], group: ProcessGroup | N
     world = group_size(group)
     if world == 1:
         return 0
-    grads = [p.grad for p in params if p.grad is not None]
     buckets, current, size = [], [], 0
     limit = bucket_mb * 2**20
-    for g in grads:
+    for g in (p.grad for p in params if p.grad is not None):
         if current and (size + g.numel() * g.element_size() > limit or g.dtype != current[0].dtype):
             buckets.append(current)
             current, size = [], 0
@@ -36,43 +34,33 @@ def all_reduce_data_parallel(params: list[nn.Parameter], group: ProcessGroup | N
     if current:
         buckets.append(current)
     for bucket in buckets:
-        flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(reduced)
+        flat = all_reduce_(torch.cat([g.reshape(-1) for g in bucket]), group).div_(world)
+        for g, reduced in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(reduced.view_as(g))
     return len(buckets)
 
 
-def _sharded_parameters(model: nn.Module) -> set[int]:
-    sharded = set()
-    for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)) and m.tp_size > 1:
-            sharded.update(id(p) for p in m.parameters(recurse=False))
-        elif isinstance(m, RowParallelLinear) and m.tp_size > 1:
-            sharded.add(id(m.weight))  # its bias is replicated
-    return sharded
+def _squared_norm_once(param: nn.Parameter, kind, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's share of |grad|^2 such that the sum over the tensor-parallel group counts it once."""
+    squared = param.grad.float().pow(2).sum()
+    if isinstance(kind, Sharded):
+        return squared
+    if isinstance(kind, Partial) and kind.sharded_dim is not None:  # shared rows inside a sharded tensor
+        replicas = tp_size // kind.num_slots
+        return squared - (1.0 - 1.0 / replicas) * param.grad[kind.rows].float().pow(2).sum()
+    return squared if tp_rank == 0 else torch.zeros_like(squared)  # identical on every rank
 
 
 @torch.no_grad()
 def global_grad_norm(model: nn.Module, tp_group: ProcessGroup | None) -> torch.Tensor:
     """L2 norm of all gradients as if the model were on one rank (call after all reductions)."""
-    sharded = _sharded_parameters(model)
-    first_tp_rank = group_rank(tp_group) == 0
-    params = [p for p in model.parameters() if p.grad is not None]
-    device = params[0].grad.device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        if id(p) in sharded or first_tp_rank:
-            total += p.grad.float().pow(2).sum()
-    for m in model.modules():
-        if isinstance(m, ParallelSelfAttention) and m.kv_replicated and m.tp_size > 1:
-            replicas = m.tp_size // m.config.num_kv_heads
-            for entry in m.partial_grads():  # the replicated k/v rows: count 1/replicas of each copy
-                total -= (1.0 - 1.0 / replicas) * entry.param.grad[entry.rows].float().pow(2).sum()
-    if group_size(tp_group) > 1:
-        dist.all_reduce(total, group=tp_group)
-    return total.sqrt()
+    tp_rank, tp_size = group_rank(tp_group), group_size(tp_group)
+    total = None
+    for param, kind in parameter_kinds(model).values():
+        if param.grad is not None:
+            share = _squared_norm_once(param, kind, tp_rank, tp_size)
+            total = share if total is None else total + share
+    return all_reduce_(total, tp_group).sqrt()
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import OptimizerConfig, ScheduleConfig
+from .config import OptimizerConfig, ScheduleConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:

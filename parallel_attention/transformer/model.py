@@ -19,27 +19,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import mappings, sharding
+from ..tensor_parallel import collectives, sharding
+from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
+from ..tensor_parallel.param_kinds import Partial, Replicated, Sharded, parameter_kinds
+from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
+from ..tensor_parallel.rng import checkpoint_with_tp_rng, tensor_parallel_rng
 from .attention import ParallelSelfAttention
-from .config import ModelConfig
 from .cross_entropy import vocab_parallel_cross_entropy
-from .grads import PartialGrad
 from .kv_cache import KVCache
-from .layers import ColumnParallelLinear, VocabParallelEmbedding
 from .mlp import ParallelMLP
-from .model_sharding import canonical_sources, padded_vocab_size, shard_state_dict, unshard
+from .model_config import ModelConfig
+from .model_layout import padded_vocab_size, shard_state_dict, unshard
 from .norms import build_norm
-from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
-from .random import checkpoint_with_tp_rng, tensor_parallel_rng
 
 
-def _dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
-    if p == 0 or not training:
-        return x
-    if sequence_parallel:
+class HiddenDropout(nn.Module):
+    """Dropout on [s, b, h] activations. Replicated activations draw from the default generator (the
+    same mask on every rank); sequence-parallel chunks hold other tokens per rank, so they draw from
+    the tensor-parallel generator. Chosen once, at construction."""
+
+    def __init__(self, p: float, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.p = p
+        self._drop = self._drop_per_rank if sequence_parallel else self._drop_replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._drop(x) if self.training and self.p > 0 else x
+
+    def _drop_replicated(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.p, training=True)
+
+    def _drop_per_rank(self, x: torch.Tensor) -> torch.Tensor:
         with tensor_parallel_rng(x.device):
-            return F.dropout(x, p, training=True)
-    return F.dropout(x, p, training=True)
+            return F.dropout(x, self.p, training=True)
 
 
 class TransformerLayer(nn.Module):
@@ -49,17 +61,32 @@ class TransformerLayer(nn.Module):
         super().__init__()
         norm = lambda: build_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sequence_parallel,  # noqa: E731
                                   tp_group, device, dtype)
-        self.hidden_dropout, self.sequence_parallel = cfg.hidden_dropout, sequence_parallel
         self.input_norm = norm()
-        self.attention = ParallelSelfAttention(cfg.attention_config(sequence_parallel), tp_group, device)
+        self.attention = ParallelSelfAttention(cfg.attention_config(sequence_parallel, dtype), tp_group, device)
         self.post_attention_norm = norm()
         self.mlp = ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
                                sequence_parallel, cfg.init_std, tp_group, device, dtype)
+        self.dropout = HiddenDropout(cfg.hidden_dropout, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
-        drop = lambda t: _dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)  # noqa: E731
-        x = x + drop(self.attention(self.input_norm(x), kv_cache=kv_cache))
-        return x + drop(self.mlp(self.post_attention_norm(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attention(self.input_norm(x)))
+        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+
+    def decode(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """forward() for new tokens only, attending the cached keys and values (see ParallelSelfAttention.decode)."""
+        x = x + self.dropout(self.attention.decode(self.input_norm(x), cache))
+        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+
+
+def _run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
+
+
+def _run_layer_recomputed(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Keep only the layer's input; recompute its activations in backward (TP dropout replayed)."""
+    if not (layer.training and torch.is_grad_enabled()):
+        return layer(x)
+    return checkpoint_with_tp_rng(layer, x)
 
 
 class GPTModel(nn.Module):
@@ -73,22 +100,26 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = padded_vocab_size(cfg.vocab_size, self.tp_size)
         h, std = cfg.hidden_size, cfg.init_std
         # Construction order is the order the seeded generator is drawn in: it must not depend on p.
-        self.embed_tokens = VocabParallelEmbedding(self.padded_vocab_size, h, init_method=None,
+        self.embed_tokens = VocabParallelEmbedding(self.padded_vocab_size, h, init_std=None,
                                                    sequence_parallel=sequence_parallel, tp_group=self.tp_group,
                                                    device=device, dtype=dtype)
         self._load_vocab_rows(self.embed_tokens.weight, self._normal((cfg.vocab_size, h), std, device, dtype))
         self.embed_positions = None
         if cfg.position_embedding == "learned":
             self.embed_positions = nn.Parameter(self._normal((cfg.max_seq_len, h), std, device, dtype))
+        self.embedding_dropout = HiddenDropout(cfg.hidden_dropout, sequence_parallel)
         self.layers = nn.ModuleList(TransformerLayer(cfg, sequence_parallel, self.tp_group, device, dtype)
                                     for _ in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.norm, h, cfg.norm_eps, sequence_parallel, self.tp_group, device, dtype)
-        self.lm_head = None
-        if not cfg.tie_embeddings:
-            self.lm_head = ColumnParallelLinear(h, self.padded_vocab_size, bias=False,
-                                                sequence_parallel=sequence_parallel, init_method=None,
-                                                tp_group=self.tp_group, device=device, dtype=dtype)
+        if cfg.tie_embeddings:  # no parameter of its own: nothing of it in the state dict
+            self.lm_head = TiedOutputLayer(self.embed_tokens, sequence_parallel)
+        else:
+            self.lm_head = ColumnParallelLinear(h, self.padded_vocab_size, bias=False, init_std=None,
+                                                sequence_parallel=sequence_parallel, tp_group=self.tp_group,
+                                                device=device, dtype=dtype)
             self._load_vocab_rows(self.lm_head.weight, self._normal((cfg.vocab_size, h), std, device, dtype))
+        self._positions = self._my_positions if sequence_parallel else self._all_positions
+        self._run_layer = _run_layer_recomputed if cfg.recompute_activations else _run_layer
 
     @staticmethod
     def _normal(shape, std, device, dtype) -> torch.Tensor:
@@ -99,17 +130,18 @@ class GPTModel(nn.Module):
         """Copy this rank's rows of a full [V, h] table, padding rows past V with zeros."""
         shard.copy_(sharding.vocab_shard(full, self.padded_vocab_size, self.tp_size, self.tp_rank))
 
-    def partial_grads(self) -> list[PartialGrad]:
-        """Under SP each rank adds only its own positions' gradient to the learned position table."""
-        if self.sequence_parallel and self.embed_positions is not None and self.tp_size > 1:
-            return [PartialGrad(self.embed_positions, self.tp_group)]
-        return []
+    def parameter_kinds(self) -> dict:
+        """Learned positions are replicated; under SP each rank adds only its own positions' gradient."""
+        if self.embed_positions is None:
+            return {}
+        return {"embed_positions": Partial(self.tp_group) if self.sequence_parallel else Replicated(self.tp_group)}
 
     # ------------------------------------------------------------------------------ forward
-    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
-        attn = self.layers[0].attention
-        return KVCache(len(self.layers), batch_size, attn.num_kv_heads_per_rank, attn.config.head_dim, max_len,
-                       device=self.final_norm.weight.device, dtype=self.final_norm.weight.dtype)
+    def _all_positions(self, table: torch.Tensor) -> torch.Tensor:
+        return table
+
+    def _my_positions(self, table: torch.Tensor) -> torch.Tensor:
+        return table.chunk(self.tp_size, dim=0)[self.tp_rank]
 
     def _embed(self, tokens: torch.Tensor, offset: int) -> torch.Tensor:
         s = tokens.shape[1]
@@ -117,59 +149,59 @@ class GPTModel(nn.Module):
             raise ValueError(f"sequence of {s + offset} tokens exceeds model.max_seq_len={self.config.max_seq_len}.")
         x = self.embed_tokens(tokens.t())  # [s, b, h]; SP: [s/p, b, h]
         if self.embed_positions is not None:
-            positions = self.embed_positions[offset:offset + s]
-            if self.sequence_parallel:
-                positions = positions.chunk(self.tp_size, dim=0)[self.tp_rank]
-            x = x + positions.unsqueeze(1)
-        return _dropout(x, self.config.hidden_dropout, self.training, self.sequence_parallel)
+            x = x + self._positions(self.embed_positions[offset:offset + s]).unsqueeze(1)
+        return self.embedding_dropout(x)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits, [s, b, V_padded/p]."""
-        if self.lm_head is not None:
-            return self.lm_head(x)
-        if self.sequence_parallel:
-            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)
-        else:
-            x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
-        return F.linear(x, self.embed_tokens.weight)
-
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> mean loss over labels [b, s], or local logits [s, b, V_padded/p] without labels."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [b, s], got shape {tuple(tokens.shape)}.")
-        x = self._embed(tokens, 0 if kv_cache is None else kv_cache.length)
-        recompute = self.config.recompute_activations and self.training and torch.is_grad_enabled()
-        for i, layer in enumerate(self.layers):
-            if recompute:
-                x = checkpoint_with_tp_rng(layer, x)
-            else:
-                x = layer(x, kv_cache=None if kv_cache is None else kv_cache.layers[i])
-        if kv_cache is not None:
-            kv_cache.advance(tokens.shape[1])
-        logits = self._logits(self.final_norm(x))
+        x = self._embed(tokens, 0)
+        for layer in self.layers:
+            x = self._run_layer(layer, x)
+        logits = self.lm_head(self.final_norm(x))
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size, self.tp_group).mean()
 
+    # ------------------------------------------------------------------------------ decoding
+    def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
+        attn = self.layers[0].attention
+        return KVCache(len(self.layers), batch_size, attn.num_kv_heads_per_rank, attn.config.head_dim, max_len,
+                       device=self.final_norm.weight.device, dtype=self.final_norm.weight.dtype)
+
     @torch.no_grad()
-    def next_token_logits(self, tokens: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Full-vocabulary logits [b, V] of the last position (gathers across the group)."""
-        local = self.forward(tokens, kv_cache=kv_cache)[-1]
-        return mappings.gather_from_tensor_parallel_region(local, self.tp_group)[:, :self.vocab_size].float()
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Full-vocabulary logits [b, V] of the last of `tokens` [b, n], the n tokens after those in `cache`."""
+        if self.sequence_parallel:
+            raise ValueError("decoding needs a GPTModel built with sequence_parallel=False.")
+        x = self._embed(tokens, cache.length)
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x = layer.decode(x, layer_cache)
+        cache.advance(tokens.shape[1])
+        return self._full_vocabulary(self.lm_head(self.final_norm(x))[-1])
+
+    @torch.no_grad()
+    def next_token_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [b, V] of the last position of `tokens` [b, s], without a cache."""
+        return self._full_vocabulary(self.forward(tokens)[-1])
+
+    def _full_vocabulary(self, local: torch.Tensor) -> torch.Tensor:
+        """[b, V_padded/p] on each rank -> [b, V] on every rank (gathered across the group), float32."""
+        return collectives.gather_from_tensor_parallel_region(local, self.tp_group)[:, :self.vocab_size].float()
 
     # ------------------------------------------------------------------------------ weights
     @torch.no_grad()
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, p-independent weights on every rank (a collective over the tensor-parallel group)."""
         canonical = {}
-        for key, local in self.state_dict().items():
-            kind = canonical_sources(self.config, key)[0]
-            if kind == "replicated":
-                shards = [local] * self.tp_size
+        for key, (param, kind) in parameter_kinds(self).items():
+            dim = kind.dim if isinstance(kind, Sharded) else getattr(kind, "sharded_dim", None)
+            if dim is None:  # the same on every rank
+                shards = [param.detach()] * self.tp_size
             else:
-                dim = 1 if kind == "row" else 0
-                shards = list(mappings.all_gather_along_dim(local, dim, self.tp_group).chunk(self.tp_size, dim))
+                gathered = collectives.all_gather_along_dim(param.detach(), dim, self.tp_group)
+                shards = list(gathered.chunk(self.tp_size, dim))
             canonical.update({k: v.clone() for k, v in unshard(self.config, key, shards).items()})
         return canonical
 
@@ -194,6 +226,6 @@ class GPTModel(nn.Module):
             shapes.update({f"layers.{i}.attention.{k}": v for k, v in layer.attention.canonical_shapes().items()})
             shapes.update({f"layers.{i}.mlp.{k}": v for k, v in layer.mlp.canonical_shapes().items()})
         shapes.update({f"final_norm.{k}": tuple(v.shape) for k, v in self.final_norm.state_dict().items()})
-        if self.lm_head is not None:
+        if not self.config.tie_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         return shapes

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .mappings import all_reduce_
-from .parallel_state import ProcessGroup, group_rank, group_size
+from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -12,12 +12,22 @@ import importlib
 
 
 @functools.lru_cache(maxsize=None)
-def fused_softmax_module():
-    """apex.transformer.functional.fused_softmax, or None when NVIDIA apex is not installed."""
+def _apex_module(name: str):
+    """apex's module `name`, or None when NVIDIA apex is not installed."""
     try:
-        return importlib.import_module("apex.transformer.functional.fused_softmax")
+        return importlib.import_module(name)
     except Exception:  # ImportError, or an unrelated `apex` package without this module
         return None
+
+
+def fused_softmax_module():
+    """apex.transformer.functional.fused_softmax, or None."""
+    return _apex_module("apex.transformer.functional.fused_softmax")
+
+
+def fused_norms_module():
+    """apex.normalization.fused_layer_norm (fused LayerNorm and RMSNorm on CUDA), or None."""
+    return _apex_module("apex.normalization.fused_layer_norm")
 
 
 def apex_available() -> bool:
@@ -30,7 +40,7 @@ def active_paths() -> dict[str, str]:
 
     sdpa = "torch SDPA (flash / memory-efficient kernels)" if torch.cuda.is_available() else "torch SDPA (CPU)"
     return {
-        "attention (backend='auto'/'sdpa')": sdpa,
-        "attention (backend='apex')": "apex fused scale-mask-softmax" if apex_available()
+        "attention (attention_kernel='auto'/'sdpa')": sdpa,
+        "attention (attention_kernel='apex')": "apex fused scale-mask-softmax" if apex_available()
         else "unavailable: NVIDIA apex is not installed",
     }

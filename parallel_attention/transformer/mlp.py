@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import sharding
-from .layers import ColumnParallelLinear, RowParallelLinear
-from .mappings import all_gather_along_dim
-from .parallel_state import ProcessGroup
+from ..tensor_parallel import sharding
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.collectives import all_gather_along_dim
+from ..tensor_parallel.parallel_state import ProcessGroup
 
 
 class ParallelMLP(nn.Module):
@@ -30,12 +30,13 @@ class ParallelMLP(nn.Module):
             raise ValueError(f"activation={activation!r} is unknown; choose gelu or swiglu.")
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
         self.gated, self.init_std = activation == "swiglu", init_std
-        common = dict(sequence_parallel=sequence_parallel, init_method=None, tp_group=tp_group, device=device,
+        common = dict(sequence_parallel=sequence_parallel, init_std=None, tp_group=tp_group, device=device,
                       dtype=dtype)
         self.fc_in = ColumnParallelLinear(hidden_size, ffn_hidden_size * (2 if self.gated else 1), bias=bias,
                                           **common)
         self.fc_out = RowParallelLinear(ffn_hidden_size, hidden_size, bias=bias, input_is_parallel=True, **common)
         self.tp_size, self.tp_rank = self.fc_in.tp_size, self.fc_in.tp_rank
+        self._activation = _swiglu if self.gated else _gelu_tanh
         self.load_canonical_state_dict(self._initial_canonical_weights())
 
     def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -87,10 +88,14 @@ class ParallelMLP(nn.Module):
         return sd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc_in(x)
-        if self.gated:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate="tanh")
-        return self.fc_out(y)
+        return self.fc_out(self._activation(self.fc_in(x)))
+
+
+def _gelu_tanh(y: torch.Tensor) -> torch.Tensor:
+    return F.gelu(y, approximate="tanh")
+
+
+def _swiglu(y: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up on this rank's fused [gate_r | up_r] columns."""
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up

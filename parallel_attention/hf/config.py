@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .config import ModelConfig
+from ..transformer.model_config import ModelConfig
 
 FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 MODEL_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "GPT2LMHeadModel": "gpt2"}

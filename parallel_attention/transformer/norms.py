@@ -1,68 +1,54 @@
 """LayerNorm and RMSNorm that know about sequence parallelism; apex fused kernels on CUDA when present.
 
 Under sequence parallelism a norm runs on this rank's [s/p, b, h] tokens with weights replicated
-across the tensor-parallel group, so its gradient is a partial sum: `partial_grads()` lets
-finalize_grads() complete it.
+across the tensor-parallel group, so its gradient is a partial sum: the norm declares its
+parameters Partial, and finalize_grads() completes them.
 """
 
 from __future__ import annotations
-
-import functools
-import importlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .grads import PartialGrad
-from .parallel_state import ProcessGroup, group_size, resolve_tp_group
-
-
-@functools.lru_cache(maxsize=None)
-def _apex_fused_norms():
-    try:
-        return importlib.import_module("apex.normalization.fused_layer_norm")
-    except Exception:  # NVIDIA apex absent (or the unrelated PyPI `apex`)
-        return None
+from ..tensor_parallel.param_kinds import Partial, Replicated
+from ..tensor_parallel.parallel_state import ProcessGroup, resolve_tp_group
+from .apex_kernels import fused_norms_module
 
 
 class _Norm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, tp_group: ProcessGroup | None,
-                 bias: bool, device, dtype) -> None:
+    has_bias = True
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+                 tp_group: ProcessGroup | None = None, device=None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.hidden_size, self.eps, self.sequence_parallel = hidden_size, eps, sequence_parallel
-        self.tp_group = resolve_tp_group(tp_group) if sequence_parallel else None
+        self.tp_group = resolve_tp_group(tp_group)
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if self.has_bias else None
 
-    def partial_grads(self) -> list[PartialGrad]:
-        if not self.sequence_parallel or group_size(self.tp_group) == 1:
-            return []
-        return [PartialGrad(p, self.tp_group) for p in (self.weight, self.bias) if p is not None]
+    def parameter_kinds(self) -> dict:
+        kind = Partial(self.tp_group) if self.sequence_parallel else Replicated(self.tp_group)
+        return {name: kind for name, _ in self.named_parameters(recurse=False)}
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
 
 
 class LayerNorm(_Norm):
-    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=False, tp_group=None, device=None,
-                 dtype=torch.float32):
-        super().__init__(hidden_size, eps, sequence_parallel, tp_group, True, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        apex = _apex_fused_norms() if x.is_cuda else None
+        apex = fused_norms_module() if x.is_cuda else None
         if apex is not None:
             return apex.fused_layer_norm_affine(x, self.weight, self.bias, (self.hidden_size,), self.eps)
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
 
 class RMSNorm(_Norm):
-    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=False, tp_group=None, device=None,
-                 dtype=torch.float32):
-        super().__init__(hidden_size, eps, sequence_parallel, tp_group, False, device, dtype)
+    has_bias = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        apex = _apex_fused_norms() if x.is_cuda else None
+        apex = fused_norms_module() if x.is_cuda else None
         if apex is not None and hasattr(apex, "fused_rms_norm_affine"):
             return apex.fused_rms_norm_affine(x, self.weight, (self.hidden_size,), self.eps)
         # float32 statistics for half inputs, as Llama does

@@ -40,11 +40,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint_manifest import cpu_tensors
-from .config import ModelConfig
+from ..checkpointing.tensor_io import cpu_tensors, read_safetensors
+from ..transformer.model_config import ModelConfig
 
 Tensors = dict[str, torch.Tensor]
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
@@ -180,20 +179,18 @@ def load_hf_tensors(hf_dir: str | Path) -> tuple[Tensors, str]:
     """All tensors of a save_pretrained directory, and a description of where they came from."""
     hf_dir = Path(hf_dir)
     if (hf_dir / SINGLE).is_file():
-        with safe_open(hf_dir / SINGLE, framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}, str(hf_dir / SINGLE)
+        return read_safetensors(hf_dir / SINGLE)[0], str(hf_dir / SINGLE)
     if not (hf_dir / INDEX).is_file():
         raise ValueError(f"{hf_dir} holds neither {SINGLE} nor {INDEX} (pickled pytorch_model.bin is not read: "
                          "re-save it with save_pretrained(..., safe_serialization=True)).")
     weight_map = json.loads((hf_dir / INDEX).read_text(encoding="utf-8"))["weight_map"]
     tensors: Tensors = {}
     for file in sorted(set(weight_map.values())):
-        with safe_open(hf_dir / file, framework="pt") as f:
-            present = set(f.keys())
-            for name in (n for n, where in weight_map.items() if where == file):
-                if name not in present:
-                    raise ValueError(f"tensor {name} is missing from {hf_dir / file} ({INDEX} places it there).")
-                tensors[name] = f.get_tensor(name)
+        present = read_safetensors(hf_dir / file)[0]
+        for name in (n for n, where in weight_map.items() if where == file):
+            if name not in present:
+                raise ValueError(f"tensor {name} is missing from {hf_dir / file} ({INDEX} places it there).")
+            tensors[name] = present[name]
     return tensors, f"{hf_dir} (sharded, {INDEX})"
 
 

@@ -24,10 +24,14 @@ class _Groups:
     tensor_parallel: ProcessGroup
     data_parallel: ProcessGroup
     tensor_parallel_ranks: tuple[int, ...]
-    data_parallel_ranks: tuple[int, ...]
 
 
 _GROUPS: _Groups | None = None
+
+
+def is_distributed() -> bool:
+    """Whether torch.distributed is up (otherwise everything runs as a world of one)."""
+    return _is_distributed()
 
 
 def _is_distributed() -> bool:
@@ -60,7 +64,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
         )
     rank = dist.get_rank()
     tp_group = dp_group = None
-    tp_ranks = dp_ranks = ()
+    tp_ranks = ()
     # new_group is collective over the whole world: every rank creates every group in the same order.
     for start in range(0, world, p):
         ranks = tuple(range(start, start + p))
@@ -71,8 +75,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
         ranks = tuple(range(offset, world, p))
         group = dist.new_group(list(ranks))
         if rank in ranks:
-            dp_group, dp_ranks = group, ranks
-    _GROUPS = _Groups(tp_group, dp_group, tp_ranks, dp_ranks)
+            dp_group = group
+    _GROUPS = _Groups(tp_group, dp_group, tp_ranks)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -116,6 +120,11 @@ def get_tensor_model_parallel_world_size() -> int:
     return group_size(get_tensor_model_parallel_group())
 
 
+def get_global_rank() -> int:
+    """This process's rank in the whole world (0 outside torch.distributed)."""
+    return dist.get_rank() if _is_distributed() else 0
+
+
 def get_tensor_model_parallel_rank() -> int:
     return group_rank(get_tensor_model_parallel_group())
 
@@ -126,11 +135,6 @@ def get_data_parallel_world_size() -> int:
 
 def get_data_parallel_rank() -> int:
     return group_rank(get_data_parallel_group())
-
-
-def get_tensor_model_parallel_src_rank() -> int:
-    """Global rank of the first member of this rank's tensor-parallel group (for broadcasts)."""
-    return _GROUPS.tensor_parallel_ranks[0] if _GROUPS is not None else 0
 
 
 def resolve_tp_group(tp_group: ProcessGroup | None) -> ProcessGroup | None:

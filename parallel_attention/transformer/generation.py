@@ -29,7 +29,7 @@ def generate(model: GPTModel, prompt: torch.Tensor, max_new_tokens: int, tempera
     cache = model.new_kv_cache(prompt.shape[0], total) if use_cache else None
     tokens, new = prompt, prompt
     for _ in range(max_new_tokens):
-        logits = model.next_token_logits(new if use_cache else tokens, cache)
+        logits = model.decode(new, cache) if use_cache else model.next_token_logits(tokens)
         if temperature == 0:
             next_token = logits.argmax(dim=-1, keepdim=True)
         else:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tensor_parallel.rng import tensor_parallel_rng
 from .apex_kernels import fused_softmax_module
 
 
@@ -69,7 +70,7 @@ class ApexFusedSoftmaxAttention(nn.Module):
         super().__init__()
         fused = fused_softmax_module()
         if fused is None:
-            raise ValueError("backend='apex' but NVIDIA apex is not installed: use backend='auto'.")
+            raise ValueError("attention_kernel='apex' but NVIDIA apex is not installed: use attention_kernel='auto'.")
         self._fused = fused
         self._softmax: dict[tuple, nn.Module] = {}
 
@@ -100,12 +101,37 @@ class ApexFusedSoftmaxAttention(nn.Module):
         return torch.matmul(probs, v)
 
 
-def build_core_attention(backend: str) -> nn.Module:
-    """The backend's module; 'auto' is SDPA, which already picks flash kernels on CUDA."""
-    if backend in ("auto", "sdpa"):
+def build_kernel(kernel: str) -> nn.Module:
+    """The kernel's module; 'auto' is SDPA, which already picks flash kernels on CUDA."""
+    if kernel in ("auto", "sdpa"):
         return SdpaAttention()
-    if backend == "math":
+    if kernel == "math":
         return MathAttention()
-    if backend == "apex":
+    if kernel == "apex":
         return ApexFusedSoftmaxAttention()
-    raise ValueError(f"unknown attention backend {backend!r}; choose auto, sdpa, math or apex.")
+    raise ValueError(f"unknown attention_kernel {kernel!r}; choose auto, sdpa, math or apex.")
+
+
+class CoreAttention(nn.Module):
+    """The chosen kernel, with attention dropout drawn from the tensor-parallel generator.
+
+    Each rank holds other heads, so their dropout masks must differ across the group: the kernel
+    runs inside `tensor_parallel_rng` when dropout is on (decided here, once) and in training mode.
+    """
+
+    def __init__(self, kernel: str, dropout_p: float = 0.0) -> None:
+        super().__init__()
+        self.kernel, self.dropout_p = build_kernel(kernel), dropout_p
+        self._attend = self._attend_with_dropout if dropout_p > 0 else self._attend_without_dropout
+
+    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        return self._attend(q, k, v, mask, causal)
+
+    def _attend_without_dropout(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        return self.kernel(q, k, v, mask, causal, 0.0)
+
+    def _attend_with_dropout(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        if not self.training:
+            return self._attend_without_dropout(q, k, v, mask, causal)
+        with tensor_parallel_rng(q.device):
+            return self.kernel(q, k, v, mask, causal, self.dropout_p)

@@ -24,19 +24,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import sharding
+from ..tensor_parallel import sharding
 from .attention_config import AttentionConfig
-from .core_attention import build_core_attention
-from .grads import PartialGrad
+from .core_attention import CoreAttention
+from ..tensor_parallel.param_kinds import Partial
 from .kv_cache import LayerKVCache
-from .layers import ColumnParallelLinear, RowParallelLinear
-from .mappings import all_gather_along_dim
-from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
-from .random import tensor_parallel_rng
-from .rotary import RotaryEmbedding
-
-CANONICAL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.collectives import all_gather_along_dim
+from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
+from .rotary import build_position_embedding
 
 class ParallelSelfAttention(nn.Module):
     def __init__(self, config: AttentionConfig, tp_group: ProcessGroup | None = None, device=None) -> None:
@@ -49,13 +45,16 @@ class ParallelSelfAttention(nn.Module):
         self.kv_replicated = self.tp_size > config.num_kv_heads
         d, h = config.head_dim, config.hidden_size
         qkv_per_rank = (self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank) * d
-        common = dict(sequence_parallel=config.sequence_parallel, init_method=None, tp_group=self.tp_group,
+        common = dict(sequence_parallel=config.sequence_parallel, init_std=None, tp_group=self.tp_group,
                       device=device, dtype=config.params_dtype)
         self.query_key_value = ColumnParallelLinear(h, qkv_per_rank * self.tp_size, bias=config.qkv_bias, **common)
         self.dense = RowParallelLinear(config.num_heads * d, h, bias=config.out_bias, input_is_parallel=True,
                                        **common)
-        self.core_attention = build_core_attention(config.backend)
-        self.rotary = RotaryEmbedding(d, config.rope_theta) if config.rotary else None
+        # under sequence parallelism the input is this rank's [s/p, b, h] chunk of the sequence
+        self._sequence_chunks = self.tp_size if config.sequence_parallel else 1
+        self._input_hint = " (sequence parallel: this rank's [s/p, b, h] chunk)" if config.sequence_parallel else ""
+        self.core_attention = CoreAttention(config.attention_kernel, config.attention_dropout)
+        self.position_embedding = build_position_embedding(config)
         self.load_canonical_state_dict(self._initial_canonical_weights(device))
 
     # ----------------------------------------------------------------------------- weights
@@ -119,32 +118,25 @@ class ParallelSelfAttention(nn.Module):
             out["o_proj.bias"] = self.dense.bias.detach().clone()
         return out
 
-    def partial_grads(self) -> list[PartialGrad]:
-        """Replicated k/v heads (p > nkv): each replica's gradient covers only its rank's queries."""
+    def parameter_kinds(self) -> dict:
+        """Replicated k/v heads (p > nkv): each replica's rows of the fused QKV weight/bias are Partial
+        (its gradient covers only this rank's queries); the other rows stay sharded."""
         if not self.kv_replicated or self.tp_size == 1:
-            return []
+            return {}
         d, qpg = self.config.head_dim, self.queries_per_group
-        kv_rows = slice(qpg * d, (qpg + 2) * d)  # one local group: [q heads | k | v]
-        slot = sharding.kv_heads_of_rank(self.config.num_kv_heads, self.tp_size, self.tp_rank)[0]
-        num_slots = self.config.num_kv_heads
-        params = [p for p in (self.query_key_value.weight, self.query_key_value.bias) if p is not None]
-        return [PartialGrad(p, self.tp_group, kv_rows, slot, num_slots) for p in params]
+        kind = Partial(self.tp_group, rows=slice(qpg * d, (qpg + 2) * d),  # one local group: [q heads | k | v]
+                       slot=sharding.kv_heads_of_rank(self.config.num_kv_heads, self.tp_size, self.tp_rank)[0],
+                       num_slots=self.config.num_kv_heads, sharded_dim=0)
+        return {f"query_key_value.{name}": kind for name, _ in self.query_key_value.named_parameters()}
 
     # ----------------------------------------------------------------------------- forward
-    def _check_inputs(self, x, attention_mask, position_ids, kv_cache) -> int:
+    def _check_inputs(self, x, attention_mask, position_ids) -> int:
         """Validate shapes; return the full sequence length s."""
-        if kv_cache is not None and (self.config.sequence_parallel or attention_mask is not None):
-            raise ValueError(
-                "kv_cache (incremental decoding) supports neither sequence_parallel=True nor an attention_mask: "
-                "decode with sequence_parallel=False and equal-length prompts."
-            )
         h = self.config.hidden_size
         if x.dim() != 3 or x.shape[-1] != h:
-            raise ValueError(
-                f"hidden_states must be [s, b, h] with h={h}, got shape {tuple(x.shape)}"
-                + (" (sequence parallel: this rank's [s/p, b, h] chunk)" if self.config.sequence_parallel else "")
-            )
-        s = x.shape[0] * (self.tp_size if self.config.sequence_parallel else 1)
+            raise ValueError(f"hidden_states must be [s, b, h] with h={h}, got shape {tuple(x.shape)}"
+                             f"{self._input_hint}")
+        s = x.shape[0] * self._sequence_chunks
         b = x.shape[1]
         if attention_mask is not None:
             m = attention_mask
@@ -164,39 +156,42 @@ class ParallelSelfAttention(nn.Module):
                 )
         return s
 
-    def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None,
-    ) -> torch.Tensor:
-        """[s, b, h] -> [s, b, h]. With `kv_cache` (decoding) hidden_states are the new tokens only."""
-        s = self._check_inputs(hidden_states, attention_mask, position_ids, kv_cache)
+    def _project(self, x: torch.Tensor, s: int, position_ids, offset: int):
+        """Fused QKV projection, split per local group, positions applied: q, k, v as [b, heads, s, d]."""
         d, qpg = self.config.head_dim, self.queries_per_group
-        mixed = self.query_key_value(hidden_states)  # [s, b, nkvl * (qpg + 2) * d]
+        mixed = self.query_key_value(x)  # [s, b, nkvl * (qpg + 2) * d]
         b = mixed.shape[1]
-        mixed = mixed.view(s, b, self.num_kv_heads_per_rank, qpg + 2, d)
         # split, not three slices: its backward is one concatenation instead of three zero-filled
         # buffers of the fused size added together (measured: ~3% of a CPU step, docs/benchmarks.md)
-        q, k, v = mixed.split([qpg, 1, 1], dim=3)
-        q = q.reshape(s, b, self.num_heads_per_rank, d)
-        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, nkvl, d]
-        offset = 0 if kv_cache is None else kv_cache.offset
-        if self.rotary is not None:
-            if position_ids is None:
-                position_ids = torch.arange(offset, offset + s, device=q.device)
-            q, k = self.rotary(q, k, position_ids)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        causal = self.config.causal
-        if kv_cache is not None:  # new queries against every cached key, causal by position
-            k, v = kv_cache.update(k, v)
-            attention_mask, causal = (kv_cache.causal_mask(s, q.device) if causal else None), False
-        dropout_p = self.config.attention_dropout if self.training else 0.0
-        if dropout_p > 0:
-            with tensor_parallel_rng(q.device):
-                context = self.core_attention(q, k, v, attention_mask, causal, dropout_p)
-        else:
-            context = self.core_attention(q, k, v, attention_mask, causal, 0.0)
-        context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_rank * d)
-        return self.dense(context)
+        q, k, v = mixed.view(s, b, self.num_kv_heads_per_rank, qpg + 2, d).split([qpg, 1, 1], dim=3)
+        q, k = self.position_embedding(q.reshape(s, b, self.num_heads_per_rank, d), k.squeeze(3), position_ids, offset)
+        return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v.squeeze(3)))
+
+    def _output(self, context: torch.Tensor) -> torch.Tensor:
+        """context [b, nhl, s, d] -> dense (row-parallel) -> [s, b, h] (SP: [s/p, b, h])."""
+        b, _, s, d = context.shape
+        return self.dense(context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_rank * d))
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[s, b, h] -> [s, b, h] (sequence parallel: this rank's [s/p, b, h] chunks)."""
+        s = self._check_inputs(hidden_states, attention_mask, position_ids)
+        q, k, v = self._project(hidden_states, s, position_ids, offset=0)
+        return self._output(self.core_attention(q, k, v, attention_mask, self.config.causal))
+
+    def decode(self, hidden_states: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
+        """Incremental decoding: hidden_states [n, b, h] are the n new tokens after those in `cache`.
+
+        Keys and values of the new tokens are appended to the cache; the new queries attend every
+        cached key, causally by position. Needs sequence_parallel=False and no padding mask.
+        """
+        if self.config.sequence_parallel:
+            raise ValueError("decode() needs sequence_parallel=False: build the decoding model without it.")
+        s = self._check_inputs(hidden_states, None, None)
+        q, k, v = self._project(hidden_states, s, None, offset=cache.offset)
+        k, v = cache.update(k, v)
+        mask = cache.causal_mask(s, q.device) if self.config.causal else None
+        return self._output(self.core_attention(q, k, v, mask, False))
 
     def extra_repr(self) -> str:
         return (f"tp_size={self.tp_size}, num_heads_per_rank={self.num_heads_per_rank}, "

@@ -1,9 +1,10 @@
-"""Sharded, atomic, verified checkpoints of a tensor-parallel (p) x data-parallel (dp) run.
+"""The collective save/load protocol: sharded, atomic, verified checkpoints of a p x dp run.
 
 Model and optimizer state are sharded across the p tensor-parallel ranks and replicated across the
 dp data-parallel ranks, so the data-parallel rank 0 of each tensor-parallel group writes its shard;
-every global rank writes its own RNG states. Files are safetensors (no pickle): a checkpoint can be
-inspected, and loading it runs no code. Layout and the commit protocol: `checkpoint_manifest`.
+every global rank writes its own RNG states. This module owns who writes and reads what, and how
+the ranks agree; the files and the commit are `format`, their contents `state_encoding`, the bytes
+`tensor_io`, and whether a checkpoint fits this run `compatibility`.
 
     save:  rank 0 picks a nonce -> every rank writes + fsyncs its files into step_N.tmp-<nonce>/
            -> all_gather of sizes/sha256 -> rank 0 writes manifest.json, renames to step_N/, prunes
@@ -11,9 +12,8 @@ inspected, and loading it runs no code. Layout and the commit protocol: `checkpo
     load:  every rank verifies the files it reads and checks names/shapes -> all_gather of the
            verdicts -> only if every rank passed does any rank touch its model, optimizer, RNG
 
-Optimizer state is keyed by parameter name (`exp_avg/<name>`), so the format does not depend on the
-order in which parameters were handed to the optimizer. Collectives use the default group and are
-issued only when torch.distributed is initialised; otherwise this is a world of one.
+Collectives (`broadcast_object`, `all_gather_objects`) use the default group and are issued only
+when torch.distributed is initialised; otherwise this is a world of one.
 """
 
 from __future__ import annotations
@@ -28,38 +28,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint_manifest import (FORMAT, FORMAT_VERSION, CheckpointCorruptError, CheckpointError, commit,
-                                  cpu_tensors, latest_checkpoint, list_checkpoints, model_file, optim_file,
-                                  optim_state_dict, optim_tensors, prune, read_manifest, rng_file, rng_tensors,
-                                  seal_file, set_rng, step_dir_name, verify_file, write_manifest)
-from .parallel_state import ProcessGroup, get_data_parallel_group, group_rank, group_size, resolve_tp_group
+from ..tensor_parallel.collectives import all_gather_objects, broadcast_object
+from ..tensor_parallel.parallel_state import (ProcessGroup, get_data_parallel_group, get_global_rank, group_rank,
+                                              group_size, is_distributed, resolve_tp_group)
+from .compatibility import check_config, check_layout
+from .format import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointCorruptError, CheckpointError, commit,
+                     latest_checkpoint, list_checkpoints, model_file, optim_file, prune, read_manifest, rng_file,
+                     step_dir_name, verify_file, write_manifest)
+from .state_encoding import optim_state_dict, optim_tensors, rng_tensors, set_rng
+from .tensor_io import cpu_tensors, read_safetensors, write_safetensors
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "latest_checkpoint", "list_checkpoints",
            "load_checkpoint", "load_latest_valid", "resolve_step_dir", "save_checkpoint"]
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _broadcast(obj):
-    """Rank 0's `obj` on every rank."""
-    if not _distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_gather(obj) -> list:
-    if not _distributed():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 @dataclass(frozen=True)
@@ -74,8 +56,7 @@ class _Placement:
     def of(tp_group: ProcessGroup | None, dp_group: ProcessGroup | None) -> "_Placement":
         tp_group = resolve_tp_group(tp_group)
         dp_group = dp_group if dp_group is not None else get_data_parallel_group()
-        world = dist.get_world_size() if _distributed() else 1
-        rank = dist.get_rank() if _distributed() else 0
+        rank, world = get_global_rank(), dist.get_world_size() if is_distributed() else 1
         tp_size, dp_size = group_size(tp_group), group_size(dp_group)
         if tp_size * dp_size != world:
             raise ValueError(f"tensor-parallel size {tp_size} x data-parallel size {dp_size} != world size {world}: "
@@ -87,8 +68,7 @@ class _Placement:
 
 
 def _write(directory: Path, name: str, tensors: dict, meta: dict | None = None) -> dict:
-    save_file(tensors, str(directory / name), metadata=meta)
-    return {name: seal_file(directory / name)}
+    return {name: write_safetensors(directory / name, tensors, meta)}
 
 
 def _write_shards(tmp: Path, at: _Placement, model: nn.Module, optimizer) -> dict:
@@ -133,7 +113,7 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: nn.Module, o
     at = _Placement.of(tp_group, dp_group)
     root = Path(ckpt_root)
     final = root / step_dir_name(step)
-    nonce, error = _broadcast(_make_temporary(final) if at.rank == 0 else None)
+    nonce, error = broadcast_object(_make_temporary(final) if at.rank == 0 else None)
     if error is not None:
         raise CheckpointError(f"saving step {step}: cannot create a directory under {root}: {error}")
     tmp = root / f"{final.name}.tmp-{nonce}"
@@ -141,9 +121,9 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: nn.Module, o
         report = {"ok": True, **_write_shards(tmp, at, model, optimizer)}
     except Exception as e:  # reported to every rank below, so no rank is left waiting in a collective
         report, local_failure = {"ok": False, "error": f"rank {at.rank}: {type(e).__name__}: {e}"}, e
-    reports = _all_gather(report)
+    reports = all_gather_objects(report)
     outcome = _commit(step, at, config, extra, reports, tmp, final, nonce, keep_last) if at.rank == 0 else None
-    outcome = _broadcast(outcome)  # doubles as the barrier: nobody returns before the commit
+    outcome = broadcast_object(outcome)  # doubles as the barrier: nobody returns before the commit
     if outcome is not None:
         raise CheckpointError(f"saving step {step} to {final} failed: {outcome}") from (
             local_failure if not report["ok"] else None)
@@ -181,51 +161,12 @@ def _commit(step, at, config, extra, reports, tmp: Path, final: Path, nonce: str
 # ---------------------------------------------------------------- load
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def _check_compatible(manifest: dict, world_size: int, tp_size: int, expected_config: dict | None) -> None:
-    """Refuse a checkpoint whose layout or model-shaping settings differ from this run's."""
-    if manifest["tensor_parallel_size"] != tp_size:
-        raise CheckpointError(
-            f"this checkpoint was written at tensor_parallel_size={manifest['tensor_parallel_size']}, "
-            f"this run uses {tp_size} — resharding is not supported by this loader yet.")
-    if manifest["world_size"] != world_size:
-        raise CheckpointError(
-            f"this checkpoint was written by world_size={manifest['world_size']} "
-            f"(data_parallel_size={manifest['data_parallel_size']}), this run has world_size={world_size} "
-            f"(data_parallel_size={world_size // tp_size}): every rank's RNG state and data position are "
-            "saved per rank, so resume with the same number of ranks.")
-    if expected_config is None:
-        return
-    saved = _flatten(manifest.get("config", {}))
-    # JSON turned tuples into lists: compare the run's values as they were written.
-    wanted = _flatten(json.loads(json.dumps(expected_config)))
-    missing = object()
-    diffs = [f"{key}: checkpoint {saved.get(key, '<absent>')!r}, run {value!r}"
-             for key, value in wanted.items() if saved.get(key, missing) != value]
-    if diffs:
-        raise CheckpointError("the checkpoint's config differs from this run's: " + "; ".join(diffs) + ".")
-
-
-def _read(path: Path) -> tuple[dict, dict]:
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
-
-
 def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, expected_config) -> dict:
     """Everything that can fail, done before anything is modified: verified, checked, ready to apply."""
     manifest = read_manifest(path)
-    _check_compatible(manifest, at.world, at.tp_size, expected_config)
-    weights, _ = _read(verify_file(path, manifest, model_file(at.tp_rank)))
+    check_layout(manifest, at.world, at.tp_size)
+    check_config(manifest, expected_config)
+    weights, _ = read_safetensors(verify_file(path, manifest, model_file(at.tp_rank)))
     current = model.state_dict()
     missing, unexpected = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
     if missing or unexpected:
@@ -242,9 +183,9 @@ def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, exp
         if optim_file(at.tp_rank) not in manifest["files"]:
             raise CheckpointError(f"{path} holds no optimizer state (saved with optimizer=None): "
                                   "load it with optimizer=None.")
-        tensors, meta = _read(verify_file(path, manifest, optim_file(at.tp_rank)))
+        tensors, meta = read_safetensors(verify_file(path, manifest, optim_file(at.tp_rank)))
         loaded["optim"] = optim_state_dict(model, optimizer, tensors, meta)
-    loaded["rng"] = _read(verify_file(path, manifest, rng_file(at.rank)))
+    loaded["rng"] = read_safetensors(verify_file(path, manifest, rng_file(at.rank)))
     return loaded
 
 
@@ -252,7 +193,7 @@ def _agree(path: Path, failure: Exception | None) -> None:
     """Raise on every rank if any rank failed: CheckpointCorruptError if only corruption was found."""
     verdict = None if failure is None else (isinstance(failure, CheckpointCorruptError),
                                             str(failure) if isinstance(failure, CheckpointError) else repr(failure))
-    verdicts = _all_gather(verdict)
+    verdicts = all_gather_objects(verdict)
     ranks_by_message: dict[str, list[str]] = {}
     for rank, v in enumerate(verdicts):
         if v is not None:
@@ -296,8 +237,7 @@ def load_latest_valid(ckpt_root: str | os.PathLike, model: nn.Module, optimizer:
     ranks land on the same step. Returns None when there is no checkpoint at all. Incompatibility
     (tensor-parallel size, config, shapes) is raised at once: an older checkpoint would not fix it.
     """
-    candidates = _broadcast([str(p) for p in list_checkpoints(ckpt_root)])
-    rank = dist.get_rank() if _distributed() else 0
+    candidates = broadcast_object([str(p) for p in list_checkpoints(ckpt_root)])
     failures = []
     for path in reversed(candidates):
         try:
@@ -305,7 +245,7 @@ def load_latest_valid(ckpt_root: str | os.PathLike, model: nn.Module, optimizer:
                                    tp_group=tp_group, dp_group=dp_group)
         except CheckpointCorruptError as e:
             failures.append(str(e))
-            if rank == 0:
+            if get_global_rank() == 0:
                 warnings.warn(f"skipping corrupt checkpoint: {e}", RuntimeWarning, stacklevel=2)
     if failures:
         raise CheckpointCorruptError(f"no valid checkpoint under {ckpt_root}: " + " | ".join(failures))
@@ -315,7 +255,7 @@ def load_latest_valid(ckpt_root: str | os.PathLike, model: nn.Module, optimizer:
 def resolve_step_dir(path: str | os.PathLike) -> Path:
     """A step directory as given, or the newest complete checkpoint of a run (or its checkpoints/) directory."""
     path = Path(path)
-    if (path / "manifest.json").exists():
+    if (path / MANIFEST).exists():
         return path
     for root in (path / "checkpoints", path):
         latest = latest_checkpoint(root)

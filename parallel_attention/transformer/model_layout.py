@@ -12,8 +12,8 @@ import re
 
 import torch
 
-from . import sharding
-from .config import ModelConfig
+from ..tensor_parallel import sharding
+from .model_config import ModelConfig
 
 _ATTN = re.compile(r"layers\.(\d+)\.attention\.(query_key_value|dense)\.(weight|bias)")
 _MLP = re.compile(r"layers\.(\d+)\.mlp\.(fc_in|fc_out)\.(weight|bias)")

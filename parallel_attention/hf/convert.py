@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig
-from .hf_config import FAMILY, architecture_of, hf_config_from_model, model_config_from_hf, read_hf_config
-from .hf_weights import canonical_to_hf_tensors, hf_to_canonical_tensors, load_hf_tensors, save_hf_tensors
+from ..transformer.model_config import ModelConfig
+from .config import FAMILY, architecture_of, hf_config_from_model, model_config_from_hf, read_hf_config
+from .weights import canonical_to_hf_tensors, hf_to_canonical_tensors, load_hf_tensors, save_hf_tensors
 
 __all__ = ["architecture_of", "canonical_to_hf", "hf_to_canonical", "read_hf_config"]
 

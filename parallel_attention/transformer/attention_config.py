@@ -6,13 +6,14 @@ tensor-parallel size p by `per_rank_heads`, never written back into it.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .apex_kernels import apex_available
 
-BACKENDS = ("auto", "sdpa", "math", "apex")
+ATTENTION_KERNELS = ("auto", "sdpa", "math", "apex")
 
 
 @dataclass
@@ -30,9 +31,19 @@ class AttentionConfig:
     sequence_parallel: bool = False
     init_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
-    backend: str = "auto"
+    attention_kernel: str = "auto"  # auto (= sdpa), sdpa, math or apex
+    backend: str | None = None  # deprecated name of attention_kernel (0.1.0), still accepted
 
     def __post_init__(self) -> None:
+        if self.backend is not None:
+            warnings.warn("AttentionConfig(backend=...) is deprecated: pass attention_kernel=...", FutureWarning,
+                          stacklevel=3)
+            self.attention_kernel, self.backend = self.backend, None
+        self._resolve_heads()
+        self._check_settings()
+
+    def _resolve_heads(self) -> None:
+        """Check the sizes; fill num_kv_heads and head_dim when left None."""
         for name in ("hidden_size", "num_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -56,6 +67,8 @@ class AttentionConfig:
             self.head_dim = self.hidden_size // self.num_heads
         if not isinstance(self.head_dim, int) or self.head_dim < 1:
             raise ValueError(f"AttentionConfig: head_dim={self.head_dim!r} must be a positive integer.")
+
+    def _check_settings(self) -> None:
         if self.rotary and self.head_dim % 2 != 0:
             raise ValueError(
                 f"AttentionConfig: rotary=True needs an even head_dim, got head_dim={self.head_dim}."
@@ -73,14 +86,15 @@ class AttentionConfig:
                 f"AttentionConfig: params_dtype={self.params_dtype!r} must be a floating torch.dtype "
                 "such as torch.float32 or torch.bfloat16."
             )
-        if self.backend not in BACKENDS:
+        if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(
-                f"AttentionConfig: backend={self.backend!r} is unknown; choose one of {', '.join(BACKENDS)}."
+                f"AttentionConfig: attention_kernel={self.attention_kernel!r} is unknown; choose one of "
+                f"{', '.join(ATTENTION_KERNELS)}."
             )
-        if self.backend == "apex" and not apex_available():
+        if self.attention_kernel == "apex" and not apex_available():
             raise ValueError(
-                "AttentionConfig: backend='apex' but NVIDIA apex is not installed (it is not on PyPI; "
-                "it ships in NGC containers or builds from github.com/NVIDIA/apex): use backend='auto'."
+                "AttentionConfig: attention_kernel='apex' but NVIDIA apex is not installed (it is not on PyPI; "
+                "it ships in NGC containers or builds from github.com/NVIDIA/apex): use attention_kernel='auto'."
             )
 
     def per_rank_heads(self, tp_size: int) -> tuple[int, int]:

@@ -17,57 +17,21 @@ from typing import Any, Literal
 
 import yaml
 
-from .attention_config import AttentionConfig
+from ..transformer.model_config import ModelConfig, migrate_renamed_keys
 
 
-@dataclass
-class ModelConfig:
-    vocab_size: int = 256  # the byte-level tokenizer; padded to a multiple of 64 p inside the model
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    ffn_hidden_size: int | None = None  # None: 4h (gelu) or 8h/3 rounded up to 64 (swiglu)
-    activation: Literal["gelu", "swiglu"] = "gelu"
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    norm_eps: float = 1e-5
-    position_embedding: Literal["learned", "rotary"] = "learned"
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = True
-    qkv_bias: bool = True
-    out_bias: bool = True
-    mlp_bias: bool = True
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_std: float = 0.02
-    recompute_activations: bool = False
-    attention_backend: Literal["auto", "sdpa", "math", "apex"] = "auto"
-
-    def attention_config(self, sequence_parallel: bool = False) -> AttentionConfig:
-        return AttentionConfig(
-            hidden_size=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, qkv_bias=self.qkv_bias, out_bias=self.out_bias,
-            attention_dropout=self.attention_dropout, causal=True, rotary=self.position_embedding == "rotary",
-            rope_theta=self.rope_theta, sequence_parallel=sequence_parallel, init_std=self.init_std,
-            backend=self.attention_backend,
-        )
-
-    def resolved_ffn_hidden_size(self) -> int:
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        if self.activation == "swiglu":
-            return 64 * -(-(8 * self.hidden_size // 3) // 64)
-        return 4 * self.hidden_size
+class ConfigError(ValueError):
+    """The run config cannot work; the message names the key, its value and the fix."""
 
 
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, else gloo
     timeout_s: float = 600.0
+
+    RENAMED = {"backend": "distributed_backend"}  # 0.1.0's name, still read with a warning
 
 
 @dataclass
@@ -135,7 +99,15 @@ class PretrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self, world_size: int) -> None:
-        """Check the whole run against `world_size` processes; raise ValueError naming the fix."""
+        """Check the whole run against `world_size` processes; raise ConfigError naming the fix."""
+        try:
+            self._check(world_size)
+        except ConfigError:
+            raise
+        except ValueError as error:  # AttentionConfig and friends raise plain ValueErrors
+            raise ConfigError(str(error)) from None
+
+    def _check(self, world_size: int) -> None:
         p, m, t = self.parallel.tensor_parallel_size, self.model, self.training
         _positive(self, world_size)
         if world_size % p != 0:
@@ -238,9 +210,10 @@ def _type_name(annotation: Any) -> str:
     return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 
-def _build(cls, data: dict[str, Any], prefix: str):
+def _build(cls, data: dict[str, Any], prefix: str, warn: bool = True):
     if not isinstance(data, dict):
         raise ValueError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}.")
+    data = migrate_renamed_keys(cls, data, prefix.rstrip(".") or "config", warn=warn)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -251,7 +224,7 @@ def _build(cls, data: dict[str, Any], prefix: str):
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.", warn)
         else:
             kwargs[name] = _check_type(f"{prefix}{name}", value, hint)
     return cls(**kwargs)
@@ -286,8 +259,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Pr
 
 
 def config_from_dict(data: dict[str, Any]) -> PretrainConfig:
-    """The config saved in a run directory or checkpoint manifest, checked like a YAML file."""
-    return _build(PretrainConfig, data, "")
+    """The config saved in a run directory or checkpoint manifest, checked like a YAML file.
+
+    Keys renamed since it was written are read under their new names without a warning: the
+    user cannot edit a checkpoint's manifest."""
+    return _build(PretrainConfig, data, "", warn=False)
 
 
 def save_config(cfg: PretrainConfig, path: str | Path) -> None:

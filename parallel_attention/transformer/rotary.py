@@ -32,9 +32,22 @@ class RotaryEmbedding(nn.Module):
         emb = emb.unsqueeze(2)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [s, b, nh, d] and k [s, b, nkv, d] by their positions."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | None,
+                offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [s, b, nh, d] and k [s, b, nkv, d] by their positions (default offset .. offset + s - 1)."""
+        if position_ids is None:
+            position_ids = torch.arange(offset, offset + q.shape[0], device=q.device)
         cos, sin = self.cos_sin(position_ids, q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class NoPositionEmbedding(nn.Module):
+    """Attention without positions of its own (the model adds learned positions to its input)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids, offset: int = 0):
+        return q, k
+
+
+def build_position_embedding(config) -> nn.Module:
+    """Rotary when `config.rotary`, else nothing: chosen once, so forward has no branch on it."""
+    return RotaryEmbedding(config.head_dim, config.rope_theta) if config.rotary else NoPositionEmbedding()

@@ -1,13 +1,13 @@
 """Move checkpoints between tensor-parallel sizes through the canonical (p-independent) state dict.
 
 No per-pair conversion code: every shard of the source is read (and verified), turned into the
-canonical state dict with `model_sharding`, and cut again for the target p. Optimizer state
+canonical state dict with `transformer.model_layout`, and cut again for the target p. Optimizer state
 (AdamW's exp_avg / exp_avg_sq have the shapes of their parameters) moves the same way, so a
 resumed run continues with its moments. RNG states are per rank and do not survive a change of
 layout: a resharded run reseeds from (seed, step).
 
-    read_canonical_checkpoint(step_dir)             -> (config, canonical weights)
-    write_canonical_checkpoint(root, cfg, canonical) -> step_dir at cfg.parallel.tensor_parallel_size
+    read_canonical_checkpoint(step_dir)             -> (run config dict, canonical weights)
+    write_canonical_checkpoint(root, run_config, canonical) -> step_dir at its parallel.tensor_parallel_size
     reshard_checkpoint(step_dir, out_root, tp)      -> step_dir (offline, weights + optimizer)
     load_resharded(step_dir, model, optimizer)      -> manifest (on resume at another p; every rank)
 """
@@ -19,48 +19,42 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint_manifest import (FORMAT, FORMAT_VERSION, CheckpointError, commit, model_file, optim_file,
-                                  optim_state_dict, read_manifest, seal_file, step_dir_name, verify_file,
-                                  write_manifest)
-from .config import PretrainConfig, config_from_dict
-from .model_sharding import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
-from .parallel_state import group_rank, group_size, resolve_tp_group
+from ..tensor_parallel.parallel_state import group_rank, group_size, resolve_tp_group
+from ..transformer.model_config import ModelConfig
+from ..transformer.model_layout import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
+from .format import (FORMAT, FORMAT_VERSION, CheckpointError, commit, model_file, optim_file, read_manifest,
+                     step_dir_name, verify_file, write_manifest)
+from .state_encoding import optim_state_dict
+from .tensor_io import read_safetensors, write_safetensors
 
 _SCALAR_STATE = ("step",)  # per-parameter optimizer scalars: the same on every shard
 
 
-def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
-
-
-def _source(step_dir: Path) -> tuple[dict, PretrainConfig, int]:
+def _source(step_dir: Path) -> tuple[dict, ModelConfig, int]:
     manifest = read_manifest(step_dir)
-    return manifest, config_from_dict(manifest["config"]), manifest["tensor_parallel_size"]
+    return manifest, ModelConfig.from_dict(manifest["config"]["model"]), manifest["tensor_parallel_size"]
 
 
-def _canonical_weights(step_dir: Path, manifest: dict, cfg: PretrainConfig, p: int) -> dict[str, torch.Tensor]:
+def _canonical_weights(step_dir: Path, manifest: dict, cfg: ModelConfig, p: int) -> dict[str, torch.Tensor]:
     """Every model shard of the checkpoint, verified, joined into the canonical state dict."""
-    shards = [_read(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p)]
-    return unshard_state_dict(cfg.model, shards)
+    shards = [read_safetensors(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p)]
+    return unshard_state_dict(cfg, shards)
 
 
-def read_canonical_checkpoint(step_dir: str | Path) -> tuple[PretrainConfig, dict[str, torch.Tensor]]:
-    """The run config and full weights of a checkpoint written at any p (every shard verified)."""
+def read_canonical_checkpoint(step_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The run config (as saved: a dict) and full weights of a checkpoint written at any p (every shard verified)."""
     step_dir = Path(step_dir)
     manifest, cfg, p = _source(step_dir)
-    return cfg, _canonical_weights(step_dir, manifest, cfg, p)
+    return manifest["config"], _canonical_weights(step_dir, manifest, cfg, p)
 
 
-def _canonical_optimizer(step_dir: Path, manifest: dict, cfg: PretrainConfig, p: int):
+def _canonical_optimizer(step_dir: Path, manifest: dict, cfg: ModelConfig, p: int):
     """Optimizer state per state key as canonical dicts, plus rank 0's metadata (names, hyper-parameters)."""
     if optim_file(0) not in manifest["files"]:
         return None, None
-    per_rank = [_read(verify_file(step_dir, manifest, optim_file(r))) for r in range(p)]
+    per_rank = [read_safetensors(verify_file(step_dir, manifest, optim_file(r))) for r in range(p)]
     by_key: dict[str, list[dict]] = {}
     for tensors, _ in per_rank:
         grouped: dict[str, dict] = {}
@@ -70,37 +64,39 @@ def _canonical_optimizer(step_dir: Path, manifest: dict, cfg: PretrainConfig, p:
         for key, params in grouped.items():
             by_key.setdefault(key, []).append(params)
     canonical = {key: (shards[0] if key in _SCALAR_STATE or key.startswith("__") else
-                       unshard_state_dict(cfg.model, shards)) for key, shards in by_key.items()}
+                       unshard_state_dict(cfg, shards)) for key, shards in by_key.items()}
     return canonical, per_rank[0][1]
 
 
-def _optimizer_shard(cfg: PretrainConfig, canonical: dict, keys: list[str], p: int, rank: int) -> dict:
+def _optimizer_shard(cfg: ModelConfig, canonical: dict, keys: list[str], p: int, rank: int) -> dict:
     """Rank `rank`'s optimizer tensors (`<state key>/<param name>`) at tensor-parallel size p."""
     tensors = {}
     for key, state in canonical.items():
         if key in _SCALAR_STATE or key.startswith("__"):  # per-parameter scalars, group hyper-parameters
             shard = state
         else:
-            shard = shard_state_dict(cfg.model, _names_with_state(cfg, state, keys), state, p, rank)
+            shard = shard_state_dict(cfg, _names_with_state(cfg, state, keys), state, p, rank)
         tensors.update({f"{key}/{name}": t for name, t in shard.items()})
     return tensors
 
 
-def _names_with_state(cfg: PretrainConfig, canonical_state: dict, keys: list[str]) -> list[str]:
+def _names_with_state(cfg: ModelConfig, canonical_state: dict, keys: list[str]) -> list[str]:
     """Sharded parameter names, in `keys` order, whose canonical sources all have this state."""
-    return [k for k in keys if all(n in canonical_state for n in canonical_sources(cfg.model, k)[1])]
+    return [k for k in keys if all(n in canonical_state for n in canonical_sources(cfg, k)[1])]
 
 
-def write_canonical_checkpoint(ckpt_root: str | Path, cfg: PretrainConfig, canonical: dict[str, torch.Tensor],
+def write_canonical_checkpoint(ckpt_root: str | Path, run_config: dict, canonical: dict[str, torch.Tensor],
                                step: int = 0, *, optimizer: tuple[dict, dict] | None = None,
                                extra: dict | None = None) -> Path:
-    """Write `ckpt_root/step_XXXXXXX/` sharded at cfg.parallel.tensor_parallel_size, in one process.
+    """Write `ckpt_root/step_XXXXXXX/` sharded at run_config's parallel.tensor_parallel_size, in one process.
 
+    `run_config`: the run config as a dict (`PretrainConfig.to_dict()`), recorded in the manifest.
     `optimizer`: (canonical optimizer state per key, optimizer metadata) as read from another
     checkpoint, or None for weights only. No RNG files: a run resumed from it seeds afresh.
     """
-    p = cfg.parallel.tensor_parallel_size
-    keys = state_dict_keys(cfg.model)
+    p = run_config["parallel"]["tensor_parallel_size"]
+    cfg = ModelConfig.from_dict(run_config["model"])
+    keys = state_dict_keys(cfg)
     root = Path(ckpt_root)
     final = root / step_dir_name(step)
     nonce = secrets.token_hex(6)
@@ -109,18 +105,18 @@ def write_canonical_checkpoint(ckpt_root: str | Path, cfg: PretrainConfig, canon
     try:
         files = {}
         for rank in range(p):
-            weights = shard_state_dict(cfg.model, keys, canonical, p, rank)
-            save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / model_file(rank)))
-            files[model_file(rank)] = seal_file(tmp / model_file(rank))
+            weights = shard_state_dict(cfg, keys, canonical, p, rank)
+            files[model_file(rank)] = write_safetensors(tmp / model_file(rank),
+                                                        {k: v.contiguous() for k, v in weights.items()})
             if optimizer is not None:
                 state, meta = optimizer
                 tensors = _optimizer_shard(cfg, state, keys, p, rank)
-                save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / optim_file(rank)), metadata=meta)
-                files[optim_file(rank)] = seal_file(tmp / optim_file(rank))
+                files[optim_file(rank)] = write_safetensors(tmp / optim_file(rank),
+                                                            {k: v.contiguous() for k, v in tensors.items()}, meta)
         write_manifest(tmp, {
             "format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "world_size": p,
             "tensor_parallel_size": p, "data_parallel_size": 1, "torch_version": torch.__version__,
-            "config": cfg.to_dict(), "extra": extra or {}, "files": files, "resharded": True,
+            "config": run_config, "extra": extra or {}, "files": files, "resharded": True,
         })
         commit(tmp, final, nonce)
     except BaseException:
@@ -135,8 +131,8 @@ def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parall
     manifest, cfg, p = _source(step_dir)
     canonical = _canonical_weights(step_dir, manifest, cfg, p)
     optimizer = _canonical_optimizer(step_dir, manifest, cfg, p)
-    target = config_from_dict({**cfg.to_dict(), "parallel": {**cfg.to_dict()["parallel"],
-                                                              "tensor_parallel_size": tensor_parallel_size}})
+    saved = manifest["config"]
+    target = {**saved, "parallel": {**saved["parallel"], "tensor_parallel_size": tensor_parallel_size}}
     return write_canonical_checkpoint(out_root, target, canonical, manifest["step"],
                                       optimizer=optimizer if optimizer[0] is not None else None,
                                       extra=manifest.get("extra"))
@@ -157,7 +153,7 @@ def load_resharded(step_dir: str | Path, model: nn.Module, optimizer: torch.opti
     p, rank = group_size(tp_group), group_rank(tp_group)
     canonical = _canonical_weights(step_dir, manifest, cfg, p_source)
     keys = list(model.state_dict())
-    weights = shard_state_dict(cfg.model, keys, canonical, p, rank)
+    weights = shard_state_dict(cfg, keys, canonical, p, rank)
     current = model.state_dict()
     differ = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(current[k].shape)}"
               for k, v in weights.items() if v.shape != current[k].shape]

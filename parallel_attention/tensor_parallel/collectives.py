@@ -1,6 +1,7 @@
-"""Collectives of the tensor-parallel region as autograd functions.
+"""Every collective of the package: the tensor-parallel region as autograd functions, and the plain
+(no-autograd) reductions and object exchanges that training and checkpointing use.
 
-The only module that communicates in the forward/backward pass. Each function takes the
+The only module that calls torch.distributed's collectives. Each function takes the
 group it runs on, returns its input unchanged when the group has one rank (or is None),
 and states what it does forward and backward. Shapes: `s` sequence, `b` batch, `h` hidden,
 `p` tensor-parallel size.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel_state import ProcessGroup, group_rank, group_size
+from .parallel_state import ProcessGroup, group_rank, group_size, is_distributed
 
 
 def _all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
@@ -73,70 +74,38 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Ten
     return out
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _region_function(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function that runs `forward(x, group)` on the way in and `backward(grad, group)` back."""
+
+    def run_forward(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        # autograd may hand the same gradient tensor to other branches: reduce a copy
-        return _all_reduce(grad.clone(), ctx.group), None
+    def run_backward(ctx, grad):
+        return backward(grad, ctx.group), None
 
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
+def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    # autograd may hand the same gradient tensor to other branches (and the forward input is the
+    # caller's): reduce a copy
+    return _all_reduce(x.clone(), group)
 
 
-class _GatherFromSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_first_dim(grad, ctx.group), None
-
-
-class _ReduceScatterToSequenceRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_first_dim(grad, ctx.group), None
+# the table of the module docstring, row by row
+_CopyToRegion = _region_function("_CopyToRegion", _identity, _all_reduce_copy)
+_ReduceFromRegion = _region_function("_ReduceFromRegion", _all_reduce_copy, _identity)
+_ScatterToRegion = _region_function("_ScatterToRegion", _split_last_dim, _gather_last_dim)
+_GatherFromRegion = _region_function("_GatherFromRegion", _gather_last_dim, _split_last_dim)
+_GatherFromSequenceRegion = _region_function("_GatherFromSequenceRegion", _gather_first_dim, _reduce_scatter_first_dim)
+_ReduceScatterToSequenceRegion = _region_function("_ReduceScatterToSequenceRegion", _reduce_scatter_first_dim,
+                                                  _gather_first_dim)
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -188,3 +157,36 @@ def all_reduce_(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SU
     if group_size(group) > 1:
         dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def all_gather_objects(obj) -> list:
+    """Every global rank's `obj` (picklable), in rank order; [obj] outside torch.distributed."""
+    if not is_distributed():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Global rank `src`'s `obj` on every rank; `obj` itself outside torch.distributed."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+@torch.no_grad()
+def any_rank(flag: bool, device) -> bool:
+    """True on every global rank if any rank says True (one small all-reduce)."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()

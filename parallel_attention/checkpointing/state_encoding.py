@@ -1,0 +1,123 @@
+"""Optimizer and RNG state as named tensors plus JSON metadata: what goes into optim_*/rng_* files.
+
+`optimizer.state_dict()` refers to parameters by their position in the optimizer; the files key
+them by parameter name instead (`exp_avg/<name>`), so a checkpoint does not depend on the order in
+which parameters were handed to the optimizer and can be resharded by name. Generators are saved
+as uint8 tensors and JSON, never pickled, so loading a checkpoint runs no code.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from ..tensor_parallel import rng as tp_random
+from .format import CheckpointError
+from .tensor_io import cpu_tensors
+
+_GROUP_TENSOR = "__param_groups__"  # tensor-valued hyper-parameters: __param_groups__/<group>/<key>
+
+
+def _live_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The parameter names of each param group, in the optimizer's order."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    groups = []
+    for group in optimizer.param_groups:
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(f"the optimizer holds parameters of shapes {missing} that model.named_parameters() "
+                             "does not list: pass the model the optimizer was built for.")
+        groups.append([names[id(p)] for p in group["params"]])
+    return groups
+
+
+def optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """optimizer.state_dict() with parameter indices replaced by names; hyper-parameters as JSON."""
+    live, packed = _live_names(model, optimizer), optimizer.state_dict()
+    name_of = {i: n for names, g in zip(live, packed["param_groups"]) for i, n in zip(g["params"], names)}
+    tensors, scalars, groups = {}, {}, []
+    for gi, (names, group) in enumerate(zip(live, packed["param_groups"])):
+        hyper = {"params": names}
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{_GROUP_TENSOR}/{gi}/{key}"] = value
+            elif key not in ("params", "param_names"):
+                hyper[key] = value
+        groups.append(hyper)
+    for index, state in packed["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{key}/{name_of[index]}"] = value
+            else:
+                scalars.setdefault(name_of[index], {})[key] = value
+    return cpu_tensors(tensors), {"param_groups": json.dumps(groups), "scalar_state": json.dumps(scalars)}
+
+
+def optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict, meta: dict) -> dict:
+    """The inverse of `optim_tensors` for this optimizer's parameter indices; CheckpointError on mismatch."""
+    saved_groups, scalars = json.loads(meta["param_groups"]), json.loads(meta["scalar_state"])
+    live, packed = _live_names(model, optimizer), optimizer.state_dict()
+    if len(saved_groups) != len(live):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(live)}.")
+    index_of, groups = {}, []
+    for gi, (saved, names, group) in enumerate(zip(saved_groups, live, packed["param_groups"])):
+        missing, unexpected = sorted(set(names) - set(saved["params"])), sorted(set(saved["params"]) - set(names))
+        if missing or unexpected:
+            raise CheckpointError(f"optimizer param group {gi}: parameters missing from the checkpoint {missing}, "
+                                  f"in the checkpoint but not in this optimizer {unexpected}.")
+        index_of.update(zip(names, group["params"]))
+        restored = dict(group)
+        for key, value in saved.items():
+            if key != "params":  # JSON turned tuples (AdamW's betas) into lists
+                restored[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        groups.append(restored)
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        kind, rest = key.split("/", 1)
+        if kind == _GROUP_TENSOR:
+            gi, hyper = rest.split("/", 1)
+            groups[int(gi)][hyper] = value
+        else:
+            state.setdefault(index_of[rest], {})[kind] = value
+    for name, values in scalars.items():
+        state.setdefault(index_of[name], {}).update(values)
+    return {"state": state, "param_groups": groups}
+
+
+def rng_tensors() -> tuple[dict, dict]:
+    """This rank's generators as uint8 tensors (+ JSON metadata), no pickle: the default CPU one, the
+    current CUDA device's (one device per rank; only if CUDA is in use, so saving never initialises it),
+    the tensor-parallel ones, Python's `random` and NumPy's global state (data pipelines draw from them)."""
+    tensors = {"torch/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["torch/cuda"] = torch.cuda.get_rng_state()
+    for device_type, state in tp_random.get_tensor_parallel_rng_state().items():
+        tensors[f"tensor_parallel/{device_type}"] = state
+    version, internal, gauss = random.getstate()
+    meta = {"python": json.dumps([version, list(internal), gauss])}
+    try:
+        import numpy as np
+    except ImportError:
+        return tensors, meta
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["numpy/keys"] = torch.from_numpy(keys.astype("<u4").view(np.uint8).copy())
+    meta["numpy"] = json.dumps([name, int(pos), int(has_gauss), float(cached)])
+    return tensors, meta
+
+
+def set_rng(tensors: dict, meta: dict) -> None:
+    """The inverse of `rng_tensors`: restore this rank's generators."""
+    torch.set_rng_state(tensors["torch/cpu"])
+    if "torch/cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["torch/cuda"])
+    saved_tp = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("tensor_parallel/")}
+    if saved_tp:
+        tp_random.set_tensor_parallel_rng_state(saved_tp)
+    version, internal, gauss = json.loads(meta["python"])
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in meta:
+        import numpy as np
+        name, pos, has_gauss, cached = json.loads(meta["numpy"])
+        np.random.set_state((name, tensors["numpy/keys"].numpy().view("<u4").astype(np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,9 @@
+"""Hugging Face interchange: Llama, Mistral and GPT-2 configs and weights <-> canonical state dicts.
+
+Owns the config mapping (`config`), the per-family weight rules (`weights`) and import/export
+(`convert`). transformers itself is never imported here: files are read with safetensors and
+JSON. May import `tensor_parallel`, `transformer` and `checkpointing.tensor_io`.
+"""
+
+from .config import FAMILY, read_hf_config
+from .convert import canonical_to_hf, hf_to_canonical

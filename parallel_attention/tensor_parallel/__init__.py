@@ -1,0 +1,40 @@
+"""Tensor-parallel machinery: the bottom layer, independent of any model.
+
+Owns the process groups (`parallel_state`, the one place that creates them), every collective
+(`collectives`: the autograd region functions of the forward/backward pass and the plain
+reductions that training and checkpointing use), the parallel layers, the RNG (one default
+generator on every rank, a tensor-parallel generator for dropout), the declaration of parameter
+kinds with `finalize_grads`, and the pure canonical <-> shard functions (`sharding`).
+Imports torch only: nothing from the rest of the package.
+"""
+
+from .collectives import (
+    all_gather_along_dim,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .parallel_state import (
+    destroy_model_parallel,
+    get_data_parallel_group,
+    get_data_parallel_rank,
+    get_data_parallel_world_size,
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    init_distributed,
+    initialize_model_parallel,
+    model_parallel_is_initialized,
+)
+from .param_kinds import Partial, Replicated, Sharded, finalize_grads, parameter_kinds
+from .rng import (
+    checkpoint_with_tp_rng,
+    get_tensor_parallel_rng_state,
+    manual_seed,
+    set_tensor_parallel_rng_state,
+    tensor_parallel_rng,
+)

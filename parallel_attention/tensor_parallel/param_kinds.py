@@ -1,0 +1,112 @@
+"""Parameter kinds: each parallel module declares once what its parameters are; everyone reads that.
+
+    kind         on the ranks of the tensor-parallel group      gradient after backward
+    Sharded      this rank holds 1/p of it along `dim`          complete for this rank's part
+    Replicated   identical on every rank                        complete on every rank
+    Partial      identical on the ranks that share `slot`       each rank holds only its share: the
+                 (rows `rows`; outside them: sharded along      ranks of a slot sum rows `rows`
+                 `sharded_dim`, or nothing else when None)      (finalize_grads)
+
+Partial parameters are what tensor parallelism leaves half-finished: under sequence parallelism a
+norm or the row-parallel output bias sees only this rank's tokens; when p > num_kv_heads each k/v
+replica in the fused QKV weight sees only this rank's queries. A module declares them with
+`parameter_kinds() -> {local name: kind}` (names relative to the module, so a module may declare
+its children's parameters: the outermost declaration wins). Parameters no module declares are
+Replicated (plain torch modules inside a tensor-parallel model: same seed, same values).
+
+Readers: `finalize_grads` here, the global gradient norm (training.gradients) and canonical
+(checkpoint) gathering (GPTModel.canonical_state_dict); the replicated-parameter audit and the
+sharded optimizer are to read it too. No reader inspects layer classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .collectives import all_reduce_
+from .parallel_state import ProcessGroup, group_size
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """This rank holds the p-th part of the full parameter along `dim`."""
+
+    dim: int
+    group: ProcessGroup | None = None
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """The same full parameter on every rank of `group`, with the full gradient on each."""
+
+    group: ProcessGroup | None = None
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Rows `rows` are replicated across the ranks of `group` that use slot `slot` (of `num_slots`), and
+    each rank's gradient of those rows is only its share of the sum.
+
+    Every rank of the group declares the same rows and `num_slots`; only `slot` differs. Outside
+    `rows` the parameter is sharded along `sharded_dim` (None: `rows` is the whole parameter).
+    """
+
+    group: ProcessGroup | None
+    rows: slice = field(default_factory=lambda: slice(None))
+    slot: int = 0
+    num_slots: int = 1
+    sharded_dim: int | None = None
+
+
+ParamKind = Sharded | Replicated | Partial
+
+
+def parameter_kinds(model: nn.Module) -> dict[str, tuple[nn.Parameter, ParamKind]]:
+    """Every parameter of `model` by qualified name, with its declared kind (see the module docstring)."""
+    kinds: dict[str, ParamKind] = {}
+    # named_modules lists a parent before its children: walk it backwards so that parents override
+    for prefix, module in reversed(list(model.named_modules())):
+        declare = getattr(module, "parameter_kinds", None)
+        if declare is None:
+            continue
+        for name, kind in declare().items():
+            kinds[f"{prefix}.{name}" if prefix else name] = kind
+    return {name: (param, kinds.get(name, Replicated())) for name, param in model.named_parameters()}
+
+
+def is_distributed(kind: ParamKind) -> bool:
+    """Whether the kind involves more than one rank (at p = 1 every kind is a plain parameter)."""
+    return group_size(kind.group) > 1
+
+
+def _grad_rows(param: nn.Parameter, rows: slice) -> torch.Tensor:
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad[rows]
+
+
+@torch.no_grad()
+def finalize_grads(module: nn.Module) -> None:
+    """Complete partial gradients; call after backward, before the optimiser step.
+
+    All partial rows of one group go into one flat buffer, slot by slot, and one all-reduce sums
+    them (ranks sharing a slot add their shares, the others add zeros). One all-reduce per group
+    that needs it; none when nothing does (p = 1, no sequence parallelism, no k/v replication).
+    """
+    by_group: dict[int, list[tuple[nn.Parameter, Partial]]] = {}
+    for param, kind in parameter_kinds(module).values():
+        if isinstance(kind, Partial) and is_distributed(kind):
+            by_group.setdefault(id(kind.group), []).append((param, kind))
+    for entries in by_group.values():
+        views = [_grad_rows(param, kind.rows) for param, kind in entries]
+        sizes = [v.numel() * kind.num_slots for v, (_, kind) in zip(views, entries)]
+        buffer = torch.zeros(sum(sizes), dtype=views[0].dtype, device=views[0].device)
+        offsets = [sum(sizes[:i]) + kind.slot * v.numel() for i, (v, (_, kind)) in enumerate(zip(views, entries))]
+        for view, start in zip(views, offsets):
+            buffer[start:start + view.numel()].copy_(view.reshape(-1))
+        all_reduce_(buffer, entries[0][1].group)
+        for view, start in zip(views, offsets):
+            view.copy_(buffer[start:start + view.numel()].view_as(view))

@@ -1,0 +1,19 @@
+"""Transformer blocks on the tensor-parallel layers: attention, MLP, norms, loss and the GPT model.
+
+Owns AttentionConfig and ModelConfig (the model's own config lives with the model), the core
+attention kernels (SDPA / math / apex, apex imported lazily), rotary embedding, the KV cache,
+ParallelSelfAttention, ParallelMLP, the norms, vocab-parallel cross entropy, GPTModel with its
+canonical key layout (`model_layout`), and sampling (`generation`).
+May import `tensor_parallel` only.
+"""
+
+from .apex_kernels import active_paths, apex_available
+from .attention import ParallelSelfAttention
+from .attention_config import AttentionConfig
+from .cross_entropy import vocab_parallel_cross_entropy
+from .generation import generate
+from .kv_cache import KVCache
+from .mlp import ParallelMLP
+from .model import GPTModel
+from .model_config import ModelConfig
+from .model_layout import padded_vocab_size, shard_state_dict, state_dict_keys, unshard_state_dict

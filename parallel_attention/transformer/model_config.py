@@ -1,0 +1,91 @@
+"""ModelConfig: the whole GPT model's shape, p-independent, as saved in run configs and checkpoints.
+
+It lives with the model (the `model:` section of a run config is this dataclass), so that the
+transformer, checkpointing and Hugging Face layers use it without importing `training/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .attention_config import AttentionConfig
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # the byte-level tokenizer; padded to a multiple of 64 p inside the model
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_hidden_size: int | None = None  # None: 4h (gelu) or 8h/3 rounded up to 64 (swiglu)
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    position_embedding: Literal["learned", "rotary"] = "learned"
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    qkv_bias: bool = True
+    out_bias: bool = True
+    mlp_bias: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+    recompute_activations: bool = False
+    attention_kernel: Literal["auto", "sdpa", "math", "apex"] = "auto"
+
+    # keys renamed since 0.1.0: still read (configs and checkpoints in users' hands), with a warning
+    RENAMED = {"attention_backend": "attention_kernel"}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """The `model` section as saved in a run config or checkpoint manifest (renamed keys accepted)."""
+        data = migrate_renamed_keys(cls, data, "model", warn=False)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown model config key(s) {unknown}; known: {sorted(names)}.")
+        return cls(**data)
+
+    def attention_config(self, sequence_parallel: bool = False,
+                         params_dtype: torch.dtype = torch.float32) -> AttentionConfig:
+        return AttentionConfig(
+            hidden_size=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, qkv_bias=self.qkv_bias, out_bias=self.out_bias,
+            attention_dropout=self.attention_dropout, causal=True, rotary=self.position_embedding == "rotary",
+            rope_theta=self.rope_theta, sequence_parallel=sequence_parallel, init_std=self.init_std,
+            attention_kernel=self.attention_kernel, params_dtype=params_dtype,
+        )
+
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return 64 * -(-(8 * self.hidden_size // 3) // 64)
+        return 4 * self.hidden_size
+
+
+def migrate_renamed_keys(cls, data: dict[str, Any], section: str, warn: bool = True) -> dict[str, Any]:
+    """`data` with the keys that `cls.RENAMED` lists under their new names; both at once is an error."""
+    renamed = getattr(cls, "RENAMED", {})
+    if not isinstance(data, dict) or not renamed.keys() & data.keys():
+        return data
+    data = dict(data)
+    for old, new in renamed.items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ValueError(f"{section}.{old} and {section}.{new} are both set: {section}.{old} is the old "
+                             f"name of {section}.{new}; keep only {section}.{new}.")
+        if warn:
+            warnings.warn(f"config key {section}.{old} is deprecated: call it {section}.{new}.", FutureWarning,
+                          stacklevel=3)
+        data[new] = data.pop(old)
+    return data

@@ -1,0 +1,121 @@
+"""The architecture's rules, checked on the source so that later work keeps them:
+files under 300 lines, functions under 50 (the trainer's steps under 40), lower layers never import
+higher ones, no flag tests or cache arguments in a module's forward, no isinstance on another
+module's layer classes, and `import parallel_attention` pulls in no optional dependency."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "parallel_attention"
+LAYER = {"tensor_parallel": 1, "transformer": 2, "checkpointing": 3, "hf": 3, "training": 4}
+FLAGS_NOT_IN_FORWARD = {"sequence_parallel", "kv_cache", "gated", "rotary", "recompute_activations"}
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _functions(tree: ast.AST):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _code_lines(fn: ast.FunctionDef) -> int:
+    """Lines of a function without its docstring."""
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+    return body[-1].end_lineno - body[0].lineno + 1 + 1 if body else 1  # + the def line
+
+
+def _package_of(path: Path) -> str | None:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else None
+
+
+def test_files_and_functions_are_short():
+    long_files = {str(p.relative_to(PACKAGE)): n for p in SOURCES if (n := len(p.read_text().splitlines())) > 300}
+    long_functions = {f"{p.relative_to(PACKAGE)}:{fn.name}": fn.end_lineno - fn.lineno + 1
+                      for p in SOURCES for fn in _functions(_tree(p)) if fn.end_lineno - fn.lineno + 1 > 50}
+    assert not long_files and not long_functions, (long_files, long_functions)
+
+
+def test_the_trainer_reads_as_short_steps():
+    steps = {fn.name: fn.end_lineno - fn.lineno + 1 for fn in _functions(_tree(PACKAGE / "training" / "trainer.py"))}
+    assert {"build", "resume_run", "train_step", "after_step", "train"} <= set(steps)
+    assert all(n <= 40 for n in steps.values()), steps
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """Sub-packages of parallel_attention that `path` imports (relative or absolute)."""
+    found, own = set(), _package_of(path)
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0 and (node.module or "").startswith("parallel_attention."):
+                found.add(node.module.split(".")[1])
+            elif node.level == 2 and node.module:
+                found.add(node.module.split(".")[0])
+            elif node.level == 1 and own is not None:
+                found.add(own)
+    return found & set(LAYER)
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if _package_of(p) in LAYER], ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_lower_layers_never_import_higher_ones(path):
+    own = LAYER[_package_of(path)]
+    higher = {pkg for pkg in _imported_packages(path) if LAYER[pkg] > own}
+    assert not higher, f"{path.relative_to(PACKAGE)} imports {higher}"
+
+
+def _module_forwards(tree: ast.Module):
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        is_autograd = any(isinstance(b, ast.Attribute) and b.attr == "Function" for b in cls.bases)
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and fn.name == "forward" and not is_autograd:
+                yield cls.name, fn
+
+
+def test_no_flags_or_caches_in_forward():
+    offenders = []
+    for path in SOURCES:
+        for cls, fn in _module_forwards(_tree(path)):
+            names = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+            names |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)} | {a.arg for a in fn.args.args}
+            if names & FLAGS_NOT_IN_FORWARD:
+                offenders.append(f"{path.name}:{cls}.forward uses {sorted(names & FLAGS_NOT_IN_FORWARD)}")
+    assert not offenders, offenders
+
+
+def test_attention_forward_is_short_and_takes_no_cache():
+    tree = _tree(PACKAGE / "transformer" / "attention.py")
+    (fn,) = [f for cls, f in _module_forwards(tree) if cls == "ParallelSelfAttention"]
+    assert [a.arg for a in fn.args.args] == ["self", "hidden_states", "attention_mask", "position_ids"]
+    assert _code_lines(fn) <= 30
+    assert not any(isinstance(n, (ast.If, ast.IfExp)) for n in ast.walk(fn))
+
+
+def test_no_isinstance_on_layer_classes_of_other_modules():
+    defined = {}
+    for path in SOURCES:
+        for cls in (n for n in ast.walk(_tree(path)) if isinstance(n, ast.ClassDef)):
+            if any(isinstance(b, ast.Attribute) and b.attr == "Module" for b in cls.bases) or cls.name.endswith(
+                    ("Linear", "Embedding", "Attention", "Layer", "Model", "MLP", "Norm")):
+                defined[cls.name] = path
+    offenders = []
+    for path in SOURCES:
+        for call in (n for n in ast.walk(_tree(path)) if isinstance(n, ast.Call)):
+            if isinstance(call.func, ast.Name) and call.func.id == "isinstance" and len(call.args) == 2:
+                named = {n.id for n in ast.walk(call.args[1]) if isinstance(n, ast.Name)}
+                offenders += [f"{path.name}: isinstance(..., {c})" for c in named if defined.get(c, path) != path]
+    assert not offenders, offenders
+
+
+def test_import_needs_no_optional_dependency():
+    code = ("import sys, parallel_attention; optional = ('transformers', 'tensorboard', 'tokenizers', 'fairscale', "
+            "'apex', 'matplotlib'); print([m for m in sys.modules if m.split('.')[0] in optional])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
