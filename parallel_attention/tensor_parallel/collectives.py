@@ -17,24 +17,51 @@ and states what it does forward and backward. Shapes: `s` sequence, `b` batch, `
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import torch
 import torch.distributed as dist
 
-from .parallel_state import ProcessGroup, group_rank, group_size, is_distributed
+from .parallel_state import ProcessGroup, collective_timeout, describe_group, group_rank, group_size, is_distributed
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within the groups' timeout: some rank stopped answering."""
+
+
+@contextlib.contextmanager
+def _named(op: str, group: ProcessGroup | None):
+    """Re-raise a backend's timeout as CollectiveTimeoutError naming the operation and the group."""
+    try:
+        yield
+    except RuntimeError as error:  # gloo and NCCL (DistBackendError) report timeouts as RuntimeErrors
+        if not _TIMEOUT_WORDS.search(str(error)):
+            raise
+        raise CollectiveTimeoutError(
+            f"{op} on the {describe_group(group)} did not complete within the timeout "
+            f"({collective_timeout() or 'torch default'}): a rank stopped answering (hung, stopped or dead). "
+            f"Backend said: {str(error).splitlines()[0]}") from error
+
+
+_TIMEOUT_WORDS = re.compile(r"timed out|timeout|Timeout", re.IGNORECASE)
 
 
 def _all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
     # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns); older releases lack it
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    with _named("all_gather", group):
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
 
 
 def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+    with _named("reduce_scatter", group):
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
+    with _named("all_reduce", group):
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -155,7 +182,8 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) 
 def all_reduce_(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce outside autograd (for statistics such as the loss's max and sums)."""
     if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+        with _named("all_reduce", group):
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 
@@ -164,7 +192,8 @@ def all_gather_objects(obj) -> list:
     if not is_distributed():
         return [obj]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with _named("all_gather_object", None):
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -173,7 +202,8 @@ def broadcast_object(obj, src: int = 0):
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with _named("broadcast_object", None):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -182,11 +212,10 @@ def any_rank(flag: bool, device) -> bool:
     """True on every global rank if any rank says True (one small all-reduce)."""
     if not is_distributed():
         return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return bool(_all_reduce(torch.tensor([1.0 if flag else 0.0], device=device), None, dist.ReduceOp.MAX).item())
 
 
 def barrier() -> None:
     if is_distributed():
-        dist.barrier()
+        with _named("barrier", None):
+            dist.barrier()

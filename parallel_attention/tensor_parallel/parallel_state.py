@@ -24,6 +24,8 @@ class _Groups:
     tensor_parallel: ProcessGroup
     data_parallel: ProcessGroup
     tensor_parallel_ranks: tuple[int, ...]
+    data_parallel_ranks: tuple[int, ...]
+    timeout: datetime.timedelta | None
 
 
 _GROUPS: _Groups | None = None
@@ -38,10 +40,28 @@ def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
+def _as_timedelta(timeout) -> datetime.timedelta | None:
+    return datetime.timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+
+
+def _world_timeout() -> datetime.timedelta | None:
+    """The timeout the world group was created with, so the groups made here inherit it (without it
+    torch gives new groups its 30-minute default, and a hung rank outlives the run's timeout)."""
+    try:  # private API; a torch without it leaves torch's default
+        from torch.distributed import distributed_c10d
+
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    except Exception:
+        return None
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              timeout: datetime.timedelta | float | None = None) -> None:
     """Create the tensor- and data-parallel groups; call once after `init_process_group`.
 
-    Every rank must call it (group creation is collective).
+    Every rank must call it (group creation is collective). `timeout` bounds every collective on
+    the groups (default: the world group's timeout).
     """
     global _GROUPS
     if not _is_distributed():
@@ -62,21 +82,35 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1) -> None:
             f"world size {world} is not a multiple of tensor_model_parallel_size={p}: "
             f"launch a multiple of {p} processes or choose a tensor-parallel size that divides {world}."
         )
-    rank = dist.get_rank()
-    tp_group = dp_group = None
-    tp_ranks = ()
-    # new_group is collective over the whole world: every rank creates every group in the same order.
-    for start in range(0, world, p):
-        ranks = tuple(range(start, start + p))
-        group = dist.new_group(list(ranks))
-        if rank in ranks:
-            tp_group, tp_ranks = group, ranks
-    for offset in range(p):
-        ranks = tuple(range(offset, world, p))
-        group = dist.new_group(list(ranks))
-        if rank in ranks:
-            dp_group = group
-    _GROUPS = _Groups(tp_group, dp_group, tp_ranks)
+    timeout = _as_timedelta(timeout) or _world_timeout()
+    tp_group, tp_ranks = _new_groups([tuple(range(start, start + p)) for start in range(0, world, p)], timeout)
+    dp_group, dp_ranks = _new_groups([tuple(range(offset, world, p)) for offset in range(p)], timeout)
+    _GROUPS = _Groups(tp_group, dp_group, tp_ranks, dp_ranks, timeout)
+
+
+def _new_groups(all_ranks: list[tuple[int, ...]], timeout) -> tuple[ProcessGroup, tuple[int, ...]]:
+    """Create every group of a kind (new_group is collective over the world: all ranks, same order);
+    return this rank's group and its members."""
+    mine = None
+    for ranks in all_ranks:
+        group = dist.new_group(list(ranks), timeout=timeout)
+        if dist.get_rank() in ranks:
+            mine = (group, ranks)
+    return mine
+
+
+def describe_group(group: ProcessGroup | None) -> str:
+    """"the tensor-parallel group (ranks 0, 1)", for error messages."""
+    if _GROUPS is not None and group is _GROUPS.tensor_parallel:
+        return f"tensor-parallel group (global ranks {list(_GROUPS.tensor_parallel_ranks)})"
+    if _GROUPS is not None and group is _GROUPS.data_parallel:
+        return f"data-parallel group (global ranks {list(_GROUPS.data_parallel_ranks)})"
+    return "world group" if group is None else f"group of global ranks {dist.get_process_group_ranks(group)}"
+
+
+def collective_timeout() -> datetime.timedelta | None:
+    """The timeout of the groups made by initialize_model_parallel (None: torch's default)."""
+    return None if _GROUPS is None else _GROUPS.timeout
 
 
 def model_parallel_is_initialized() -> bool:
@@ -153,8 +187,7 @@ def init_distributed(
     process to cuda:LOCAL_RANK, and returns the device the caller should put tensors on.
     Run without torchrun (no RANK/WORLD_SIZE in the environment) it starts a world of one.
     """
-    if isinstance(timeout, (int, float)):
-        timeout = datetime.timedelta(seconds=timeout)
+    timeout = _as_timedelta(timeout)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
@@ -177,5 +210,5 @@ def init_distributed(
         else:
             store = dist.HashStore()
             dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
-    initialize_model_parallel(tensor_model_parallel_size)
+    initialize_model_parallel(tensor_model_parallel_size, timeout=timeout)
     return device

@@ -1,0 +1,37 @@
+"""A rank that stops answering fails the others within the configured timeout, and the error
+names the operation and the group (the groups inherit the world's timeout instead of torch's
+30-minute default)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import parallel_attention as pa
+from distributed import run_distributed
+from parallel_attention.tensor_parallel.collectives import CollectiveTimeoutError, all_reduce_
+
+GROUP_TIMEOUT_S = 4
+
+
+def _silent_rank_worker(which: str):
+    """Rank 1 never joins; rank 0 reports what its collective raised and how long it waited."""
+    pa.destroy_model_parallel()
+    pa.initialize_model_parallel(1 if which == "data" else 2, timeout=GROUP_TIMEOUT_S)
+    if torch.distributed.get_rank() == 1:
+        time.sleep(GROUP_TIMEOUT_S + 4)
+        return None
+    group = pa.get_data_parallel_group() if which == "data" else pa.get_tensor_model_parallel_group()
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        all_reduce_(torch.ones(4), group)
+    return str(info.value), time.monotonic() - started
+
+
+@pytest.mark.parametrize("which,name", [("tensor", "tensor-parallel group"), ("data", "data-parallel group")])
+def test_a_silent_rank_times_out_with_the_group_and_operation_named(which, name):
+    message, waited = run_distributed(_silent_rank_worker, 2, 2, which, timeout=60)[0]
+    assert "all_reduce" in message and name in message and "global ranks [0, 1]" in message, message
+    assert waited < GROUP_TIMEOUT_S + 3  # the group's timeout, not the world's (60 s) nor torch's 30 min
