@@ -15,6 +15,9 @@ from ..tensor_parallel.collectives import all_reduce_
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
 
 
+IGNORE_INDEX = -100  # the label torch and Hugging Face leave out of the loss
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, group):
@@ -45,11 +48,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, group: ProcessGroup | None
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, group: ProcessGroup | None,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """Per-token loss [...] from this rank's logits [..., V_padded/p] and global targets [...]."""
+    """Per-token loss [...] from this rank's logits [..., V_padded/p] and global targets [...].
+
+    Targets equal to `ignore_index` get loss 0 and no gradient (as F.cross_entropy(reduction="none")
+    does); any other target outside [0, vocab_size) is refused, at every p.
+    """
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)}[:-1].")
     if vocab_size > logits.shape[-1] * group_size(group):
         raise ValueError(f"vocab_size={vocab_size} exceeds the padded vocabulary {logits.shape[-1] * group_size(group)}.")
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, group)
+    ignored = target == ignore_index
+    check_ids(target.masked_fill(ignored, 0), vocab_size, "label")
+    loss = _VocabParallelCrossEntropy.apply(logits, target.masked_fill(ignored, 0), vocab_size, group)
+    return loss.masked_fill(ignored, 0.0)
+
+
+def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    """ValueError naming the first id outside [0, vocab_size) (one device sync)."""
+    outside = (ids < 0) | (ids >= vocab_size)
+    if outside.any():
+        value = ids[outside].flatten()[0].item()
+        raise ValueError(f"{what} id {value} is outside the vocabulary [0, {vocab_size}): check the tokenizer "
+                         f"against model.vocab_size (ignored labels must be exactly {IGNORE_INDEX}).")

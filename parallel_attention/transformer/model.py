@@ -25,7 +25,7 @@ from ..tensor_parallel.param_kinds import Partial, Replicated, Sharded, paramete
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 from ..tensor_parallel.rng import checkpoint_with_tp_rng, tensor_parallel_rng
 from .attention import ParallelSelfAttention
-from .cross_entropy import vocab_parallel_cross_entropy
+from .cross_entropy import IGNORE_INDEX, check_ids, vocab_parallel_cross_entropy
 from .kv_cache import KVCache
 from .mlp import ParallelMLP
 from .model_config import ModelConfig
@@ -147,13 +147,16 @@ class GPTModel(nn.Module):
         s = tokens.shape[1]
         if s + offset > self.config.max_seq_len:
             raise ValueError(f"sequence of {s + offset} tokens exceeds model.max_seq_len={self.config.max_seq_len}.")
+        check_ids(tokens, self.vocab_size, "token")
         x = self.embed_tokens(tokens.t())  # [s, b, h]; SP: [s/p, b, h]
         if self.embed_positions is not None:
             x = x + self._positions(self.embed_positions[offset:offset + s]).unsqueeze(1)
         return self.embedding_dropout(x)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [b, s] -> mean loss over labels [b, s], or local logits [s, b, V_padded/p] without labels."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+        """tokens [b, s] -> mean loss over the labels [b, s] that are not `ignore_index`, or local logits
+        [s, b, V_padded/p] without labels."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [b, s], got shape {tuple(tokens.shape)}.")
         x = self._embed(tokens, 0)
@@ -162,7 +165,8 @@ class GPTModel(nn.Module):
         logits = self.lm_head(self.final_norm(x))
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size, self.tp_group).mean()
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size, self.tp_group, ignore_index)
+        return losses.sum() / (labels != ignore_index).sum()  # == mean() when nothing is ignored
 
     # ------------------------------------------------------------------------------ decoding
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
