@@ -8,9 +8,11 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["parallel_attention", "parallel_attention.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.5", "numpy", "pyyaml", "safetensors", "matplotlib"],
+    install_requires=["torch>=2.5", "numpy", "pyyaml", "safetensors", "matplotlib", "tqdm", "tokenizers"],
     extras_require={
         "hf": ["transformers>=4.45"],
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "transformers>=4.45"],
+        "tb": ["tensorboard"],
+        "data": ["pyarrow"],  # .parquet corpora
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "transformers>=4.45", "tensorboard", "pyarrow"],
     },
 )

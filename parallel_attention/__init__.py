@@ -26,7 +26,7 @@ from .transformer import (
     vocab_parallel_cross_entropy,
 )
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 __all__ = [
     "AttentionConfig",

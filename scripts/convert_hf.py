@@ -4,47 +4,72 @@
     python scripts/convert_hf.py export --checkpoint runs/imported --out path/to/hf_export
 
 import reads a save_pretrained directory (config.json + model.safetensors, or shards with
-model.safetensors.index.json; LlamaForCausalLM, MistralForCausalLM or GPT2LMHeadModel) and writes
+model.safetensors.index.json; LlamaForCausalLM, MistralForCausalLM or GPT2LMHeadModel), whatever
+its vocabulary, and writes
     RUN/checkpoints/step_0000000/   the weights at tensor_parallel_size=--tp (no optimizer state)
-    RUN/config.yaml                 the run config: defaults, the model from config.json, --tp
+    RUN/config.yaml                 the run config: defaults, the model from config.json, --tp,
+                                    data.tokenizer=RUN/tokenizer, data.data_dir=RUN/data
+    RUN/tokenizer/                  tokenizer.json, tokenizer_config.json, special_tokens_map.json
+                                    as found beside the weights: the model's own tokenizer, used by
+                                    training on text (set data.source) and by generate.py
     RUN/hf_config.json              the source config.json: export keeps its architecture and token ids
-The data section keeps its defaults except the tokenizer, which must cover the vocabulary: "gpt2"
-when vocab_size >= 50257, else "byte" (a vocabulary under 256 tokens is refused). Neither is the
-imported model's own tokenizer unless it is GPT-2's: set data.* before training on text.
+A directory without tokenizer.json imports all the same, with only a note RUN/tokenizer/MISSING:
+training on text then stops at the config check (data.tokenizer names a directory without
+tokenizer.json) and generation says how to give one (copy the tokenizer.json there, or set
+data.tokenizer / pass --tokenizer).
 
 export takes a run directory (its newest complete checkpoint) or a step directory, at any
 tensor-parallel size, and writes config.json + model.safetensors that
-transformers.AutoModelForCausalLM.from_pretrained loads. The architecture is --architecture, else
-the one recorded at import (RUN/hf_config.json), else the one the model's shape implies.
+transformers.AutoModelForCausalLM.from_pretrained loads, and beside them the files of RUN/tokenizer/.
+The architecture is --architecture, else the one recorded at import (RUN/hf_config.json), else the
+one the model's shape implies.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
 import sys
 from pathlib import Path
 
 from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_step_dir, write_canonical_checkpoint
-from parallel_attention.training import (DataConfig, LoggingConfig, ModelConfig, ParallelConfig, PretrainConfig,
-                                       save_config)
 from parallel_attention.hf import FAMILY, canonical_to_hf, hf_to_canonical, read_hf_config
+from parallel_attention.hf.convert import MISSING_TOKENIZER_NOTE, missing_tokenizer_message
+from parallel_attention.training import (DataConfig, LoggingConfig, ModelConfig, ParallelConfig, PretrainConfig,
+                                         save_config)
+from parallel_attention.training.tokenizer import TOKENIZER_FILES
 
 SOURCE_CONFIG = "hf_config.json"
 
 
 def build_run_config(model: ModelConfig, tp: int, run_dir: Path) -> PretrainConfig:
-    """Defaults, the imported model, tensor_parallel_size=tp, and a tokenizer that covers the vocabulary."""
-    if model.vocab_size < 256:
-        raise ValueError(f"vocab_size={model.vocab_size} is smaller than the byte tokenizer's 256 tokens: this "
-                         "project's data pipeline has no tokenizer for it.")
+    """Defaults, the imported model, tensor_parallel_size=tp, data prepared in RUN/data with RUN/tokenizer."""
     seq_len = min(DataConfig.seq_len, model.max_seq_len)
-    data = DataConfig(tokenizer="gpt2", data_dir="data/stdlib_gpt2", seq_len=seq_len) if model.vocab_size >= 50257 \
-        else DataConfig(seq_len=seq_len)
+    data = DataConfig(tokenizer=str(run_dir / "tokenizer"), data_dir=str(run_dir / "data"), seq_len=seq_len)
     cfg = PretrainConfig(model=model, parallel=ParallelConfig(tensor_parallel_size=tp), data=data,
                          logging=LoggingConfig(run_dir=str(run_dir)))
-    cfg.validate(world_size=tp)
+    # the layout only: the tokenizer is not written yet (and may be missing); any vocabulary is accepted
+    dataclasses.replace(cfg, model=dataclasses.replace(model, vocab_size=max(model.vocab_size, 256)),
+                        data=dataclasses.replace(data, tokenizer="byte")).validate(world_size=tp)
     return cfg
+
+
+def copy_tokenizer(hf_dir: Path, run_dir: Path) -> None:
+    """Copy the HF tokenizer files into RUN/tokenizer/, which data.tokenizer names. Without a tokenizer.json,
+    leave a note there instead: data.tokenizer then names a directory without one, which stops training on
+    text before it starts, and generate.py says what the note says."""
+    tokenizer_dir = run_dir / "tokenizer"
+    tokenizer_dir.mkdir(parents=True, exist_ok=True)
+    if not (hf_dir / "tokenizer.json").is_file():
+        note = f"{missing_tokenizer_message(run_dir)}.\n(no tokenizer.json in {hf_dir} at import)\n"
+        (tokenizer_dir / MISSING_TOKENIZER_NOTE).write_text(note, encoding="utf-8")
+        return
+    (tokenizer_dir / MISSING_TOKENIZER_NOTE).unlink(missing_ok=True)  # from an earlier import into this run
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, tokenizer_dir / name)
 
 
 def run_import(hf_dir: Path, run_dir: Path, tp: int) -> Path:
@@ -53,6 +78,7 @@ def run_import(hf_dir: Path, run_dir: Path, tp: int) -> Path:
         raise ValueError(f"{ckpt_root} already holds checkpoints: import into a new run directory.")
     model, canonical = hf_to_canonical(hf_dir)
     cfg = build_run_config(model, tp, run_dir)
+    copy_tokenizer(hf_dir, run_dir)
     step_dir = write_canonical_checkpoint(ckpt_root, cfg.to_dict(), canonical, step=0)
     save_config(cfg, run_dir / "config.yaml")
     (run_dir / SOURCE_CONFIG).write_text(json.dumps(read_hf_config(hf_dir), indent=2) + "\n", encoding="utf-8")
@@ -63,9 +89,16 @@ def run_export(checkpoint: Path, out_dir: Path, architecture: str | None) -> Pat
     step_dir = resolve_step_dir(checkpoint)
     saved, canonical = read_canonical_checkpoint(step_dir)
     model = ModelConfig.from_dict(saved["model"])
-    recorded = step_dir.parent.parent / SOURCE_CONFIG  # RUN/checkpoints/step_XXXXXXX -> RUN/hf_config.json
-    source = json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else None
-    return canonical_to_hf(model, canonical, out_dir, architecture, source)
+    run_dir = step_dir.parent.parent  # RUN/checkpoints/step_XXXXXXX -> RUN
+    in_run = step_dir.parent.name == "checkpoints"
+    recorded = run_dir / SOURCE_CONFIG
+    source = json.loads(recorded.read_text(encoding="utf-8")) if in_run and recorded.is_file() else None
+    out = canonical_to_hf(model, canonical, out_dir, architecture, source)
+    tokenizer_dir = run_dir / "tokenizer"
+    for path in sorted(tokenizer_dir.iterdir()) if in_run and tokenizer_dir.is_dir() else []:
+        if path.is_file() and path.name != MISSING_TOKENIZER_NOTE:
+            shutil.copyfile(path, out / path.name)
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -1,11 +1,16 @@
-"""Tokenize a corpus once into train.bin / val.bin / meta.json for pretraining.
+"""Tokenize a corpus once into train/val .bin and .idx files and meta.json for pretraining.
 
     python scripts/prepare_data.py --source stdlib --tokenizer byte --out data/stdlib_byte
-    python scripts/prepare_data.py --source path/to/corpus --tokenizer gpt2 --out data/corpus_gpt2
+    python scripts/prepare_data.py --source path/to/corpus --tokenizer bpe --bpe-vocab-size 8192 --out data/corpus_bpe
+    python scripts/prepare_data.py --source path/to/jsonl_dir --text-field content --tokenizer path/to/tokenizer_dir \
+        --out data/corpus_hf
 
---source is "stdlib" (this interpreter's standard-library .py files) or a .txt / .jsonl file or a
-directory of them. The trainer prepares data itself when data_dir lacks it; this script is for
-doing it ahead of time, e.g. once on a login node.
+--source is "stdlib" (this interpreter's standard-library .py files), a file, or a directory searched
+recursively for text files (.txt, .md, .py, ...), .jsonl (one document per line, field --text-field) and
+.parquet (one per row, column --text-field; needs pyarrow). --tokenizer is byte, gpt2 (tiktoken, cached
+files only), bpe (a byte-level BPE trained on the corpus, saved as <out>/tokenizer.json) or a path to a
+tokenizer.json or a directory holding one. The trainer prepares data itself when data_dir lacks it; this
+script is for doing it ahead of time, e.g. once on a login node. It prints a summary, skipped files included.
 """
 
 from __future__ import annotations
@@ -21,25 +26,39 @@ def _max_bytes(text: str) -> int | None:
     return None if text.lower() in ("none", "0", "all") else int(text)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     defaults = DataConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default=defaults.source, help="'stdlib' or a .txt/.jsonl file or directory")
-    parser.add_argument("--tokenizer", default=defaults.tokenizer, choices=["byte", "gpt2"])
+    parser.add_argument("--source", default=defaults.source, help="'stdlib', a file, or a corpus directory")
+    parser.add_argument("--tokenizer", default=defaults.tokenizer,
+                        help="byte | gpt2 | bpe | path to a tokenizer.json or a directory holding one")
     parser.add_argument("--out", default=defaults.data_dir, help="output directory")
     parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction)
     parser.add_argument("--max-bytes", type=_max_bytes, default=defaults.max_bytes,
                         help="cap on the bytes of text read ('none' for all)")
-    args = parser.parse_args()
+    parser.add_argument("--bpe-vocab-size", "--vocab-size", type=int, default=defaults.bpe_vocab_size,
+                        help="tokens of the BPE that --tokenizer bpe trains")
+    parser.add_argument("--text-field", default=defaults.text_field, help="text field of .jsonl / column of .parquet")
+    parser.add_argument("--workers", type=int, default=defaults.num_workers,
+                        help="tokenizing processes (0: one per CPU core, up to 8)")
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = _parse_args()
     start = time.perf_counter()
     meta = prepare_data(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                        max_bytes=args.max_bytes)
+                        max_bytes=args.max_bytes, text_field=args.text_field, bpe_vocab_size=args.bpe_vocab_size,
+                        num_workers=args.workers)
     elapsed = time.perf_counter() - start
     print(f"prepared {args.out} from {meta['source']} with tokenizer {meta['tokenizer']} in {elapsed:.2f} s")
     print(f"  {meta['num_files']} files, {meta['num_documents']} documents, {meta['num_bytes']:,} bytes of text")
     print(f"  train {meta['num_train_tokens']:,} tokens, val {meta['num_val_tokens']:,} tokens "
           f"({meta['dtype']}, vocab {meta['vocab_size']}, eot {meta['eot_token']})")
+    for reason, count in meta["skipped"].items():
+        print(f"  skipped {count} {reason} (first: {meta['skipped_examples'][reason]})")
+    if not meta["skipped"]:
+        print("  nothing skipped")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ import sys
 import torch
 
 from parallel_attention import load_config
-from parallel_attention.training import ConfigError
-from parallel_attention.training import train
+from parallel_attention.training import ConfigError, train
+from parallel_attention.training.guards import ConfigMismatchError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -41,6 +41,10 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         result = train(cfg, resume=args.resume)  # validates the config before any process group exists
+    except ConfigMismatchError as error:  # the same on every rank: said once
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config error: {error}", file=sys.stderr)
+        return 2
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ import json
 import sys
 import types
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,8 +38,33 @@ def corpus(tmp_path):
     (root / "sub" / "b.txt").write_text("jumps over the lazy dog\n" * 30, encoding="utf-8")
     lines = [{"text": f"document {i}: " + "héllo wörld " * (20 + i)} for i in range(3)]
     (root / "c.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n\n", encoding="utf-8")
-    (root / "ignored.md").write_text("not part of the corpus", encoding="utf-8")
+    (root / "ignored.bin").write_bytes(b"\x00\x01 not a corpus file type")
     return root
+
+
+@pytest.fixture
+def mixed_corpus(tmp_path):
+    """Every supported format, with a custom text field, a binary file, a bad JSON line and an empty file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "mixed"
+    (root / "code" / ".git").mkdir(parents=True)
+    (root / "notes.txt").write_text("plain text file\n", encoding="utf-8")
+    (root / "README.md").write_text("# Title\n\nmarkdown ✓\n", encoding="utf-8")
+    (root / "code" / "mod.py").write_text("def f():\n    return 1\n", encoding="utf-8")
+    (root / "code" / ".git" / "HEAD").write_text("hidden: never read", encoding="utf-8")
+    (root / "binary.txt").write_bytes(bytes(range(256)))  # a text suffix, binary content: skipped
+    (root / "empty.md").write_text("", encoding="utf-8")
+    lines = [json.dumps({"content": "line one"}), "{not json", json.dumps({"text": "wrong field"}),
+             json.dumps({"content": "line two"})]
+    (root / "rows.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    pq.write_table(pa.table({"content": ["row one", "row two", "row three"], "n": [1, 2, 3]}), root / "t.parquet")
+    return root
+
+
+MIXED_DOCUMENTS = {"plain text file\n", "# Title\n\nmarkdown ✓\n", "def f():\n    return 1\n", "line one",
+                   "line two", "row one", "row two", "row three"}
 
 
 def test_byte_tokenizer_round_trip():
@@ -63,6 +89,8 @@ def test_prepare_writes_little_endian_uint16_with_checksums(corpus, tmp_path):
     assert meta == json.loads((out / "meta.json").read_text())
     assert (meta["dtype"], meta["vocab_size"], meta["eot_token"], meta["tokenizer"]) == ("uint16", 256, 0, "byte")
     assert (meta["num_files"], meta["num_documents"]) == (3, 5)
+    assert meta["skipped"] == {"files of another type": 1} and meta["skipped_examples"]["files of another type"] \
+        == "ignored.bin"
     for split in ("train", "val"):
         path = out / f"{split}.bin"
         assert path.stat().st_size == 2 * meta[f"num_{split}_tokens"] > 0
@@ -118,6 +146,52 @@ def test_ensure_prepared_reuses_complete_and_redoes_interrupted(corpus, tmp_path
 
     # Other settings: prepared again.
     assert ensure_prepared(replace(cfg, max_bytes=500))["num_bytes"] == 500
+    assert ensure_prepared(replace(cfg, text_field="body"))["text_field"] == "body"
+    assert ensure_prepared(cfg) == meta
+    stamp = train.stat().st_mtime_ns
+    assert ensure_prepared(replace(cfg, bpe_vocab_size=300)) == meta and train.stat().st_mtime_ns == stamp  # unused
+    bpe = ensure_prepared(replace(cfg, tokenizer="bpe", bpe_vocab_size=300, num_workers=1))
+    assert (bpe["tokenizer"], bpe["bpe_vocab_size"]) == ("bpe", 300)
+    assert ensure_prepared(replace(cfg, tokenizer="bpe", bpe_vocab_size=280, num_workers=1))["bpe_vocab_size"] == 280
+
+
+def test_a_directory_of_every_format_gives_one_document_per_file_line_and_row(mixed_corpus, tmp_path):
+    meta = prepare_data(str(mixed_corpus), "byte", tmp_path / "out", val_fraction=0.3, text_field="content")
+    assert (meta["num_files"], meta["num_documents"]) == (5, len(MIXED_DOCUMENTS))
+    assert meta["skipped"] == {"bad JSON lines": 2, "binary or not UTF-8 files": 1, "empty files": 1}
+    assert meta["skipped_examples"]["binary or not UTF-8 files"] == "binary.txt"
+    assert meta["skipped_examples"]["bad JSON lines"].startswith("rows.jsonl:2")
+    found = []
+    for split in ("train", "val"):
+        data = TokenDataset(tmp_path / "out", split)
+        assert data.num_documents == meta[f"num_{split}_documents"] == len(data.doc_offsets)
+        assert data.doc_offsets[0] == 0 and np.all(np.diff(data.doc_offsets.astype(np.int64)) > 0)
+        for i in range(data.num_documents):  # the offsets index each document, which ends in the separator
+            doc = data.document(i)
+            assert doc[-1] == 0 and 0 not in doc[:-1]
+            found.append(ByteTokenizer().decode(doc[:-1].tolist()))
+        assert sum(len(data.document(i)) for i in range(data.num_documents)) == data.num_tokens
+    assert sorted(found) == sorted(MIXED_DOCUMENTS)
+
+
+def test_a_bad_source_or_text_field_is_named(mixed_corpus, tmp_path):
+    with pytest.raises(ValueError, match="data.source='nowhere'"):
+        prepare_data("nowhere", "byte", tmp_path / "out")
+    meta = prepare_data(str(mixed_corpus), "byte", tmp_path / "out", val_fraction=0.3, text_field="nope")
+    assert meta["skipped"]["parquet files without the text column"] == 1
+    assert "columns: content, n" in meta["skipped_examples"]["parquet files without the text column"]
+    assert meta["skipped"]["bad JSON lines"] == 4 and meta["num_documents"] == 3  # the three text files
+
+
+def test_the_script_prints_the_summary(mixed_corpus, tmp_path):
+    import subprocess
+
+    out = subprocess.run([sys.executable, "scripts/prepare_data.py", "--source", str(mixed_corpus), "--out",
+                          str(tmp_path / "out"), "--text-field", "content", "--val-fraction", "0.3"],
+                         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
+    assert "5 files, 8 documents" in out.stdout
+    assert "skipped 2 bad JSON lines (first: rows.jsonl:2" in out.stdout
+    assert "skipped 1 binary or not UTF-8 files (first: binary.txt)" in out.stdout
 
 
 def test_stdlib_source_yields_train_and_val(tmp_path):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -21,10 +23,12 @@ transformers = pytest.importorskip(
 
 import parallel_attention as pa  # noqa: E402
 from distributed import run_distributed  # noqa: E402
+from launch import ROOT, environment, torchrun  # noqa: E402
 from parallel_attention import GPTModel, ModelConfig, canonical_to_hf, hf_to_canonical, load_config  # noqa: E402
 from parallel_attention.hf import read_hf_config  # noqa: E402
 from parallel_attention.tensor_parallel import all_gather_along_dim  # noqa: E402
 from parallel_attention.checkpointing import read_canonical_checkpoint  # noqa: E402
+from parallel_attention.training import ConfigError  # noqa: E402
 
 VOCAB = 300  # not a multiple of 64 p: the model's internal vocabulary padding is exercised
 LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -251,14 +255,30 @@ def test_script_import_tp2_then_export(hf_models, name, tmp_path, capsys):
     script, run = _convert_script(), tmp_path / "run"
     assert script.main(["import", "--hf", str(hf_dir), "--out", str(run), "--tp", "2"]) == 0
     cfg = load_config(run / "config.yaml")
-    cfg.validate(world_size=2)
-    assert cfg.parallel.tensor_parallel_size == 2 and cfg.data.tokenizer == "byte"  # vocab 300 < 50257
+    assert cfg.parallel.tensor_parallel_size == 2 and cfg.data.tokenizer == str(run / "tokenizer")
+    assert (run / "tokenizer" / "MISSING").is_file()  # save_pretrained wrote weights only: no tokenizer
+    with pytest.raises(ConfigError, match="tokenizer"):  # training on text stops before it starts
+        cfg.validate(world_size=2)
     step_cfg, canonical = read_canonical_checkpoint(run / "checkpoints" / "step_0000000")
     expected_cfg, expected = hf_to_canonical(hf_dir)
     assert ModelConfig.from_dict(step_cfg["model"]) == expected_cfg and all(torch.equal(canonical[k], expected[k]) for k in expected)
     assert script.main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 0
     assert read_hf_config(tmp_path / "out")["architectures"] == read_hf_config(hf_dir)["architectures"]
     assert torch.equal(_hf_logits(tmp_path / "out"), ref)
+    assert not (tmp_path / "out" / "MISSING").exists()
+
+
+def test_small_vocabulary_without_tokenizer_imports_and_generation_says_how(tmp_path):
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "vocab_size": 100})).save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    assert _convert_script().main(["import", "--hf", str(tmp_path / "hf"), "--out", str(run), "--tp", "1"]) == 0
+    assert load_config(run / "config.yaml").model.vocab_size == 100
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(run)],
+                            env=environment(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (f"error: this model was imported without a tokenizer: copy its tokenizer.json "
+                                     f"into {run / 'tokenizer'}/ or set data.tokenizer=PATH (a tokenizer.json or a "
+                                     "directory holding one), or pass --tokenizer PATH")
 
 
 def test_script_reports_an_impossible_layout(hf_models, tmp_path, capsys):
@@ -275,3 +295,64 @@ def test_import_leaves_no_unknown_field_warning(hf_models):
         warnings.simplefilter("error")
         for name in ("llama", "gpt2"):
             hf_to_canonical(hf_models[name][0])
+
+
+# ------------------------------------------------------------------------------ with its own tokenizer
+SENTENCES = [f"the {a} {b} sat on the {c} mat number {i}." for i, (a, b, c) in enumerate(
+    (a, b, c) for a in ("big", "small", "red", "old") for b in ("cat", "dog", "fox") for c in ("green", "blue", "flat"))]
+
+
+def _llama_with_tokenizer(path: Path):
+    """A byte-level BPE trained here (</s>: id 0, named eos in tokenizer_config.json) and a Llama of its
+    vocabulary whose final norm is zero: every logit is 0, so greedy decoding picks id 0, the EOS."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(SENTENCES, tokenizers.trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["</s>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "tokenizer_class":
+                                                            "PreTrainedTokenizerFast"}))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, "vocab_size": tok.get_vocab_size(),
+                                                                      "eos_token_id": 0, "bos_token_id": None}))
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    model.save_pretrained(path)
+    return tok
+
+
+def _generated(run: Path, prompt: str) -> tuple[list[int], str]:
+    out = torchrun("generate.py", 2, ["--checkpoint", str(run), "--prompt", prompt, "--max-new-tokens", "6",
+                                      "--temperature", "0", "--print-tokens"], timeout=240).stdout
+    first, text = out.split("\n", 1)
+    assert first.startswith("tokens: ")
+    return list(map(int, first.split()[1:])), text.removesuffix("\n")
+
+
+def test_imported_tokenizer_trains_generates_and_exports(tmp_path):
+    tok = _llama_with_tokenizer(tmp_path / "hf")
+    run, corpus = tmp_path / "run", tmp_path / "corpus"
+    assert _convert_script().main(["import", "--hf", str(tmp_path / "hf"), "--out", str(run), "--tp", "2"]) == 0
+    assert sorted(p.name for p in (run / "tokenizer").iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    prompt = tok.encode("the red fox").ids
+    assert _generated(run, "the red fox") == (prompt + [0], "the red fox")  # its own tokenizer; stops at </s>
+
+    corpus.mkdir()
+    (corpus / "docs.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in SENTENCES * 4))
+    torchrun("pretrain.py", 2, ["--config", str(run / "config.yaml"), "--resume", f"--data.source={corpus}",
+                                "--data.seq_len=16", "--data.val_fraction=0.2", "--training.max_steps=2",
+                                "--training.global_batch_size=4", "--training.micro_batch_size=2",
+                                "--training.eval_interval=2", "--training.eval_batches=1", "--checkpoint.interval=2",
+                                "--logging.progress_bar=false", "--logging.tensorboard=false"], timeout=300)
+    assert (run / "checkpoints" / "step_0000002").is_dir()
+    tokens, text = _generated(run, "the red fox")
+    assert tokens[:len(prompt)] == prompt and len(tokens) > len(prompt)
+    assert text == tok.decode([t for t in tokens if t != 0])  # decoded by the model's own tokenizer
+
+    assert _convert_script().main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "out").iterdir()}
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert hf_tok.eos_token_id == 0 and hf_tok("the red fox", add_special_tokens=False).input_ids == prompt

@@ -54,12 +54,13 @@ def check_layout(manifest: dict, world_size: int, tp_size: int) -> None:
             "saved per rank, so resume with the same number of ranks.")
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten_dict(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: nested config dicts compared key by dotted key."""
     flat = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            flat.update(_flatten(value, name + "."))
+            flat.update(flatten_dict(value, name + "."))
         else:
             flat[name] = value
     return flat
@@ -74,8 +75,8 @@ def check_config(manifest: dict, expected_config: dict | None) -> None:
     if "model" in saved_config:  # keys renamed since it was written, read under today's names; not
         # ModelConfig.from_dict: callers may check any dict, and absent keys must stay absent
         saved_config["model"] = migrate_renamed_keys(ModelConfig, saved_config["model"], "model", warn=False)
-    saved = _flatten(saved_config)
-    wanted = _flatten(json.loads(json.dumps(expected_config)))  # JSON turned tuples into lists
+    saved = flatten_dict(saved_config)
+    wanted = flatten_dict(json.loads(json.dumps(expected_config)))  # JSON turned tuples into lists
     missing = object()
     diffs = [f"{key}: checkpoint {saved.get(key, '<absent>')!r}, run {value!r}"
              for key, value in wanted.items() if saved.get(key, missing) != value]

@@ -6,4 +6,4 @@ JSON. May import `tensor_parallel`, `transformer` and `checkpointing.tensor_io`.
 """
 
 from .config import FAMILY, read_hf_config
-from .convert import canonical_to_hf, hf_to_canonical
+from .convert import canonical_to_hf, hf_to_canonical, missing_tokenizer_message, tokenizer_is_missing

@@ -23,9 +23,11 @@ from ..transformer.model_config import ModelConfig
 from .config import FAMILY, architecture_of, hf_config_from_model, model_config_from_hf, read_hf_config
 from .weights import canonical_to_hf_tensors, hf_to_canonical_tensors, load_hf_tensors, save_hf_tensors
 
-__all__ = ["architecture_of", "canonical_to_hf", "hf_to_canonical", "read_hf_config"]
+__all__ = ["architecture_of", "canonical_to_hf", "hf_to_canonical", "missing_tokenizer_message", "read_hf_config",
+           "tokenizer_is_missing"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+MISSING_TOKENIZER_NOTE = "MISSING"  # RUN/tokenizer/MISSING: imported from a directory without tokenizer.json
 
 
 def hf_to_canonical(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -55,3 +57,15 @@ def canonical_to_hf(model_cfg: ModelConfig, canonical: dict[str, torch.Tensor], 
     save_hf_tensors(tensors, out, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return out
+
+
+def missing_tokenizer_message(run_dir: str | Path) -> str:
+    """What to do about a run imported without its tokenizer (written into the note, said by generation)."""
+    return (f"this model was imported without a tokenizer: copy its tokenizer.json into {Path(run_dir) / 'tokenizer'}/ "
+            "or set data.tokenizer=PATH (a tokenizer.json or a directory holding one)")
+
+
+def tokenizer_is_missing(run_dir: str | Path) -> bool:
+    """True for a run imported without a tokenizer to which none has been added since."""
+    tokenizer_dir = Path(run_dir) / "tokenizer"
+    return (tokenizer_dir / MISSING_TOKENIZER_NOTE).is_file() and not (tokenizer_dir / "tokenizer.json").is_file()

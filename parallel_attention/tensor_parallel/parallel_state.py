@@ -154,6 +154,11 @@ def get_tensor_model_parallel_world_size() -> int:
     return group_size(get_tensor_model_parallel_group())
 
 
+def get_world_size() -> int:
+    """The number of processes in the job (1 outside torch.distributed)."""
+    return dist.get_world_size() if _is_distributed() else 1
+
+
 def get_global_rank() -> int:
     """This process's rank in the whole world (0 outside torch.distributed)."""
     return dist.get_rank() if _is_distributed() else 0

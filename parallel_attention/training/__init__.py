@@ -10,8 +10,10 @@ loop itself (`trainer`). May import every other sub-package; nothing imports it 
 from .config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
                      ParallelConfig, PretrainConfig, ScheduleConfig, TrainingConfig, config_from_dict, load_config,
                      save_config)
+from .corpus import Corpus, CorpusStats
 from .data import GlobalBatchSampler, TokenDataset, ensure_prepared, prepare_data, read_meta, validation_batches
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
 from .optim import build_optimizer, learning_rate
-from .tokenizer import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
+from .tokenizer import (ByteTokenizer, HFTokenizer, TokenizerUnavailableError, get_tokenizer, tokenizer_vocab_size,
+                        train_bpe)
 from .trainer import TrainResult, train

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from ..transformer.model_config import ModelConfig, migrate_renamed_keys
+from .tokenizer import BPE_MIN_VOCAB, tokenizer_vocab_size
 
 
 class ConfigError(ValueError):
@@ -36,12 +37,16 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # "stdlib": this interpreter's standard-library sources; or a dir of .txt/.jsonl
-    tokenizer: Literal["byte", "gpt2"] = "byte"
+    source: str = "stdlib"  # "stdlib": this interpreter's standard-library sources; or a file, or a directory
+    # searched recursively for text files (.txt, .md, .py, ...), .jsonl and .parquet: one document per file/line/row
+    tokenizer: str = "byte"  # "byte" | "gpt2" (cached tiktoken) | "bpe" (trained on the corpus) | tokenizer.json path
     data_dir: str = "data/stdlib_byte"  # where prepare_data writes train.bin / val.bin / meta.json
     val_fraction: float = 0.02
     max_bytes: int | None = 8_000_000  # cap on the corpus read (None: all of it)
     seq_len: int = 128
+    bpe_vocab_size: int = 8192  # tokens of the byte-level BPE that tokenizer=bpe trains
+    text_field: str = "text"  # the field of a .jsonl object / column of a .parquet file holding the text
+    num_workers: int = 0  # processes that tokenize (0: one per CPU core, up to 8)
 
 
 @dataclass
@@ -135,16 +140,7 @@ class PretrainConfig:
             )
         if not 0 <= m.hidden_dropout < 1:
             raise ValueError(f"model.hidden_dropout={m.hidden_dropout} must lie in [0, 1).")
-        tokenizer_vocab = {"byte": 256, "gpt2": 50257}[self.data.tokenizer]
-        if m.vocab_size < tokenizer_vocab:
-            raise ValueError(
-                f"model.vocab_size={m.vocab_size} is smaller than the {self.data.tokenizer!r} tokenizer's "
-                f"{tokenizer_vocab} tokens: set model.vocab_size >= {tokenizer_vocab}."
-            )
-        if self.data.max_bytes is not None and self.data.max_bytes < 1:
-            raise ValueError(f"data.max_bytes={self.data.max_bytes} must be positive, or null for the whole corpus.")
-        if not 0 < self.data.val_fraction < 1:
-            raise ValueError(f"data.val_fraction={self.data.val_fraction} must lie in (0, 1).")
+        _check_data(self.data, m.vocab_size)
         if self.optimizer.min_lr > self.optimizer.lr:
             raise ValueError(f"optimizer.min_lr={self.optimizer.min_lr} exceeds optimizer.lr={self.optimizer.lr}.")
 
@@ -168,6 +164,23 @@ def _positive(cfg: PretrainConfig, world_size: int) -> None:
     for name, value in checks.items():
         if value < 1:
             raise ValueError(f"{name}={value} must be a positive integer.")
+
+
+def _check_data(data: DataConfig, model_vocab_size: int) -> None:
+    """The data settings, and the tokenizer's vocabulary against model.vocab_size (read from its file for a path)."""
+    if data.max_bytes is not None and data.max_bytes < 1:
+        raise ValueError(f"data.max_bytes={data.max_bytes} must be positive, or null for the whole corpus.")
+    if not 0 < data.val_fraction < 1:
+        raise ValueError(f"data.val_fraction={data.val_fraction} must lie in (0, 1).")
+    if data.num_workers < 0:
+        raise ValueError(f"data.num_workers={data.num_workers} must be 0 (one per CPU core) or a process count.")
+    if data.tokenizer == "bpe" and data.bpe_vocab_size < BPE_MIN_VOCAB:
+        raise ValueError(f"data.bpe_vocab_size={data.bpe_vocab_size} is below {BPE_MIN_VOCAB} (256 byte symbols "
+                         f"and the end-of-text token): set data.bpe_vocab_size >= {BPE_MIN_VOCAB}.")
+    tokenizer_vocab = tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size)  # ValueError naming a bad spec
+    if model_vocab_size < tokenizer_vocab:
+        raise ValueError(f"model.vocab_size={model_vocab_size} is smaller than the {data.tokenizer!r} tokenizer's "
+                         f"{tokenizer_vocab} tokens: set model.vocab_size >= {tokenizer_vocab}.")
 
 
 # ---------------------------------------------------------------------- loading

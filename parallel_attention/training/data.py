@@ -1,86 +1,95 @@
-"""Pretraining data: tokenize a corpus once into flat token files, then sample batches from them.
+"""Pretraining data: tokenize a corpus once into flat token files, then read them as memmaps.
 
-On disk (`data_dir`): `train.bin`, `val.bin` — every document's tokens followed by the end-of-text
-token, concatenated, raw little-endian uint16 (uint32 when vocab_size >= 65536) — and `meta.json`,
-written last, so a directory without it is an unfinished preparation and is redone.
+On disk (`data_dir`):
 
-Batches are a pure function of (seed, step): the offsets of the global batch's windows are drawn from
-a generator seeded with (seed, step), and data-parallel rank r takes rows [r*n/dp, (r+1)*n/dp). Ranks of
-one tensor-parallel group (same dp rank) therefore see identical batches, the union over dp ranks is the
-same global batch for any layout, and a resumed run sees exactly the batches it would have seen.
+    train.bin / val.bin    every document's tokens followed by the end-of-text token, concatenated, raw
+                           little-endian uint16 (uint32 when vocab_size >= 65536)
+    train.idx / val.idx    the start offset of each document in its .bin, little-endian uint64
+    tokenizer.json         with data.tokenizer=bpe: the byte-level BPE trained on this corpus
+    meta.json              written last, so a directory without it is an unfinished preparation and is redone
+
+Documents come from `corpus.Corpus`; they are encoded in chunks, by `num_workers` spawned processes in
+corpus order (byte tokens in this process: there is nothing to gain), so any worker count gives the same
+files. Batches are drawn by `batches.GlobalBatchSampler` and `batches.validation_batches`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import multiprocessing
 import os
 import sys
-import sysconfig
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
-from ..checkpointing.tensor_io import write_atomic
-from .tokenizer import get_tokenizer
+from ..checkpointing.tensor_io import file_digest, write_atomic
+from .batches import GlobalBatchSampler, validation_batches
+from .corpus import Corpus
+from .tokenizer import TOKENIZER_FILES, get_tokenizer, tokenizer_file, train_bpe
 
 __all__ = ["GlobalBatchSampler", "TokenDataset", "ensure_prepared", "prepare_data", "read_meta", "validation_batches"]
 
 META = "meta.json"
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+_CHUNK_BYTES = 1 << 20  # text per task of the tokenizing processes
 
 
-# ---------------------------------------------------------------------- reading the corpus
-def _source_files(source: str) -> tuple[Path, list[Path]]:
-    """The corpus files in a fixed order (sorted relative paths), and the root they are relative to."""
-    if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-            files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    else:
-        path = Path(source)
-        if path.is_file():
-            return path.parent, [path]
-        if not path.is_dir():
-            raise ValueError(f"data.source={source!r} is neither 'stdlib' nor an existing file or directory.")
-        root, files = path, [p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file()]
-    return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _documents(path: Path):
-    """Yield the texts of one file: a .jsonl line's "text" field, otherwise the whole file."""
-    if path.suffix != ".jsonl":
-        yield path.read_bytes().decode("utf-8", errors="replace")
+# ---------------------------------------------------------------------- tokenizing
+def _progress(corpus: Corpus, description: str) -> Iterator[str]:
+    """The corpus's documents, with a tqdm bar of the bytes read on stderr (when tqdm is there and it is a tty)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield from corpus.documents()
         return
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a 'text' field ({exc}).") from exc
-            yield str(text)
+    with tqdm(total=corpus.size_bytes, desc=description, unit="B", unit_scale=True, file=sys.stderr,
+              disable=None) as bar:
+        for text in corpus.documents():
+            yield text
+            bar.update(corpus.stats.num_bytes - bar.n)
 
 
-def _read_corpus(source: str, max_bytes: int | None) -> tuple[list[str], int, int]:
-    """The documents of the source, cut to `max_bytes` UTF-8 bytes in total; files read; bytes kept."""
-    _, files = _source_files(source)
-    docs, used, num_files = [], 0, 0
-    for path in files:
-        num_files += 1
-        for text in _documents(path):
-            data = text.replace("\x00", "").encode("utf-8")  # NUL is the byte tokenizer's document separator
-            if max_bytes is not None and used + len(data) > max_bytes:
-                data = data[: max_bytes - used].decode("utf-8", errors="ignore").encode("utf-8")
-            if data:
-                docs.append(data.decode("utf-8"))
-                used += len(data)
-            if max_bytes is not None and used >= max_bytes:
-                return docs, num_files, used
-    return docs, num_files, used
+def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
+    chunk, size = [], 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= _CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+_worker_tokenizer = None  # each tokenizing process's own tokenizer, built once by _start_worker
+
+
+def _start_worker(spec: str, data_dir: str) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already: no threads on top
+    _worker_tokenizer = get_tokenizer(spec, data_dir)
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    return _worker_tokenizer.encode_batch(texts)
+
+
+def _encode(spec: str, data_dir: Path, texts: Iterable[str], num_workers: int) -> Iterator[np.ndarray]:
+    """The token arrays of `texts`, in order; encoded by `num_workers` spawned processes unless byte or 1."""
+    if num_workers == 1 or spec == "byte":
+        tokenizer = get_tokenizer(spec, data_dir)
+        for chunk in _chunks(texts):
+            yield from tokenizer.encode_batch(chunk)
+        return
+    chunks = _chunks(texts)
+    context = multiprocessing.get_context("spawn")  # fork would copy a tokenizer's threads and locks
+    with context.Pool(num_workers, initializer=_start_worker, initargs=(spec, str(data_dir))) as pool:
+        while window := list(itertools.islice(chunks, 2 * num_workers)):  # bounded: the corpus never sits in RAM
+            for arrays in pool.imap(_encode_in_worker, window):
+                yield from arrays
 
 
 # ---------------------------------------------------------------------- writing token files
@@ -97,7 +106,7 @@ def _split(arrays: list[np.ndarray], val_fraction: float) -> tuple[list[np.ndarr
     val; a single document is cut at its last val_fraction of tokens.
     """
     if not arrays:
-        raise ValueError("the data source holds no text: nothing to train on.")
+        raise ValueError("the data source holds no text: nothing to train on (see the skipped files in the summary).")
     if len(arrays) == 1:
         cut = max(1, len(arrays[0]) - max(1, int(round(len(arrays[0]) * val_fraction))))
         return [arrays[0][:cut]], [arrays[0][cut:]]
@@ -105,51 +114,89 @@ def _split(arrays: list[np.ndarray], val_fraction: float) -> tuple[list[np.ndarr
     return [a for i, a in enumerate(arrays) if i not in val_ids], [arrays[i] for i in sorted(val_ids)]
 
 
+def _write_split(out: Path, split: str, parts: list[np.ndarray], meta: dict) -> None:
+    """`split`.bin (the tokens) and `split`.idx (each document's start offset), recorded in `meta`."""
+    starts = np.cumsum([0] + [len(a) for a in parts[:-1]], dtype=np.uint64).astype("<u8")
+    meta[f"num_{split}_tokens"] = int(sum(len(a) for a in parts))
+    meta[f"num_{split}_documents"] = len(parts)
+    meta[f"{split}_sha256"] = write_atomic(out / f"{split}.bin", (a.tobytes() for a in parts))
+    write_atomic(out / f"{split}.idx", [starts.tobytes()])
+
+
 def _source_key(source: str) -> str:
     """The source as recorded in meta.json: "stdlib" or an absolute path, so cwd does not matter."""
     return source if source == "stdlib" else str(Path(source).resolve())
 
 
-def prepare_data(source: str, tokenizer: str, out_dir, val_fraction: float = 0.02,
-                 max_bytes: int | None = None) -> dict:
-    """Tokenize `source` into `out_dir`/{train,val}.bin and meta.json; return the meta dict.
+def _tokenizer_key(spec: str, data_dir) -> dict:
+    """The tokenizer as meta.json records it: "byte", "gpt2", "bpe" or the absolute path of its tokenizer.json,
+    and the sha256 of that file (of data_dir/tokenizer.json for "bpe"), so a changed tokenizer is noticed."""
+    if spec in ("byte", "gpt2"):
+        return {"tokenizer": spec, "tokenizer_sha256": None}
+    path = Path(data_dir) / "tokenizer.json" if spec == "bpe" else tokenizer_file(spec).resolve()
+    sha = file_digest(path)["sha256"] if path.is_file() else None
+    return {"tokenizer": spec if spec == "bpe" else str(path), "tokenizer_sha256": sha}
 
-    Deterministic: the same source and settings give byte-identical files. meta.json is removed first
-    and written last, each file atomically, so an interrupted run never leaves a directory that looks done.
-    """
+
+def _end_of_text(tokenizer) -> int:
+    if tokenizer.eot_token is None:
+        raise ValueError(f"tokenizer {tokenizer.name} has no end-of-text token to put between documents: name one "
+                         'in a tokenizer_config.json beside its tokenizer.json, e.g. {"eos_token": "</s>"}, with a '
+                         "token of its vocabulary.")
+    return tokenizer.eot_token
+
+
+def _check_settings(val_fraction: float, max_bytes: int | None, num_workers: int) -> None:
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must lie in (0, 1).")
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes} must be positive, or None for the whole corpus.")
-    tok = get_tokenizer(tokenizer)
+    if num_workers < 0:
+        raise ValueError(f"num_workers={num_workers} must be 0 (one per CPU core) or a positive process count.")
+
+
+def prepare_data(source: str, tokenizer: str, out_dir, val_fraction: float = 0.02, max_bytes: int | None = None,
+                 *, text_field: str = "text", bpe_vocab_size: int = 8192, num_workers: int = 0) -> dict:
+    """Tokenize `source` into `out_dir` (train/val .bin and .idx, meta.json); return the meta dict.
+
+    `tokenizer` is "byte", "gpt2", "bpe" (first train a byte-level BPE of `bpe_vocab_size` tokens on the
+    corpus, saved as out_dir/tokenizer.json) or a path to a tokenizer.json or a directory holding one.
+    The meta holds the summary: files, documents, tokens, and what was skipped (`skipped`: count by reason,
+    `skipped_examples`: where each reason first occurred). Deterministic: the same source and settings give
+    byte-identical files whatever `num_workers`. meta.json is removed first and written last, each file
+    atomically, so an interrupted run never leaves a directory that looks done.
+    """
+    _check_settings(val_fraction, max_bytes, num_workers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)
     for stale in out.glob(".*.tmp-*"):
         stale.unlink()
-
-    docs, num_files, num_bytes = _read_corpus(source, max_bytes)
+    corpus = Corpus(source, text_field, max_bytes)
+    if tokenizer == "bpe":
+        train_bpe(_progress(corpus, "training bpe"), bpe_vocab_size, out / "tokenizer.json")
+    tok = get_tokenizer(tokenizer, out)
     dtype = np.dtype("<u2" if tok.vocab_size < 65536 else "<u4")
-    eot = np.array([tok.eot_token], dtype=dtype)
-    arrays = [np.concatenate([tok.encode_array(doc).astype(dtype), eot]) for doc in docs]
-    train, val = _split(arrays, val_fraction)
-
-    meta = {
-        "vocab_size": tok.vocab_size, "dtype": dtype.name, "tokenizer": tok.name, "eot_token": tok.eot_token,
-        "num_train_tokens": int(sum(len(a) for a in train)), "num_val_tokens": int(sum(len(a) for a in val)),
-        "source": _source_key(source), "max_bytes": max_bytes, "val_fraction": val_fraction,
-        "num_files": num_files, "num_documents": len(docs), "num_bytes": num_bytes,
-    }
+    eot = np.array([_end_of_text(tok)], dtype=dtype)
+    workers = num_workers or min(os.cpu_count() or 1, 8)
+    arrays = [np.concatenate([a.astype(dtype), eot])
+              for a in _encode(tokenizer, out, _progress(corpus, "tokenizing"), workers)]
+    meta = {"vocab_size": tok.vocab_size, "dtype": dtype.name, **_tokenizer_key(tokenizer, out),
+            "eot_token": int(eot[0]), "source": _source_key(source), "max_bytes": max_bytes,
+            "val_fraction": val_fraction, "text_field": text_field,
+            "bpe_vocab_size": bpe_vocab_size if tokenizer == "bpe" else None, **corpus.stats.summary()}
     if source == "stdlib":
         meta["python_version"] = sys.version.split()[0]
-    for split, parts in (("train", train), ("val", val)):
-        meta[f"{split}_sha256"] = write_atomic(out / f"{split}.bin", (a.tobytes() for a in parts))
+    for split, parts in zip(("train", "val"), _split(arrays, val_fraction)):
+        _write_split(out, split, parts, meta)
     write_atomic(out / META, [json.dumps(meta, indent=2).encode("utf-8")])
     return meta
 
 
 def read_meta(data_dir) -> dict | None:
-    """meta.json of a complete preparation whose token files have the recorded sizes, else None."""
+    """meta.json of a complete preparation whose token (and offset) files have the recorded sizes, else None.
+
+    Directories prepared before offsets were kept have no .idx files and still read."""
     path = Path(data_dir) / META
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -157,28 +204,48 @@ def read_meta(data_dir) -> dict | None:
         for split in ("train", "val"):
             if (Path(data_dir) / f"{split}.bin").stat().st_size != meta[f"num_{split}_tokens"] * itemsize:
                 return None
+            if f"num_{split}_documents" in meta and \
+                    (Path(data_dir) / f"{split}.idx").stat().st_size != meta[f"num_{split}_documents"] * 8:
+                return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return meta
 
 
-def ensure_prepared(data_cfg) -> dict:
-    """Return the meta of `data_cfg.data_dir` if it was prepared with these settings, else prepare it.
+def ensure_prepared(data_cfg, tokenizer_dir=None) -> dict:
+    """Return the meta of `data_cfg.data_dir` if it was prepared with these settings, else prepare it; then
+    copy the tokenizer's files (tokenizer.json and its configs, for Hugging Face tokenizers) to `tokenizer_dir`.
 
     Call on one rank only (then barrier): it touches files, never collectives.
     """
     meta = read_meta(data_cfg.data_dir)
-    wanted = {"tokenizer": data_cfg.tokenizer, "source": _source_key(data_cfg.source),
-              "max_bytes": data_cfg.max_bytes, "val_fraction": data_cfg.val_fraction}
-    if meta is not None and all(meta.get(k) == v for k, v in wanted.items()):
-        return meta
-    return prepare_data(data_cfg.source, data_cfg.tokenizer, data_cfg.data_dir,
-                        val_fraction=data_cfg.val_fraction, max_bytes=data_cfg.max_bytes)
+    bpe = data_cfg.tokenizer == "bpe"
+    wanted = {**_tokenizer_key(data_cfg.tokenizer, data_cfg.data_dir), "source": _source_key(data_cfg.source),
+              "max_bytes": data_cfg.max_bytes, "val_fraction": data_cfg.val_fraction,
+              "text_field": data_cfg.text_field, "bpe_vocab_size": data_cfg.bpe_vocab_size if bpe else None}
+    if meta is None or any(meta.get(k) != v for k, v in wanted.items()):
+        meta = prepare_data(data_cfg.source, data_cfg.tokenizer, data_cfg.data_dir, val_fraction=data_cfg.val_fraction,
+                            max_bytes=data_cfg.max_bytes, text_field=data_cfg.text_field,
+                            bpe_vocab_size=data_cfg.bpe_vocab_size, num_workers=data_cfg.num_workers)
+    if tokenizer_dir is not None and meta.get("tokenizer_sha256") is not None:
+        _copy_tokenizer(Path(data_cfg.data_dir) / "tokenizer.json" if bpe else Path(meta["tokenizer"]),
+                        Path(tokenizer_dir))
+    return meta
 
 
-# ---------------------------------------------------------------------- reading batches
+def _copy_tokenizer(path: Path, dest: Path) -> None:
+    """`path` as dest/tokenizer.json, with the tokenizer_config.json and special_tokens_map.json beside it."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        source = path if name == "tokenizer.json" else path.parent / name
+        if source.is_file():
+            write_atomic(dest / name, [source.read_bytes()])
+
+
 class TokenDataset:
-    """One split's tokens as a read-only memmap: pages are read on demand and shared between processes."""
+    """One split's tokens as a read-only memmap: pages are read on demand and shared between processes.
+
+    `doc_offsets` (uint64 memmap) holds each document's start; None for data prepared before they were kept."""
 
     def __init__(self, data_dir, split: str) -> None:
         if split not in ("train", "val"):
@@ -192,73 +259,18 @@ class TokenDataset:
         self.num_tokens = int(meta[f"num_{split}_tokens"])
         self.tokens = np.memmap(Path(data_dir) / f"{split}.bin", dtype=np.dtype(meta["dtype"]).newbyteorder("<"),
                                 mode="r", shape=(self.num_tokens,))
+        self.num_documents = meta.get(f"num_{split}_documents")
+        self.doc_offsets = None if not self.num_documents else \
+            np.memmap(Path(data_dir) / f"{split}.idx", dtype="<u8", mode="r", shape=(self.num_documents,))
+
+    def document(self, index: int) -> np.ndarray:
+        """The tokens of document `index` of this split, its end-of-text token included."""
+        if self.doc_offsets is None:
+            raise ValueError("this data was prepared without document offsets: prepare it again to get them.")
+        end = int(self.doc_offsets[index + 1]) if index + 1 < self.num_documents else self.num_tokens
+        return self.tokens[int(self.doc_offsets[index]):end]
 
     def windows(self, offsets, length: int) -> torch.Tensor:
         """LongTensor [len(offsets), length]: the tokens starting at each offset."""
         rows = [np.asarray(self.tokens[o:o + length], dtype=np.int64) for o in np.asarray(offsets).tolist()]
         return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, length, dtype=torch.long)
-
-
-def _check_fits(dataset: TokenDataset, seq_len: int) -> None:
-    if dataset.num_tokens < seq_len + 1:
-        raise ValueError(f"the split holds {dataset.num_tokens} tokens, fewer than seq_len+1={seq_len + 1}: "
-                         f"use a shorter data.seq_len, a larger corpus or a larger data.val_fraction.")
-
-
-def _split_rows(rows: torch.Tensor, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut [n, s+1] rows into micro-batches of (tokens [mb, s], labels [mb, s]), labels shifted by one."""
-    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in rows.split(micro_batch_size)]
-
-
-class GlobalBatchSampler:
-    """Global batches of `global_batch_size` random windows of seq_len+1 tokens, a pure function of (seed, step)."""
-
-    def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int) -> None:
-        _check_fits(dataset, seq_len)
-        self.dataset, self.seq_len, self.global_batch_size, self.seed = dataset, seq_len, global_batch_size, seed
-
-    def offsets(self, step: int) -> torch.Tensor:
-        """Start offsets of the global batch of `step`; cheap, so every rank computes all of them."""
-        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (1 << 63))
-        high = self.dataset.num_tokens - self.seq_len  # last valid start + 1
-        return torch.randint(0, high, (self.global_batch_size,), generator=generator)
-
-    def global_batch(self, step: int) -> torch.Tensor:
-        """LongTensor [global_batch_size, seq_len + 1]."""
-        return self.dataset.windows(self.offsets(step), self.seq_len + 1)
-
-    def local_micro_batches(self, step: int, dp_rank: int, dp_size: int,
-                            micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This data-parallel rank's rows of the global batch, as (tokens, labels) micro-batches [mb, seq_len].
-
-        Only this rank's rows are read from disk.
-        """
-        per_rank = _rows_per_rank(self.global_batch_size, dp_rank, dp_size, micro_batch_size)
-        mine = self.offsets(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        return _split_rows(self.dataset.windows(mine, self.seq_len + 1), micro_batch_size)
-
-
-def _rows_per_rank(batch_size: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> int:
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size}).")
-    if batch_size % (dp_size * micro_batch_size) != 0:
-        raise ValueError(f"batch size {batch_size} is not a multiple of micro_batch_size={micro_batch_size} x "
-                         f"data-parallel size {dp_size}.")
-    return batch_size // dp_size
-
-
-def validation_batches(dataset: TokenDataset, seq_len: int, batch_size: int, num_batches: int, *,
-                       dp_rank: int = 0, dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of `num_batches` (tokens, labels) batches of evenly spaced windows over the split.
-
-    The same windows at every evaluation, so val losses are comparable over a run. With dp_size > 1 each
-    rank gets its rows [dp_rank*b/dp, (dp_rank+1)*b/dp) of every batch; average the losses over dp ranks.
-    """
-    _check_fits(dataset, seq_len)
-    per_rank = _rows_per_rank(batch_size, dp_rank, dp_size, 1)
-    starts = np.linspace(0, dataset.num_tokens - seq_len - 1, batch_size * num_batches).round().astype(np.int64)
-    batches = []
-    for b in range(num_batches):
-        mine = starts[b * batch_size + dp_rank * per_rank: b * batch_size + (dp_rank + 1) * per_rank]
-        batches += _split_rows(dataset.windows(mine, seq_len + 1), per_rank)
-    return batches

@@ -1,6 +1,14 @@
-"""What a run shows and leaves behind: a progress line, metrics.jsonl, TensorBoard, loss.png.
+"""What a run shows and leaves behind: progress on the console, metrics.jsonl, TensorBoard, loss.png.
 
-Only global rank 0 creates a `MetricsLogger`; the other ranks stay silent.
+Only global rank 0 creates a `MetricsLogger`; the other ranks stay silent. The console shows one
+of two displays, chosen once at construction:
+
+- `TqdmBar`: a tqdm progress bar (loss, tokens/s, ETA, MFU when records carry `mfu`), when
+  `logging.progress_bar` is true and stderr is a terminal;
+- `PlainLines`: one line per logged step, `[###---] step N/M loss X T tok/s ETA Ss [val V]`, otherwise
+  (a log file, CI, tests and scripts parse these lines, so their format stays fixed).
+
+A record's `mfu` is the model FLOPs utilisation as a fraction of the hardware peak (0.42 = 42%).
 """
 
 from __future__ import annotations
@@ -9,58 +17,101 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
+
+
+def _extras(record: dict) -> list[str]:
+    """MFU and validation loss, when the record has them, as `mfu 42.0%` / `val 2.3456`."""
+    parts = []
+    if "mfu" in record:
+        parts.append(f"mfu {record['mfu']:.1%}")
+    if "val_loss" in record:
+        parts.append(f"val {record['val_loss']:.4f}")
+    return parts
+
+
+class PlainLines:
+    """One line per logged step (and one for the initial evaluation), flushed at once."""
+
+    def __init__(self, max_steps: int, start_step: int, stream: TextIO) -> None:
+        self.max_steps, self.start_step, self.stream = max_steps, start_step, stream
+        self.started = time.perf_counter()
+
+    def show(self, record: dict) -> None:
+        step = record["step"]
+        done = step - self.start_step
+        eta = (time.perf_counter() - self.started) / max(done, 1) * (self.max_steps - step)
+        width = 30
+        filled = int(width * step / self.max_steps)
+        bar = "#" * filled + "-" * (width - filled)
+        text = (f"[{bar}] step {step}/{self.max_steps} loss {record['loss']:.4f} "
+                f"{record['tokens_per_s']:.0f} tok/s ETA {eta:5.0f}s")
+        self.note(" ".join([text, *_extras(record)]))
+
+    def note(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        pass
+
+
+class TqdmBar:
+    """A tqdm bar over the steps of this run: tqdm's ETA and rate, our loss, tokens/s and MFU."""
+
+    def __init__(self, max_steps: int, start_step: int, stream: TextIO) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError as error:
+            raise ImportError("logging.progress_bar=true draws its bar with tqdm, which is not installed: "
+                              "pip install tqdm, or set --logging.progress_bar=false.") from error
+        self.stream = stream
+        self.bar = tqdm(total=max_steps, initial=start_step, unit="step", desc="train", file=stream,
+                        dynamic_ncols=True)
+
+    def show(self, record: dict) -> None:
+        parts = [f"loss {record['loss']:.4f}", f"{record['tokens_per_s']:.0f} tok/s", *_extras(record)]
+        self.bar.set_postfix_str(", ".join(parts), refresh=False)
+        self.bar.update(record["step"] - self.bar.n)
+        self.bar.refresh()  # update() redraws at most every 0.1 s; a logged step is always shown
+
+    def note(self, text: str) -> None:
+        self.bar.write(text, file=self.stream)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, max_steps: int, start_step: int, progress_bar: bool, tensorboard: bool):
         self.path = run_dir / "metrics.jsonl"
-        self.max_steps, self.start_step = max_steps, start_step
-        self.progress_bar = progress_bar
-        self.started = time.perf_counter()
+        display = TqdmBar if progress_bar and sys.stderr.isatty() else PlainLines
+        self.display = display(max_steps, start_step, sys.stderr)
         self.writer = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is optional
+            except ImportError:  # tensorboard is optional: pip install -e '.[tb]'
                 SummaryWriter = None
             if SummaryWriter is not None:
                 self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict) -> None:
-        """Append one step's record (flushed at once, so a killed run keeps its history)."""
+        """Append one step's record (flushed at once, so a killed run keeps its history), then show it."""
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, record["step"])
-        self._show(record)
-
-    def _show(self, record: dict) -> None:
-        step = record["step"]
-        if "loss" not in record:  # the initial evaluation
-            sys.stderr.write(f"step {step}: val loss {record['val_loss']:.4f}\n")
-            return
-        done = step - self.start_step
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / max(done, 1) * (self.max_steps - step)
-        width = 30
-        filled = int(width * step / self.max_steps)
-        bar = "#" * filled + "-" * (width - filled)
-        text = (f"[{bar}] step {step}/{self.max_steps} loss {record['loss']:.4f} "
-                f"{record['tokens_per_s']:.0f} tok/s ETA {eta:5.0f}s")
-        if "val_loss" in record:
-            text += f" val {record['val_loss']:.4f}"
-        if self.progress_bar and sys.stderr.isatty():
-            sys.stderr.write("\r" + text)
-            if step >= self.max_steps:
-                sys.stderr.write("\n")
-        else:
-            sys.stderr.write(text + "\n")
-        sys.stderr.flush()
+        if "loss" in record:
+            self.display.show(record)
+        else:  # the initial evaluation
+            self.display.note(f"step {record['step']}: val loss {record['val_loss']:.4f}")
 
     def close(self) -> None:
+        self.display.close()
         self._file.close()
         if self.writer is not None:
             self.writer.close()

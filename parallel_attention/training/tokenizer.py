@@ -1,6 +1,8 @@
-"""Tokenizers for pretraining: a dependency-free byte tokenizer and, where available offline, GPT-2 BPE.
+"""Tokenizers for pretraining: a dependency-free byte tokenizer, any Hugging Face `tokenizer.json`
+(`tokenizers` runs offline: a model's own tokenizer, or a byte-level BPE trained on the corpus), and
+GPT-2 BPE through tiktoken where its files are already cached.
 
-Both expose `name`, `vocab_size`, `eot_token`, `encode(str) -> list[int]`, `encode_array(str) -> ndarray`
+All expose `name`, `vocab_size`, `eot_token`, `encode(str) -> list[int]`, `encode_array(str) -> ndarray`
 (the fast path data preparation uses) and `decode(list[int]) -> str`. Nothing is downloaded, ever:
 the GPT-2 tokenizer refuses to start unless tiktoken and its BPE files are already on this machine,
 because a training job that fetches files at run time fails on air-gapped clusters halfway through.
@@ -9,13 +11,21 @@ because a training job that fetches files at run time fails on air-gapped cluste
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "Gpt2Tokenizer", "TokenizerUnavailableError", "get_tokenizer"]
+__all__ = ["ByteTokenizer", "Gpt2Tokenizer", "HFTokenizer", "TokenizerUnavailableError", "get_tokenizer",
+           "tokenizer_file", "tokenizer_vocab_size", "train_bpe"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what travels with a model
+BPE_EOS = "<|endoftext|>"  # the end-of-text token of the byte-level BPE that train_bpe writes
+BPE_MIN_VOCAB = 257  # its 256 byte symbols and BPE_EOS
+# end-of-text spellings of common families, tried when the tokenizer's config names none
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
 
 
 class TokenizerUnavailableError(RuntimeError):
@@ -38,6 +48,9 @@ class ByteTokenizer:
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode_array(text) for text in texts]
 
     def decode(self, tokens) -> str:
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
@@ -109,15 +122,122 @@ class Gpt2Tokenizer:
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.uint32)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Many documents at once (tiktoken spreads them over threads)."""
+        return [np.asarray(ids, dtype=np.uint32) for ids in self._encoding.encode_ordinary_batch(texts)]
+
     def decode(self, tokens) -> str:
         return self._encoding.decode([int(t) for t in tokens], errors="replace")
 
 
-_TOKENIZERS = {"byte": ByteTokenizer, "gpt2": Gpt2Tokenizer}
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer read from `tokenizer.json` (offline; nothing is fetched).
+
+    `eot_token` is the end-of-sequence id named by the tokenizer_config.json or special_tokens_map.json
+    beside it, else the first common end-of-text spelling in the vocabulary, else None.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = tokenizer_file(path)
+        self.name = str(self.path)
+        self._tokenizer = _tokenizers(f"tokenizer {path}").Tokenizer.from_file(str(self.path))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eot_token = self._eos_id()
+
+    def _eos_id(self) -> int | None:
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            config = self.path.parent / name
+            if config.is_file():
+                eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+                eos = eos.get("content") if isinstance(eos, dict) else eos
+                if isinstance(eos, str) and self._tokenizer.token_to_id(eos) is not None:
+                    return self._tokenizer.token_to_id(eos)
+        ids = [self._tokenizer.token_to_id(c) for c in _EOS_CANDIDATES]
+        return next((i for i in ids if i is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        # no special tokens: document boundaries are inserted by the data pipeline, once
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.uint32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Many documents at once (the Rust library spreads them over threads)."""
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+    def decode(self, tokens) -> str:
+        return self._tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
 
 
-def get_tokenizer(name: str):
-    """Return the tokenizer called `name` ("byte" or "gpt2")."""
-    if name not in _TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {name!r}; choose one of {sorted(_TOKENIZERS)}.")
-    return _TOKENIZERS[name]()
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """`path` itself if it is a tokenizer.json file, else `path`/tokenizer.json; ValueError naming both."""
+    path = Path(path)
+    candidate = path / "tokenizer.json" if path.is_dir() else path
+    if not candidate.is_file():
+        raise ValueError(f"tokenizer {str(path)!r} is neither 'byte', 'gpt2', 'bpe' nor a tokenizer.json file or a "
+                         "directory holding one (as save_pretrained writes).")
+    return candidate
+
+
+def get_tokenizer(spec: str, data_dir: str | os.PathLike | None = None):
+    """The tokenizer `spec` names: "byte", "gpt2", "bpe" (the BPE prepare_data trained into `data_dir`),
+    or a path to a tokenizer.json or a directory holding one."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec == "gpt2":
+        return Gpt2Tokenizer()
+    if spec == "bpe":
+        if data_dir is None or not (Path(data_dir) / "tokenizer.json").is_file():
+            raise TokenizerUnavailableError(f"tokenizer 'bpe': no trained tokenizer.json in data_dir={data_dir!s}; "
+                                            "prepare_data trains it (python scripts/prepare_data.py ...).")
+        return HFTokenizer(Path(data_dir) / "tokenizer.json")
+    return HFTokenizer(spec)
+
+
+def tokenizer_vocab_size(spec: str, bpe_vocab_size: int) -> int:
+    """The vocabulary size `spec` will have, known before any data is prepared: 256 for "byte", 50257 for "gpt2",
+    `bpe_vocab_size` for "bpe" (an upper bound: a small corpus may stop the merges earlier), else read from the
+    tokenizer.json the path names (ValueError naming the path when there is none)."""
+    sizes = {"byte": ByteTokenizer.vocab_size, "gpt2": Gpt2Tokenizer.vocab_size, "bpe": bpe_vocab_size}
+    return sizes[spec] if spec in sizes else HFTokenizer(spec).vocab_size
+
+
+def train_bpe(texts, vocab_size: int, out_path: str | os.PathLike) -> HFTokenizer:
+    """Train a byte-level BPE of `vocab_size` tokens on the strings of `texts`; save it as `out_path` (a
+    tokenizer.json) with a tokenizer_config.json beside it naming its end-of-text token; return it loaded.
+
+    Byte-level: the initial alphabet is the 256 byte symbols, so any text encodes and decodes exactly.
+    Token 0 is `<|endoftext|>`, the end-of-text token the data pipeline puts between documents. Same texts,
+    same tokenizer: the trainer is deterministic.
+    """
+    from ..checkpointing.tensor_io import write_atomic  # training is the top layer: it may read below
+
+    if vocab_size < BPE_MIN_VOCAB:
+        raise ValueError(f"bpe vocab_size={vocab_size} is below {BPE_MIN_VOCAB}, the 256 byte symbols plus {BPE_EOS}: "
+                         f"set data.bpe_vocab_size >= {BPE_MIN_VOCAB} (8192 to 50000 is usual).")
+    lib = _tokenizers("tokenizer 'bpe'")
+    tokenizer = lib.Tokenizer(lib.models.BPE())
+    tokenizer.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = lib.decoders.ByteLevel()
+    trainer = lib.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=False,
+                                      initial_alphabet=lib.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": BPE_EOS, "bos_token": BPE_EOS,
+              "add_prefix_space": False}
+    write_atomic(out.parent / "tokenizer_config.json", [json.dumps(config, indent=2).encode("utf-8")])
+    write_atomic(out, [tokenizer.to_str().encode("utf-8")])
+    return HFTokenizer(out)
+
+
+def _tokenizers(who: str):
+    """The `tokenizers` package, imported on first use (`import parallel_attention` must not need it)."""
+    try:
+        import tokenizers
+    except ImportError as error:
+        raise TokenizerUnavailableError(f"{who}: the `tokenizers` package is not installed: "
+                                        "pip install tokenizers") from error
+    return tokenizers

@@ -26,12 +26,14 @@ from ..tensor_parallel.param_kinds import finalize_grads
 from ..tensor_parallel.rng import manual_seed
 from ..transformer.model import GPTModel
 from .config import PretrainConfig, save_config
+from .guards import check_config_agreement
 from .data import GlobalBatchSampler, TokenDataset, ensure_prepared, validation_batches
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, learning_rate, set_learning_rate
 from .resume import resume_from_checkpoint
+from .summary import run_summary
 
 
 @dataclass
@@ -95,14 +97,16 @@ def _autocast(cfg: PretrainConfig, device: torch.device):
 
 # ---------------------------------------------------------------------------------- build
 def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, TokenDataset]:
-    """Prepare the token files once (global rank 0), then open them on every rank."""
+    """Prepare the token files once (global rank 0), keeping a copy of the tokenizer in <run_dir>/tokenizer for
+    generation and export, then open them on every rank."""
     if ps.get_global_rank() == 0:
-        ensure_prepared(cfg.data)
+        ensure_prepared(cfg.data, tokenizer_dir=Path(cfg.logging.run_dir) / "tokenizer")
     barrier()
     train_split = TokenDataset(cfg.data.data_dir, "train")
     if train_split.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the data's tokenizer has {train_split.vocab_size} tokens but model.vocab_size="
-                         f"{cfg.model.vocab_size}: set model.vocab_size >= {train_split.vocab_size}.")
+        raise ValueError(f"the data's tokenizer {train_split.meta['tokenizer']} has {train_split.vocab_size} tokens "
+                         f"but model.vocab_size={cfg.model.vocab_size}: set model.vocab_size >= "
+                         f"{train_split.vocab_size}.")
     sampler = GlobalBatchSampler(train_split, cfg.data.seq_len, cfg.training.global_batch_size, cfg.training.seed)
     return sampler, TokenDataset(cfg.data.data_dir, "val")
 
@@ -111,6 +115,7 @@ def build(cfg: PretrainConfig) -> Run:
     """Process groups, run directory, data, model, optimizer: everything before the first step."""
     backend = None if cfg.parallel.distributed_backend == "auto" else cfg.parallel.distributed_backend
     device = ps.init_distributed(cfg.parallel.tensor_parallel_size, backend=backend, timeout=cfg.parallel.timeout_s)
+    check_config_agreement(cfg)  # before anything is written or drawn: every rank must run this same config
     if ps.get_global_rank() == 0:
         Path(cfg.logging.run_dir).mkdir(parents=True, exist_ok=True)
         save_config(cfg, Path(cfg.logging.run_dir) / "config.yaml")
@@ -215,6 +220,9 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
     when the config does not fit the launched world."""
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     run = build(cfg)
+    if ps.get_global_rank() == 0:
+        world = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
+        print(run_summary(cfg, run.model, world, run.device), file=sys.stderr, flush=True)
     resume_run(run, resume or cfg.checkpoint.resume)
     sigterm = _SigtermFlag()
     try:

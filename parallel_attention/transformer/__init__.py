@@ -11,7 +11,7 @@ from .apex_kernels import active_paths, apex_available
 from .attention import ParallelSelfAttention
 from .attention_config import AttentionConfig
 from .cross_entropy import vocab_parallel_cross_entropy
-from .generation import generate
+from .generation import generate, generate_batch
 from .kv_cache import KVCache
 from .mlp import ParallelMLP
 from .model import GPTModel

@@ -1,0 +1,107 @@
+"""`torchrun --nproc-per-node N -m parallel_attention.check [--tp P]`: the cluster self-check.
+
+Sets up the groups (NCCL with CUDA, else gloo), runs every check on every rank, agrees on the
+verdicts with one all_gather and prints the report on global rank 0 (format: the package docstring).
+Exit status 0 when every check passed on every rank, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
+from ..tensor_parallel.parallel_state import destroy_model_parallel, group_rank
+from ..transformer import active_paths
+from .collectives_check import check_collectives
+from .context import CheckContext
+from .counts import check_collective_count
+from .equivalence import check_attention, check_model
+from .replicas import check_init, check_replicas
+from .report import Result, agree, report_lines, run_guarded
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m parallel_attention.check", description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="parameter dtype of the checked modules (the reference is always float64 on CPU)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--bandwidth-mib", type=float, default=None,
+                        help="all-reduce size for the bandwidth figure (default: 4 MiB on CPU, 256 MiB on GPU)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a hung collective fails")
+    parser.add_argument("--inject-fault", choices=("replica", "layout"), default=None,
+                        help=argparse.SUPPRESS)  # for testing this tool: a perturbed replica, a mis-sharded weight
+    return parser.parse_args(argv)
+
+
+def _solo_group():
+    """A group of this rank alone, for the p = 1 reference models (new_group is collective: every rank
+    creates every rank's group, in the same order). No collective ever runs on it."""
+    mine = None
+    for rank in range(dist.get_world_size()):
+        group = dist.new_group([rank])
+        mine = group if rank == dist.get_rank() else mine
+    return mine
+
+
+def build_context(args: argparse.Namespace, device: torch.device) -> CheckContext:
+    tp_group = get_tensor_model_parallel_group()
+    return CheckContext(device=device, dtype=DTYPES[args.dtype], tp_size=dist.get_world_size(tp_group),
+                        tp_rank=group_rank(tp_group), tp_group=tp_group, dp_group=get_data_parallel_group(),
+                        solo_group=_solo_group(), global_rank=dist.get_rank(), world_size=dist.get_world_size(),
+                        seed=args.seed, fault=args.inject_fault)
+
+
+def run_checks(ctx: CheckContext, bandwidth_bytes: int) -> list[Result]:
+    return [run_guarded("collectives", check_collectives, ctx, bandwidth_bytes),
+            run_guarded("attention", check_attention, ctx),
+            run_guarded("model", check_model, ctx),
+            run_guarded("init", check_init, ctx),
+            run_guarded("replicas", check_replicas, ctx),
+            run_guarded("collective-count", check_collective_count, ctx)]
+
+
+def _header(ctx: CheckContext, args: argparse.Namespace) -> list[str]:
+    lines = [f"# parallel_attention {__version__} self-check: world {ctx.world_size}, tp {ctx.tp_size}, "
+             f"dp {ctx.world_size // ctx.tp_size}, backend {dist.get_backend()}, device {ctx.device.type}, "
+             f"dtype {args.dtype}, torch {torch.__version__}"]
+    lines += [f"# path: {family}: {path}" for family, path in active_paths().items()]
+    return lines + ([f"# injected fault: {args.inject_fault}"] if args.inject_fault else [])
+
+
+def _setup_failure(error: Exception) -> int:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[FAIL] setup: {error}\ncheck: FAIL setup", flush=True)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    tp = args.tp if args.tp is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        device = init_distributed(tp, timeout=args.timeout)
+    except ValueError as error:  # a --tp that does not fit the world: say so in the report format
+        return _setup_failure(error)
+    ctx = build_context(args, device)
+    default_mib = 256 if device.type == "cuda" else 4
+    results = agree(run_checks(ctx, int((args.bandwidth_mib or default_mib) * 2**20)))
+    if ctx.global_rank == 0:
+        lines = _header(ctx, args) + [f"# done in {time.perf_counter() - start:.1f} s"] + report_lines(results)
+        print("\n".join(lines), flush=True)
+    destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""(d) One attention block issues exactly the documented collectives, all on the tensor-parallel group.
+
+Expected, per attention block (DESIGN.md, "Minimal communication"):
+
+    p = 1                   forward: none                               backward: none
+    p > 1                   forward: 1 all-reduce                       backward: 1 all-reduce
+    p > 1, sequence par.    forward: 1 all-gather + 1 reduce-scatter    backward: the same
+
+Counted by wrapping torch.distributed's collective functions for the duration of one forward and,
+separately, one backward; a collective on another group is counted under `name@other-group`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from ..tensor_parallel import manual_seed
+from ..transformer import AttentionConfig, ParallelSelfAttention
+from .context import BATCH, CheckContext, attention_cases, my_chunk, seq_len
+
+# every spelling torch has had, counted under one name each
+_KIND = {"all_reduce": "all-reduce", "all_gather": "all-gather", "all_gather_into_tensor": "all-gather",
+         "all_gather_single": "all-gather", "reduce_scatter": "reduce-scatter",
+         "reduce_scatter_tensor": "reduce-scatter", "reduce_scatter_single": "reduce-scatter",
+         "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+         "all_to_all": "all-to-all", "all_to_all_single": "all-to-all", "barrier": "barrier",
+         "send": "send", "recv": "recv", "isend": "send", "irecv": "recv"}
+
+
+def expected_counts(p: int, sequence_parallel: bool) -> tuple[Counter, Counter]:
+    """(forward, backward) collectives of one attention block on the tensor-parallel group."""
+    if p == 1:
+        return Counter(), Counter()
+    each_way = Counter({"all-gather": 1, "reduce-scatter": 1}) if sequence_parallel else Counter({"all-reduce": 1})
+    return each_way, Counter(each_way)
+
+
+@contextlib.contextmanager
+def count_collectives(tp_group):
+    """Yields a Counter of the collectives called inside the block (name, or name@other-group)."""
+    counts: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in _KIND if hasattr(dist, name)}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            on_tp = kwargs.get("group") is tp_group and tp_group is not None
+            counts[_KIND[name] if on_tp else f"{_KIND[name]}@other-group"] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _describe(counts: Counter) -> str:
+    return " + ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none"
+
+
+def _count_block(ctx: CheckContext, kwargs: dict, sp: bool) -> tuple[Counter, Counter]:
+    cfg = AttentionConfig(**kwargs, sequence_parallel=sp, params_dtype=ctx.dtype)
+    manual_seed(ctx.seed)
+    module = ParallelSelfAttention(cfg, tp_group=ctx.tp_group, device=ctx.device)
+    x = torch.randn(seq_len(ctx.tp_size), BATCH, cfg.hidden_size, device=ctx.device, dtype=ctx.dtype)
+    x = my_chunk(x, ctx, sp).requires_grad_()
+    with count_collectives(ctx.tp_group) as forward:
+        out = module(x)
+    with count_collectives(ctx.tp_group) as backward:
+        out.float().sum().backward()
+    return forward, backward
+
+
+def check_collective_count(ctx: CheckContext) -> tuple[bool, str]:
+    wrong, seen = [], {}
+    for name, (kwargs, _) in attention_cases(ctx.tp_size).items():
+        for sp in (False, True):
+            forward, backward = _count_block(ctx, kwargs, sp)
+            want_forward, want_backward = expected_counts(ctx.tp_size, sp)
+            seen[sp] = f"fwd {_describe(forward)}, bwd {_describe(backward)}"
+            if forward != want_forward or backward != want_backward:
+                wrong.append(f"{name}{'+sp' if sp else ''}: fwd {_describe(forward)}, bwd {_describe(backward)} "
+                             f"(expected fwd {_describe(want_forward)}, bwd {_describe(want_backward)})")
+    if wrong:
+        return False, "; ".join(wrong)
+    return True, f"per attention block: {seen[False]}; sequence parallel: {seen[True]}"

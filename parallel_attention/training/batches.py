@@ -1,0 +1,84 @@
+"""Batches from token files, as a pure function of (seed, step).
+
+The offsets of a global batch's windows are drawn from a generator seeded with (seed, step), and
+data-parallel rank r takes rows [r*n/dp, (r+1)*n/dp). Ranks of one tensor-parallel group (same dp rank)
+therefore see identical batches, the union over dp ranks is the same global batch for any layout, and a
+resumed run sees exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .data import TokenDataset
+
+__all__ = ["GlobalBatchSampler", "validation_batches"]
+
+
+def _check_fits(dataset: TokenDataset, seq_len: int) -> None:
+    if dataset.num_tokens < seq_len + 1:
+        raise ValueError(f"the split holds {dataset.num_tokens} tokens, fewer than seq_len+1={seq_len + 1}: "
+                         f"use a shorter data.seq_len, a larger corpus or a larger data.val_fraction.")
+
+
+def _split_rows(rows: torch.Tensor, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut [n, s+1] rows into micro-batches of (tokens [mb, s], labels [mb, s]), labels shifted by one."""
+    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in rows.split(micro_batch_size)]
+
+
+class GlobalBatchSampler:
+    """Global batches of `global_batch_size` random windows of seq_len+1 tokens, a pure function of (seed, step)."""
+
+    def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int) -> None:
+        _check_fits(dataset, seq_len)
+        self.dataset, self.seq_len, self.global_batch_size, self.seed = dataset, seq_len, global_batch_size, seed
+
+    def offsets(self, step: int) -> torch.Tensor:
+        """Start offsets of the global batch of `step`; cheap, so every rank computes all of them."""
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (1 << 63))
+        high = self.dataset.num_tokens - self.seq_len  # last valid start + 1
+        return torch.randint(0, high, (self.global_batch_size,), generator=generator)
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        """LongTensor [global_batch_size, seq_len + 1]."""
+        return self.dataset.windows(self.offsets(step), self.seq_len + 1)
+
+    def local_micro_batches(self, step: int, dp_rank: int, dp_size: int,
+                            micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This data-parallel rank's rows of the global batch, as (tokens, labels) micro-batches [mb, seq_len].
+
+        Only this rank's rows are read from disk.
+        """
+        per_rank = _rows_per_rank(self.global_batch_size, dp_rank, dp_size, micro_batch_size)
+        mine = self.offsets(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        return _split_rows(self.dataset.windows(mine, self.seq_len + 1), micro_batch_size)
+
+
+def _rows_per_rank(batch_size: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> int:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size}).")
+    if batch_size % (dp_size * micro_batch_size) != 0:
+        raise ValueError(f"batch size {batch_size} is not a multiple of micro_batch_size={micro_batch_size} x "
+                         f"data-parallel size {dp_size}.")
+    return batch_size // dp_size
+
+
+def validation_batches(dataset: TokenDataset, seq_len: int, batch_size: int, num_batches: int, *,
+                       dp_rank: int = 0, dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed list of `num_batches` (tokens, labels) batches of evenly spaced windows over the split.
+
+    The same windows at every evaluation, so val losses are comparable over a run. With dp_size > 1 each
+    rank gets its rows [dp_rank*b/dp, (dp_rank+1)*b/dp) of every batch; average the losses over dp ranks.
+    """
+    _check_fits(dataset, seq_len)
+    per_rank = _rows_per_rank(batch_size, dp_rank, dp_size, 1)
+    starts = np.linspace(0, dataset.num_tokens - seq_len - 1, batch_size * num_batches).round().astype(np.int64)
+    batches = []
+    for b in range(num_batches):
+        mine = starts[b * batch_size + dp_rank * per_rank: b * batch_size + (dp_rank + 1) * per_rank]
+        batches += _split_rows(dataset.windows(mine, seq_len + 1), per_rank)
+    return batches

@@ -1,0 +1,86 @@
+"""The one-screen summary a run prints at start (global rank 0): what is trained, how, on what, where.
+
+    run summary
+      model        0.84M parameters, 0.43M on each rank
+      shape        4 layers, hidden 128, 4 heads (4 k/v, head dim 32), ffn 512 gelu, layernorm, ...
+      layout       world 4 = tensor parallel 2 x data parallel 2
+      batch        global 16 sequences = micro 8 x data parallel 2 x 1 accumulation step(s)
+      tokens       2,048 per step (sequences of 128), 819,200 in 400 steps
+      ...
+
+Pure text from the config and the built model, no communication: the total counts the canonical
+(unsharded, unpadded) weights, "on each rank" what this rank holds (vocabulary padding included).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .config import PretrainConfig
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 10_000 else f"{n:,}"
+
+
+def _size_line(model: torch.nn.Module) -> str:
+    total = sum(math.prod(shape) for shape in model.canonical_shapes().values())
+    local = sum(p.numel() for p in model.parameters())
+    return f"{_millions(total)} parameters, {_millions(local)} on each rank"
+
+
+def _shape_line(cfg: PretrainConfig) -> str:
+    m, attention = cfg.model, cfg.model.attention_config()
+    return (f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads ({attention.num_kv_heads} k/v, "
+            f"head dim {attention.head_dim}), ffn {m.resolved_ffn_hidden_size()} {m.activation}, {m.norm}, "
+            f"{m.position_embedding} positions, vocab {m.vocab_size}")
+
+
+def _layout_line(cfg: PretrainConfig, world_size: int) -> str:
+    p = cfg.parallel.tensor_parallel_size
+    text = f"world {world_size} = tensor parallel {p} x data parallel {world_size // p}"
+    return text + (" + sequence parallel" if cfg.parallel.sequence_parallel else "")
+
+
+def _batch_line(cfg: PretrainConfig, world_size: int) -> str:
+    t, dp = cfg.training, world_size // cfg.parallel.tensor_parallel_size
+    return (f"global {t.global_batch_size} sequences = micro {t.micro_batch_size} x data parallel {dp} x "
+            f"{cfg.gradient_accumulation_steps(world_size)} accumulation step(s)")
+
+
+def _tokens_line(cfg: PretrainConfig) -> str:
+    per_step = cfg.training.global_batch_size * cfg.data.seq_len
+    return (f"{per_step:,} per step (sequences of {cfg.data.seq_len}), {per_step * cfg.training.max_steps:,} "
+            f"in {cfg.training.max_steps} steps")
+
+
+def _precision(cfg: PretrainConfig, device: torch.device) -> str:
+    if device.type == "cuda" and cfg.training.dtype != "float32":  # the trainer autocasts on GPUs only
+        return f"{cfg.training.dtype} autocast, float32 weights, on {device}"
+    return f"float32 on {device}"
+
+
+def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
+                device: torch.device | str = "cpu") -> str:
+    """A few lines: model size, parallel layout, batch and tokens per step, data, outputs, precision.
+
+    `model` is this rank's GPTModel (anything with `parameters()` and `canonical_shapes()`)."""
+    run_dir, o = Path(cfg.logging.run_dir), cfg.optimizer
+    rows = {
+        "model": _size_line(model),
+        "shape": _shape_line(cfg),
+        "layout": _layout_line(cfg, world_size),
+        "batch": _batch_line(cfg, world_size),
+        "tokens": _tokens_line(cfg),
+        "optimizer": f"AdamW lr {o.lr:g} -> {o.min_lr:g}, {cfg.schedule.warmup_steps} warm-up steps then "
+                     f"{cfg.schedule.decay}, weight decay {o.weight_decay:g}, clip {o.grad_clip:g}",
+        "data": f"{cfg.data.source} with the {cfg.data.tokenizer} tokenizer, in {cfg.data.data_dir}",
+        "run dir": f"{run_dir} (metrics.jsonl, loss.png{', tensorboard/ if installed' if cfg.logging.tensorboard else ''})",
+        "checkpoints": f"{run_dir / 'checkpoints'} every {cfg.checkpoint.interval} steps, keep "
+                       f"{cfg.checkpoint.keep_last}, resume {cfg.checkpoint.resume}",
+        "precision": _precision(cfg, torch.device(device)),
+    }
+    return "\n".join(["run summary", *(f"  {name:<12} {text}" for name, text in rows.items())])

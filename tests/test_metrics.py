@@ -1,0 +1,125 @@
+"""What a run shows: the tqdm bar on a terminal, plain `step N/M loss X` lines elsewhere, metrics.jsonl,
+TensorBoard scalars (read back from the event file) and the one-screen run summary."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+
+import pytest
+
+from launch import ROOT, torchrun, train_losses
+from parallel_attention import load_config
+from parallel_attention.training.metrics import MetricsLogger, PlainLines, TqdmBar
+from parallel_attention.training.summary import run_summary
+from parallel_attention.transformer.model import GPTModel
+from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
+
+# what CI and scripts parse from stderr
+PLAIN_LINE = re.compile(r"step (\d+)/(\d+) loss (\d+\.\d{4}) (\d+) tok/s ETA +\d+s")
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _records(steps: int, mfu: bool = False) -> list[dict]:
+    records = [{"step": 0, "val_loss": 5.5}]
+    for step in range(1, steps + 1):
+        record = {"step": step, "loss": 5.0 / step, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1234.0}
+        records.append({**record, "mfu": 0.125} if mfu else record)
+    records[-1]["val_loss"] = 2.25
+    return records
+
+
+def _log_all(tmp_path, monkeypatch, stream, progress_bar: bool, records: list[dict]) -> MetricsLogger:
+    monkeypatch.setattr(sys, "stderr", stream)
+    logger = MetricsLogger(tmp_path, max_steps=len(records) - 1, start_step=0, progress_bar=progress_bar,
+                           tensorboard=False)
+    for record in records:
+        logger.log(dict(record))
+    logger.close()
+    return logger
+
+
+@pytest.mark.parametrize("progress_bar, stream", [(False, FakeTerminal()), (True, io.StringIO())],
+                         ids=["progress_bar_false", "not_a_terminal"])
+def test_plain_lines_one_per_logged_step(tmp_path, monkeypatch, progress_bar, stream):
+    records = _records(3)
+    logger = _log_all(tmp_path, monkeypatch, stream, progress_bar, records)
+    assert isinstance(logger.display, PlainLines)
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 4
+    assert lines[0] == "step 0: val loss 5.5000"
+    parsed = [PLAIN_LINE.search(line).groups() for line in lines[1:]]
+    assert parsed == [(str(s), "3", f"{5.0 / s:.4f}", "1234") for s in (1, 2, 3)]
+    assert lines[-1].endswith(" val 2.2500")
+    with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:  # the file format is unchanged
+        assert [json.loads(line) for line in f] == records
+
+
+def test_plain_lines_show_mfu_when_records_carry_it(tmp_path, monkeypatch):
+    stream = io.StringIO()
+    _log_all(tmp_path, monkeypatch, stream, False, _records(2, mfu=True))
+    last = stream.getvalue().splitlines()[-1]
+    assert PLAIN_LINE.search(last) and last.endswith(" mfu 12.5% val 2.2500")
+
+
+def test_tqdm_bar_on_a_terminal(tmp_path, monkeypatch):
+    stream = FakeTerminal()
+    logger = _log_all(tmp_path, monkeypatch, stream, True, _records(4, mfu=True))
+    assert isinstance(logger.display, TqdmBar)
+    text = stream.getvalue()
+    assert "step 0: val loss 5.5000\n" in text  # written above the bar, not into it
+    assert not any(PLAIN_LINE.search(line) for line in text.splitlines())
+    final = text.split("\r")[-1]  # the bar as last drawn
+    assert "4/4" in final and "loss 1.2500" in final and "1234 tok/s" in final and "mfu 12.5%" in final
+    assert "val 2.2500" in final and re.search(r"\d\d:\d\d<\d\d:\d\d", final)  # elapsed<ETA
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
+
+
+def test_tqdm_bar_of_a_resumed_run_starts_at_its_step(monkeypatch):
+    stream = FakeTerminal()
+    bar = TqdmBar(max_steps=10, start_step=6, stream=stream)
+    bar.show({"step": 7, "loss": 1.0, "tokens_per_s": 10.0})
+    bar.close()
+    assert "7/10" in stream.getvalue().split("\r")[-1] and "mfu" not in stream.getvalue()
+
+
+def test_run_summary_fits_one_screen_and_names_the_run():
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", ["--parallel.tensor_parallel_size=1",
+                                                            "--parallel.sequence_parallel=true",
+                                                            "--logging.run_dir=/shared/runs/tiny"])
+    model = GPTModel(cfg.model, sequence_parallel=False)
+    text = run_summary(cfg, model, world_size=2)
+    lines = text.splitlines()
+    assert len(lines) <= 24 and max(map(len, lines)) <= 160, text
+    total = sum(p.numel() for p in model.parameters())  # p=1 and vocab 256: no padding, no sharding
+    assert f"{total / 1e6:.2f}M parameters, {total / 1e6:.2f}M on each rank" in text
+    assert "4 layers, hidden 128, 4 heads (4 k/v, head dim 32)" in text
+    assert "world 2 = tensor parallel 1 x data parallel 2 + sequence parallel" in text
+    assert "global 16 sequences = micro 8 x data parallel 2 x 1 accumulation step(s)" in text
+    assert "2,048 per step" in text and "819,200 in 400 steps" in text
+    assert "stdlib with the byte tokenizer, in data/stdlib_byte" in text
+    assert "/shared/runs/tiny/checkpoints every 100 steps" in text and "float32 on cpu" in text
+
+
+def test_pretraining_writes_tensorboard_scalars_equal_to_metrics_jsonl(data_dir, tmp_path):  # noqa: F811
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    run = tmp_path / "run"
+    args = [a for a in tiny_args(data_dir, run, 2, 4) if not a.startswith("--logging.tensorboard")]
+    result = torchrun("pretrain.py", 2, [*args, "--logging.tensorboard=true"])
+    assert "run summary" in result.stderr and "world 2 = tensor parallel 2 x data parallel 1" in result.stderr
+    assert [int(m.group(1)) for m in PLAIN_LINE.finditer(result.stderr)] == [1, 2, 3, 4]
+
+    events = accumulator.EventAccumulator(str(run / "tensorboard"), size_guidance={accumulator.SCALARS: 0})
+    events.Reload()
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss"} <= set(events.Tags()["scalars"])
+    logged = {e.step: e.value for e in events.Scalars("loss")}
+    losses = train_losses(run)
+    assert sorted(logged) == sorted(losses) == [1, 2, 3, 4]
+    for step, loss in losses.items():  # TensorBoard stores float32: equal to the JSON float rounded once
+        assert logged[step] == pytest.approx(loss, rel=1e-6), f"step {step}"
