@@ -16,6 +16,7 @@ script is for doing it ahead of time, e.g. once on a login node. It prints a sum
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from parallel_attention.training import DataConfig
@@ -44,12 +45,16 @@ def _parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def main() -> None:
+def main() -> int:
     args = _parse_args()
     start = time.perf_counter()
-    meta = prepare_data(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
-                        max_bytes=args.max_bytes, text_field=args.text_field, bpe_vocab_size=args.bpe_vocab_size,
-                        num_workers=args.workers)
+    try:
+        meta = prepare_data(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
+                            max_bytes=args.max_bytes, text_field=args.text_field,
+                            bpe_vocab_size=args.bpe_vocab_size, num_workers=args.workers)
+    except (ValueError, OSError) as error:  # bad source, tokenizer or settings: one line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     elapsed = time.perf_counter() - start
     print(f"prepared {args.out} from {meta['source']} with tokenizer {meta['tokenizer']} in {elapsed:.2f} s")
     print(f"  {meta['num_files']} files, {meta['num_documents']} documents, {meta['num_bytes']:,} bytes of text")
@@ -59,7 +64,8 @@ def main() -> None:
         print(f"  skipped {count} {reason} (first: {meta['skipped_examples'][reason]})")
     if not meta["skipped"]:
         print("  nothing skipped")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

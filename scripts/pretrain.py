@@ -17,7 +17,7 @@ import torch
 
 from parallel_attention import load_config
 from parallel_attention.training import ConfigError, train
-from parallel_attention.training.guards import ConfigMismatchError
+from parallel_attention.training.guards import ConfigMismatchError, GuardError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -48,6 +48,10 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
+    except GuardError as error:  # agreed on every rank (divergence, replica mismatch): said once
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"run stopped: {error}", file=sys.stderr)
+        return 1
     torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         final = result.val_losses.get(result.last_step)

@@ -20,8 +20,10 @@ from parallel_attention.training import (
     TokenDataset,
     ensure_prepared,
     prepare_data,
+    read_meta,
     validation_batches,
 )
+from launch import ROOT
 from parallel_attention.training import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
 
 
@@ -310,3 +312,26 @@ def test_gpt2_round_trip_and_uint16_files(corpus, tmp_path):
     assert tok.decode(tok.encode(text)) == text
     meta = prepare_data(str(corpus), "gpt2", tmp_path / "g", val_fraction=0.3)
     assert meta["dtype"] == "uint16" and meta["eot_token"] == 50256
+
+
+def test_a_failed_preparation_leaves_the_existing_dataset_intact(tmp_path):
+    good, bad, out = tmp_path / "good", tmp_path / "bad", tmp_path / "prepared"
+    good.mkdir(), bad.mkdir()
+    (good / "a.txt").write_text("some text to train on. " * 50)
+    (bad / "blob.bin").write_bytes(bytes(range(256)) * 8)  # binary only: nothing usable
+    meta = prepare_data(str(good), "byte", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ValueError, match="holds no usable text.*skipped 1"):
+        prepare_data(str(bad), "byte", out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and read_meta(out) == meta
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "good", "prepared"]  # no staging left behind
+
+
+def test_prepare_data_script_reports_an_empty_source_in_one_line(tmp_path):
+    import subprocess
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "blob.bin").write_bytes(b"\x00\xff" * 100)
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
+                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr

@@ -38,11 +38,12 @@ def tiny_args(data_dir: Path, run_dir: Path, tp: int, steps: int, *extra: str) -
 def test_losses_do_not_depend_on_the_parallel_layout(data_dir, tmp_path):
     layouts = {"p1": (1, 1, []), "p2": (2, 2, []), "p2_dp2": (4, 2, []),
                "p2_sequence_parallel": (2, 2, ["--parallel.sequence_parallel=true"])}
-    losses, norms = {}, {}
+    losses, norms, val_losses = {}, {}, {}
     for name, (world, tp, extra) in layouts.items():
         torchrun("pretrain.py", world, tiny_args(data_dir, tmp_path / name, tp, 10, *extra))
         losses[name] = train_losses(tmp_path / name)
         norms[name] = {r["step"]: r["grad_norm"] for r in metrics(tmp_path / name) if "grad_norm" in r}
+        val_losses[name] = {r["step"]: r["val_loss"] for r in metrics(tmp_path / name) if "val_loss" in r}
     assert sorted(losses["p1"]) == list(range(1, 11)) and sorted(norms["p1"]) == list(range(1, 11))
     for name, run in losses.items():
         for step, loss in losses["p1"].items():
@@ -51,6 +52,10 @@ def test_losses_do_not_depend_on_the_parallel_layout(data_dir, tmp_path):
             # the logged norm counts each parameter once: a DP sum instead of a mean, or a replicated
             # parameter counted per rank, moves it by far more than float noise
             assert norms[name][step] == pytest.approx(norms["p1"][step], rel=1e-4), f"{name} grad_norm step {step}"
+        # the validation windows are the same at every data-parallel size (a token mean over all of them)
+        assert sorted(val_losses[name]) == [0, 5, 10]
+        for step, val_loss in val_losses["p1"].items():
+            assert val_losses[name][step] == pytest.approx(val_loss, rel=1e-4), f"{name} val_loss step {step}"
 
 
 def test_exact_resume_falls_back_past_a_corrupt_checkpoint(data_dir, tmp_path):
@@ -67,11 +72,10 @@ def test_exact_resume_falls_back_past_a_corrupt_checkpoint(data_dir, tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    (run / "metrics.jsonl").rename(run / "metrics_first.jsonl")
     result = torchrun("pretrain.py", 2, tiny_args(data_dir, run, 2, 6, "--checkpoint.interval=3", "--resume"))
     assert "model_tp01.safetensors" in result.stderr  # the warning names the corrupt file
+    assert [r["step"] for r in metrics(run)] == list(range(7))  # steps 4-6 logged again, once each
     resumed = train_losses(run)
-    assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):  # bit-identical on CPU: same data, weights, optimizer state and RNG
         assert resumed[step] == first[step], f"step {step}: {resumed[step]!r} != {first[step]!r}"
 
@@ -105,6 +109,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(data_dir, tmp_path):
     torchrun("pretrain.py", 2, tiny_args(data_dir, run, 2, stopped_at + 2, "--checkpoint.interval=1000", "--resume"))
     steps = [r["step"] for r in metrics(run) if "loss" in r]
     assert steps[-2:] == [stopped_at + 1, stopped_at + 2]
+    assert steps == sorted(set(steps))  # one row per step, though the stopped run may have logged past its checkpoint
 
 
 def test_two_agent_multinode_rendezvous_matches_one_agent(data_dir, tmp_path):

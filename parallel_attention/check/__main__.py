@@ -19,6 +19,7 @@ from .. import __version__
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
 from ..tensor_parallel.parallel_state import destroy_model_parallel, group_rank
 from ..transformer import active_paths
+from ..transformer.dropout import dropout_paths
 from .collectives_check import check_collectives
 from .context import CheckContext
 from .counts import check_collective_count
@@ -74,7 +75,8 @@ def _header(ctx: CheckContext, args: argparse.Namespace) -> list[str]:
     lines = [f"# parallel_attention {__version__} self-check: world {ctx.world_size}, tp {ctx.tp_size}, "
              f"dp {ctx.world_size // ctx.tp_size}, backend {dist.get_backend()}, device {ctx.device.type}, "
              f"dtype {args.dtype}, torch {torch.__version__}"]
-    lines += [f"# path: {family}: {path}" for family, path in active_paths().items()]
+    paths = {**active_paths(), **dropout_paths()}
+    lines += [f"# path: {family}: {path}" for family, path in paths.items()]
     return lines + ([f"# injected fault: {args.inject_fault}"] if args.inject_fault else [])
 
 

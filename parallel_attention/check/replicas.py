@@ -4,7 +4,8 @@ init: after the same seed, the canonical weights of the models at this p are bit
 same models built at p = 1 (a group of this rank alone) on this device and dtype.
 replicas: reading the parameter kinds, Replicated and Partial parameters are identical on every
 rank of the tensor-parallel group, the k/v replica rows of a Partial-with-sharded_dim parameter on
-the ranks that share its slot, and every parameter on every rank of the data-parallel group.
+the ranks that share its slot, and every parameter on every rank of the data-parallel group; the
+comparison is `tensor_parallel.audit`, the one the trainer runs every `training.audit_interval` steps.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tensor_parallel import Partial, Sharded, manual_seed, parameter_kinds
-from ..tensor_parallel.collectives import all_gather_along_dim
-from ..tensor_parallel.parallel_state import group_rank, group_size
+from ..tensor_parallel import Sharded, manual_seed, parameter_kinds
+from ..tensor_parallel.audit import replica_entries, replica_mismatches
 from ..transformer import AttentionConfig, GPTModel, ParallelSelfAttention
 from .context import CheckContext, attention_cases, model_configs
 
@@ -45,37 +45,10 @@ def check_init(ctx: CheckContext) -> tuple[bool, str]:
     return not differing, detail + (f"; differ: {', '.join(differing[:4])}" if differing else ", bitwise equal")
 
 
-@torch.no_grad()
-def _differing(entries: list[tuple[str, torch.Tensor, int]], group, where: str) -> list[str]:
-    """Names of the tensors that differ from another rank of `group` holding the same slot."""
-    n = group_size(group)
-    if n == 1 or not entries:
-        return []
-    flat = torch.cat([t.detach().reshape(-1) for _, t, _ in entries])
-    gathered = all_gather_along_dim(flat, 0, group).view(n, -1)
-    slots = all_gather_along_dim(torch.tensor([s for *_, s in entries], device=flat.device), 0, group).view(n, -1)
-    me, start, bad = group_rank(group), 0, []
-    for i, (name, t, _) in enumerate(entries):
-        end = start + t.numel()
-        others = [r for r in range(n) if slots[r, i] == slots[me, i]
-                  and not torch.equal(gathered[r, start:end], gathered[me, start:end])]
-        bad += [f"{name} differs from {where} rank {others[0]}"] if others else []
-        start = end
-    return bad
-
-
 def audit(module: nn.Module, tp_group, dp_group) -> tuple[int, list[str]]:
-    """(number of tensors audited, descriptions of those that differ across ranks)."""
-    whole, rows = [], []
-    for name, (param, kind) in parameter_kinds(module).items():
-        if isinstance(kind, Partial) and kind.sharded_dim is not None:
-            rows.append((f"{name}[k/v rows]", param[kind.rows], kind.slot))
-        elif not isinstance(kind, Sharded):
-            whole.append((name, param, 0))
-    everything = [(name, param, 0) for name, param in module.named_parameters()]
-    bad = _differing(whole, tp_group, "tensor-parallel") + _differing(rows, tp_group, "tensor-parallel")
-    bad += _differing(everything, dp_group, "data-parallel")
-    return len(whole) + len(rows) + len(everything), bad
+    """(number of tensors audited, descriptions of those that differ across ranks): the training audit's."""
+    tensor_parallel, data_parallel = replica_entries(module)
+    return len(tensor_parallel) + len(data_parallel), replica_mismatches(module, tp_group, dp_group)
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,14 +35,14 @@ from ..tensor_parallel.collectives import all_gather_objects, broadcast_object
 from ..tensor_parallel.parallel_state import (ProcessGroup, get_data_parallel_group, get_global_rank, group_rank,
                                               group_size, is_distributed, resolve_tp_group)
 from .compatibility import check_config, check_layout
-from .format import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointCorruptError, CheckpointError, commit,
-                     latest_checkpoint, list_checkpoints, model_file, optim_file, prune, read_manifest, rng_file,
-                     step_dir_name, verify_file, write_manifest)
+from .format import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointCorruptError, CheckpointError, check_shard_shapes,
+                     commit, latest_checkpoint, list_checkpoints, model_file, optim_file, prune, read_manifest,
+                     rng_file, step_dir_name, verify_file, write_manifest)
 from .state_encoding import optim_state_dict, optim_tensors, rng_tensors, set_rng
 from .tensor_io import cpu_tensors, read_safetensors, write_safetensors
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "latest_checkpoint", "list_checkpoints",
-           "load_checkpoint", "load_latest_valid", "resolve_step_dir", "save_checkpoint"]
+__all__ = ["CheckpointCorruptError", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
+           "load_latest_valid", "load_newest_valid", "raise_unless_all_passed", "resolve_step_dir", "save_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -163,10 +164,11 @@ def _commit(step, at, config, extra, reports, tmp: Path, final: Path, nonce: str
 
 def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, expected_config) -> dict:
     """Everything that can fail, done before anything is modified: verified, checked, ready to apply."""
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, config_sections=tuple(expected_config or ()))
     check_layout(manifest, at.world, at.tp_size)
     check_config(manifest, expected_config)
     weights, _ = read_safetensors(verify_file(path, manifest, model_file(at.tp_rank)))
+    check_shard_shapes(manifest, at.tp_rank, weights)
     current = model.state_dict()
     missing, unexpected = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
     if missing or unexpected:
@@ -189,8 +191,10 @@ def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, exp
     return loaded
 
 
-def _agree(path: Path, failure: Exception | None) -> None:
-    """Raise on every rank if any rank failed: CheckpointCorruptError if only corruption was found."""
+def raise_unless_all_passed(path: Path, failure: Exception | None) -> None:
+    """The collective verdict of a load: every rank passes its own `failure` (None if it is ready), and every
+    rank raises if any rank failed (CheckpointCorruptError if only corruption was found), so that all ranks
+    take the same decision."""
     verdict = None if failure is None else (isinstance(failure, CheckpointCorruptError),
                                             str(failure) if isinstance(failure, CheckpointError) else repr(failure))
     verdicts = all_gather_objects(verdict)
@@ -220,7 +224,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         loaded, failure = _read_and_check(path, at, model, optimizer, expected_config), None
     except Exception as e:  # every rank must hear of it, or the others would go on alone
         loaded, failure = None, e
-    _agree(path, failure)
+    raise_unless_all_passed(path, failure)
     model.load_state_dict(loaded["weights"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optim"])
@@ -228,28 +232,35 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     return {**loaded["manifest"], "path": str(path)}
 
 
-def load_latest_valid(ckpt_root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                      *, expected_config: dict | None = None,
-                      tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None) -> dict | None:
-    """Load the newest complete checkpoint that verifies, falling back past corrupt ones.
+def load_newest_valid(ckpt_root: str | os.PathLike, attempt: Callable[[Path], dict]) -> dict | None:
+    """`attempt(path)` on the complete checkpoints under `ckpt_root`, newest first, falling back past those that
+    raise CheckpointCorruptError; returns the first result, None when there is no checkpoint at all.
 
-    Rank 0's listing is used by every rank and every attempt ends in a collective verdict, so all
-    ranks land on the same step. Returns None when there is no checkpoint at all. Incompatibility
-    (tensor-parallel size, config, shapes) is raised at once: an older checkpoint would not fix it.
+    Rank 0's listing is used by every rank and `attempt` must end in a collective verdict
+    (`raise_unless_all_passed`, as load_checkpoint and load_resharded do), so all ranks land on the same step.
+    Any other error is raised at once: an older checkpoint would not fix it.
     """
     candidates = broadcast_object([str(p) for p in list_checkpoints(ckpt_root)])
     failures = []
     for path in reversed(candidates):
         try:
-            return load_checkpoint(path, model, optimizer, expected_config=expected_config,
-                                   tp_group=tp_group, dp_group=dp_group)
+            return attempt(Path(path))
         except CheckpointCorruptError as e:
             failures.append(str(e))
             if get_global_rank() == 0:
-                warnings.warn(f"skipping corrupt checkpoint: {e}", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"skipping corrupt checkpoint: {e}", RuntimeWarning, stacklevel=3)
     if failures:
         raise CheckpointCorruptError(f"no valid checkpoint under {ckpt_root}: " + " | ".join(failures))
     return None
+
+
+def load_latest_valid(ckpt_root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                      *, expected_config: dict | None = None,
+                      tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None) -> dict | None:
+    """Load the newest complete checkpoint that verifies, exactly (`load_checkpoint`), falling back past
+    corrupt ones (`load_newest_valid`). Incompatibility (tensor-parallel size, config, shapes) is raised at once."""
+    return load_newest_valid(ckpt_root, lambda path: load_checkpoint(
+        path, model, optimizer, expected_config=expected_config, tp_group=tp_group, dp_group=dp_group))
 
 
 def resolve_step_dir(path: str | os.PathLike) -> Path:

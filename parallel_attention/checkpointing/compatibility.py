@@ -14,7 +14,8 @@ from ..transformer.model_config import ModelConfig, migrate_renamed_keys
 from .format import CheckpointError
 
 # settings that change how the model runs, not what its weights are
-RUNTIME_MODEL_KEYS = frozenset({"hidden_dropout", "attention_dropout", "recompute_activations", "attention_kernel"})
+RUNTIME_MODEL_KEYS = frozenset({"hidden_dropout", "attention_dropout", "dropout_rng", "recompute_activations",
+                                "attention_kernel"})
 
 
 def model_shape_config(model: ModelConfig) -> dict:

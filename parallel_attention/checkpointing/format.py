@@ -30,7 +30,7 @@ import re
 import shutil
 from pathlib import Path
 
-from .tensor_io import file_digest, fsync_dir, write_atomic
+from .tensor_io import file_digest, fsync_dir, replace_directory, retire_directory, write_atomic
 
 FORMAT = "parallel_attention.checkpoint"
 FORMAT_VERSION = 1
@@ -87,8 +87,15 @@ def write_manifest(directory: Path, manifest: dict) -> None:
     write_atomic(directory / MANIFEST, [text.encode("utf-8")])
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
-    """The manifest of a complete checkpoint; CheckpointCorruptError if it is missing or unreadable."""
+def read_manifest(directory: str | os.PathLike, *, config_sections: tuple[str, ...] = ()) -> dict:
+    """The manifest of a complete checkpoint, cross-checked against its directory.
+
+    CheckpointCorruptError (an older checkpoint may still be good) names what is wrong when the file
+    is missing or unreadable, a required key is missing or of the wrong type, `step` is not the
+    directory's step, the layout does not add up, a model shard or a `model_shapes` entry is missing
+    for some tensor-parallel rank, or `config` lacks one of `config_sections` (the sections the
+    caller reads, e.g. ("model", "parallel") for a training run).
+    """
     path = Path(directory) / MANIFEST
     try:
         with open(path, encoding="utf-8") as f:
@@ -102,7 +109,57 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has format_version={manifest.get('format_version')!r}; this loader reads {FORMAT_VERSION}.")
+    problems = _manifest_problems(manifest, Path(directory), config_sections)
+    if problems:
+        raise CheckpointCorruptError(f"{path} does not describe its checkpoint: " + "; ".join(problems) + ".")
     return manifest
+
+
+# required keys and their JSON types ("model_shapes" is checked where written: imports have none)
+_MANIFEST_KEYS = {"format": str, "format_version": int, "step": int, "world_size": int, "tensor_parallel_size": int,
+                  "data_parallel_size": int, "config": dict, "extra": dict, "files": dict}
+
+
+def _is(value, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def _manifest_problems(m: dict, directory: Path, config_sections: tuple[str, ...]) -> list[str]:
+    """What is wrong with a manifest of the current format (empty when nothing is)."""
+    problems = [f"{key} is missing" if key not in m else f"{key} is {m[key]!r}, not a JSON {kind.__name__}"
+                for key, kind in _MANIFEST_KEYS.items() if not _is(m.get(key), kind)]
+    if problems:
+        return problems
+    named = _COMPLETE.fullmatch(directory.name)
+    if named and int(named.group(1)) != m["step"]:
+        problems.append(f"step is {m['step']} but the directory is {directory.name}")
+    p, dp, world = m["tensor_parallel_size"], m["data_parallel_size"], m["world_size"]
+    if min(p, dp) < 1 or p * dp != world:
+        problems.append(f"tensor_parallel_size={p} x data_parallel_size={dp} != world_size={world}")
+    problems += [f"config has no {s!r} section" for s in config_sections if not isinstance(m["config"].get(s), dict)]
+    problems += [f"files[{name!r}] is {record!r}, not {{size, sha256}}" for name, record in m["files"].items()
+                 if not (isinstance(record, dict) and _is(record.get("size"), int)
+                         and isinstance(record.get("sha256"), str))]
+    problems += [f"{model_file(r)} of tensor-parallel rank {r} is not in files" for r in range(max(p, 0))
+                 if model_file(r) not in m["files"]]
+    if "model_shapes" in m:
+        shards = m["model_shapes"] if isinstance(m["model_shapes"], dict) else {}
+        if sorted(shards) != [f"tp{r:02d}" for r in range(max(p, 0))]:
+            problems.append(f"model_shapes has shards {sorted(shards)} for tensor_parallel_size={p}")
+    return problems
+
+
+def check_shard_shapes(manifest: dict, tp_rank: int, tensors: dict) -> None:
+    """CheckpointCorruptError unless the tensors read from model shard `tp_rank` are those `model_shapes` lists."""
+    listed = manifest.get("model_shapes", {}).get(f"tp{tp_rank:02d}")
+    if listed is None:  # written without shapes (an import): nothing to compare
+        return
+    found = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in tensors.items()}
+    differ = [f"{n!r}: file {found.get(n, '<absent>')}, manifest {listed.get(n, '<absent>')}"
+              for n in sorted(set(found) | set(listed)) if found.get(n) != listed.get(n)]
+    if differ:
+        raise CheckpointCorruptError(f"{model_file(tp_rank)} disagrees with the manifest's model_shapes: "
+                                     + "; ".join(differ[:5]) + (" ..." if len(differ) > 5 else "") + ".")
 
 
 def verify_file(directory: Path, manifest: dict, name: str) -> Path:
@@ -123,28 +180,36 @@ def verify_file(directory: Path, manifest: dict, name: str) -> Path:
     return path
 
 
-def _retire(path: Path, nonce: str) -> None:
-    """Rename out of the complete namespace first (atomic), then delete at leisure."""
-    doomed = path.with_name(f"{path.name}.tmp-delete-{nonce}")
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
 def commit(tmp: Path, final: Path, nonce: str) -> None:
     """Make the filled temporary directory the checkpoint `final` (replacing one of the same step)."""
-    fsync_dir(tmp)
-    if final.exists():
-        _retire(final, nonce)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
+    replace_directory(tmp, final, nonce)
+
+
+def is_finite(directory: Path) -> bool:
+    """Whether the run recorded finite values at this checkpoint's step (manifest `extra.finite`, default true).
+
+    A checkpoint whose manifest cannot be read counts as not finite: it cannot be resumed from."""
+    try:
+        return read_manifest(directory).get("extra", {}).get("finite", True) is not False
+    except CheckpointError:
+        return False
 
 
 def prune(root: Path, keep_last: int | None, just_written: Path, nonce: str) -> None:
-    """Delete complete checkpoints beyond the newest `keep_last` (never `just_written`) and stale temporaries."""
+    """Delete complete checkpoints beyond the newest `keep_last` and stale temporaries.
+
+    Never deleted: `just_written`, and the newest finite checkpoint (`is_finite`), even beyond
+    `keep_last`, so that checkpoints saved after a run went non-finite never replace the last good one.
+    """
     if keep_last is not None:
         older = [p for p in list_checkpoints(root) if p != just_written]
-        for path in older[:max(len(older) - (keep_last - 1), 0)]:
-            _retire(path, nonce)
+        doomed = older[:max(len(older) - (keep_last - 1), 0)]
+        kept = [just_written, *older[len(doomed):]]
+        if not any(is_finite(p) for p in kept):
+            newest_finite = next((p for p in reversed(doomed) if is_finite(p)), None)
+            doomed = [p for p in doomed if p != newest_finite]
+        for path in doomed:
+            retire_directory(path, nonce)
     for entry in root.iterdir():
         if entry.is_dir() and _TEMPORARY.fullmatch(entry.name):
             shutil.rmtree(entry, ignore_errors=True)

@@ -24,8 +24,9 @@ from torch import nn
 from ..tensor_parallel.parallel_state import group_rank, group_size, resolve_tp_group
 from ..transformer.model_config import ModelConfig
 from ..transformer.model_layout import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
-from .format import (FORMAT, FORMAT_VERSION, CheckpointError, commit, model_file, optim_file, read_manifest,
-                     step_dir_name, verify_file, write_manifest)
+from .checkpoint import raise_unless_all_passed
+from .format import (FORMAT, FORMAT_VERSION, CheckpointError, check_shard_shapes, commit, model_file, optim_file,
+                     read_manifest, step_dir_name, verify_file, write_manifest)
 from .state_encoding import optim_state_dict
 from .tensor_io import read_safetensors, write_safetensors
 
@@ -33,13 +34,15 @@ _SCALAR_STATE = ("step",)  # per-parameter optimizer scalars: the same on every 
 
 
 def _source(step_dir: Path) -> tuple[dict, ModelConfig, int]:
-    manifest = read_manifest(step_dir)
+    manifest = read_manifest(step_dir, config_sections=("model", "parallel"))
     return manifest, ModelConfig.from_dict(manifest["config"]["model"]), manifest["tensor_parallel_size"]
 
 
 def _canonical_weights(step_dir: Path, manifest: dict, cfg: ModelConfig, p: int) -> dict[str, torch.Tensor]:
     """Every model shard of the checkpoint, verified, joined into the canonical state dict."""
     shards = [read_safetensors(verify_file(step_dir, manifest, model_file(r)))[0] for r in range(p)]
+    for r, shard in enumerate(shards):
+        check_shard_shapes(manifest, r, shard)
     return unshard_state_dict(cfg, shards)
 
 
@@ -144,12 +147,29 @@ def load_resharded(step_dir: str | Path, model: nn.Module, optimizer: torch.opti
     """Resume from a checkpoint written at another p or world size; call on every rank.
 
     Each rank reads every source shard (a shared filesystem), verifies it, and keeps its own cut
-    at this run's p. A checkpoint without optimizer state (an import) leaves the optimizer fresh.
-    Returns the manifest (with `path`).
+    at this run's p. As in load_checkpoint, the ranks then agree on the verdict: if any rank failed, every
+    rank raises (CheckpointCorruptError when only corruption was found) and nothing was modified.
+    A checkpoint without optimizer state (an import) leaves the optimizer fresh. Returns the manifest (with `path`).
     """
     step_dir = Path(step_dir)
+    try:
+        loaded, failure = _read_resharded(step_dir, model, optimizer, resolve_tp_group(tp_group)), None
+    except Exception as e:  # every rank must hear of it, or the others would go on alone
+        loaded, failure = None, e
+    raise_unless_all_passed(step_dir, failure)
+    manifest, weights, optim = loaded
+    model.load_state_dict(weights)
+    if optim is not None:
+        optimizer.load_state_dict(optim)
+    elif optimizer is not None:  # weights only (an import, say): the optimizer starts fresh
+        return {**manifest, "path": str(step_dir), "optimizer_restored": False}
+    return {**manifest, "path": str(step_dir)}
+
+
+def _read_resharded(step_dir: Path, model: nn.Module, optimizer, tp_group) -> tuple[dict, dict, dict | None]:
+    """Everything that can fail, before anything is modified: the manifest, this rank's weights and optimizer
+    state dict at this run's p (None without an optimizer or optimizer state)."""
     manifest, cfg, p_source = _source(step_dir)
-    tp_group = resolve_tp_group(tp_group)
     p, rank = group_size(tp_group), group_rank(tp_group)
     canonical = _canonical_weights(step_dir, manifest, cfg, p_source)
     keys = list(model.state_dict())
@@ -159,11 +179,9 @@ def load_resharded(step_dir: str | Path, model: nn.Module, optimizer: torch.opti
               for k, v in weights.items() if v.shape != current[k].shape]
     if differ:
         raise CheckpointError(f"{step_dir}: resharded weights do not fit this model: " + "; ".join(differ))
-    model.load_state_dict(weights)
+    optim = None
     if optimizer is not None:
         state, meta = _canonical_optimizer(step_dir, manifest, cfg, p_source)
-        if state is None:  # weights only (an import, say): the optimizer starts fresh
-            return {**manifest, "path": str(step_dir), "optimizer_restored": False}
-        tensors = _optimizer_shard(cfg, state, keys, p, rank)
-        optimizer.load_state_dict(optim_state_dict(model, optimizer, tensors, meta))
-    return {**manifest, "path": str(step_dir)}
+        if state is not None:
+            optim = optim_state_dict(model, optimizer, _optimizer_shard(cfg, state, keys, p, rank), meta)
+    return manifest, weights, optim

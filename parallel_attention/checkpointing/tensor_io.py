@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Iterable
 
@@ -95,3 +96,22 @@ def cpu_tensors(tensors: dict) -> dict[str, torch.Tensor]:
         seen.add(t.untyped_storage().data_ptr())
         out[name] = t
     return out
+
+
+def retire_directory(path: Path, nonce: str) -> None:
+    """Rename `path` out of its name first (atomic: readers see it or not), then delete it at leisure."""
+    doomed = path.with_name(f"{path.name}.tmp-delete-{nonce}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def replace_directory(tmp: Path, final: Path, nonce: str) -> None:
+    """Make the complete, filled directory `tmp` become `final`, retiring what was there.
+
+    Nothing at `final` is touched before `tmp` is complete and durable; a crash between the two
+    renames leaves the old directory under a `.tmp-delete-` name and the new one under `tmp`."""
+    fsync_dir(tmp)
+    if final.exists():
+        retire_directory(final, nonce)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)

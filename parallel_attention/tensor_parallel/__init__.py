@@ -8,9 +8,13 @@ kinds with `finalize_grads`, and the pure canonical <-> shard functions (`shardi
 Imports torch only: nothing from the rest of the package.
 """
 
+from .audit import replica_mismatches
+from .collective_log import CollectiveMismatchError
 from .collectives import (
+    CollectiveTimeoutError,
     all_gather_along_dim,
     copy_to_tensor_parallel_region,
+    enable_collective_log,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,

@@ -13,17 +13,25 @@ and states what it does forward and backward. Shapes: `s` sequence, `b` batch, `
     gather_from_tensor_parallel_region     all-gather last dim     keep my last-dim chunk
     gather_from_sequence_parallel_region   all-gather dim 0 (s)    reduce-scatter dim 0
     reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0  all-gather dim 0
+
+Every call goes through `_issue(op, tensor, group)`, chosen once: `_named` (timeouts named), or with
+`enable_collective_log()` (`parallel.debug_collectives`) the guard of `collective_log`, which records the
+call and cross-checks it with the group's other ranks before it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import torch
 import torch.distributed as dist
 
+from .collective_log import RECENT_CALLS, TORCH_DEBUG_ENV, CollectiveLog, CollectiveMismatchError, mismatch_report
 from .parallel_state import ProcessGroup, collective_timeout, describe_group, group_rank, group_size, is_distributed
+
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "enable_collective_log"]  # and the functions below
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -44,23 +52,82 @@ def _named(op: str, group: ProcessGroup | None):
             f"Backend said: {str(error).splitlines()[0]}") from error
 
 
-_TIMEOUT_WORDS = re.compile(r"timed out|timeout|Timeout", re.IGNORECASE)
+# TORCH_DISTRIBUTED_DEBUG=DETAIL checks each collective behind a monitored barrier first: a rank missing
+# from it is a timeout too (and torch names the missing ranks)
+_TIMEOUT_WORDS = re.compile(r"timed out|timeout|failed to pass monitoredBarrier", re.IGNORECASE)
+
+
+def _plain(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
+    return _named(op, group)
+
+
+_issue = _plain  # (op, tensor or None, group) -> the context a collective runs in; the guard replaces it
+_LOG: CollectiveLog | None = None
+
+
+def enable_collective_log(size: int = RECENT_CALLS) -> None:
+    """The collective guard, for this process: from now on each collective is recorded (op, shape, dtype,
+    group, call site) and its signature all-gathered across its group before it runs, so that diverging
+    ranks raise CollectiveMismatchError naming each rank's first diverging call, and a timeout lists the
+    recent calls. Also turns on torch's TORCH_DISTRIBUTED_DEBUG=DETAIL and the NCCL flight recorder for
+    the groups created afterwards: call it before init_distributed. Costs a small all-gather per collective."""
+    global _issue, _LOG
+    for name, value in TORCH_DEBUG_ENV.items():
+        os.environ.setdefault(name, value)
+    dist.set_debug_level_from_env()  # torch read the variable at import
+    _LOG, _issue = CollectiveLog(size), _guarded
+
+
+def _gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> None:
+    # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns); older releases lack it
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+@contextlib.contextmanager
+def _guarded(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
+    """Record the call, check it against the group's other ranks, then run it (timeouts list the recent calls)."""
+    call = _LOG.record(op, x, group, describe_group(group))
+    try:
+        with _named(op, group):
+            calls = _exchange_signatures(call, x, group)
+        if calls is not None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(calls)))
+            raise CollectiveMismatchError(mismatch_report(call.group, ranks, calls))
+        with _named(op, group):
+            yield
+    except CollectiveTimeoutError as error:
+        raise CollectiveTimeoutError(f"{error}\n{_LOG.recent(dist.get_rank())}") from error
+
+
+def _exchange_signatures(call, x: torch.Tensor | None, group: ProcessGroup | None) -> list | None:
+    """None if every rank of the group issues a call of this signature; else every rank's call and the ones
+    before it (every rank of the group sees the disagreement, so every rank joins that second gather)."""
+    nccl = x is None and dist.get_backend(group) == "nccl"
+    device = x.device if x is not None else torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    mine = torch.tensor(call.signature(), dtype=torch.int64, device=device)
+    gathered = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
+    _gather_into(gathered, mine, group)
+    signatures = gathered.view(-1, mine.numel()).tolist()
+    if all(s == signatures[0] for s in signatures):
+        return None
+    calls = [None] * len(signatures)
+    dist.all_gather_object(calls, (call, _LOG.before(call, 3)), group=group)
+    return calls
 
 
 def _all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
-    # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns); older releases lack it
-    with _named("all_gather", group):
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    with _issue("all_gather", x, group):
+        _gather_into(out, x, group)
 
 
 def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
-    with _named("reduce_scatter", group):
+    with _issue("reduce_scatter", x, group):
         (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     x = x.contiguous()
-    with _named("all_reduce", group):
+    with _issue("all_reduce", x, group):
         dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -182,7 +249,7 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) 
 def all_reduce_(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce outside autograd (for statistics such as the loss's max and sums)."""
     if group_size(group) > 1:
-        with _named("all_reduce", group):
+        with _issue("all_reduce", x, group):
             dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -192,7 +259,7 @@ def all_gather_objects(obj) -> list:
     if not is_distributed():
         return [obj]
     out = [None] * dist.get_world_size()
-    with _named("all_gather_object", None):
+    with _issue("all_gather_object", None, None):
         dist.all_gather_object(out, obj)
     return out
 
@@ -202,7 +269,7 @@ def broadcast_object(obj, src: int = 0):
     if not is_distributed():
         return obj
     box = [obj]
-    with _named("broadcast_object", None):
+    with _issue("broadcast_object", None, None):
         dist.broadcast_object_list(box, src=src)
     return box[0]
 
@@ -217,5 +284,5 @@ def any_rank(flag: bool, device) -> bool:
 
 def barrier() -> None:
     if is_distributed():
-        with _named("barrier", None):
+        with _issue("barrier", None, None):
             dist.barrier()

@@ -14,9 +14,9 @@ replica in the fused QKV weight sees only this rank's queries. A module declares
 its children's parameters: the outermost declaration wins). Parameters no module declares are
 Replicated (plain torch modules inside a tensor-parallel model: same seed, same values).
 
-Readers: `finalize_grads` here, the global gradient norm (training.gradients) and canonical
-(checkpoint) gathering (GPTModel.canonical_state_dict); the replicated-parameter audit and the
-sharded optimizer are to read it too. No reader inspects layer classes.
+Readers: `finalize_grads` here, the global gradient norm (training.gradients), canonical
+(checkpoint) gathering (GPTModel.canonical_state_dict) and the replicated-parameter audit
+(tensor_parallel.audit); the sharded optimizer is to read it too. No reader inspects layer classes.
 """
 
 from __future__ import annotations

@@ -9,15 +9,23 @@ state, seeded with `seed + 2718 + tp_rank`, entered with `tensor_parallel_rng()`
 The tensor-parallel state is kept per device type and swapped into the device's default
 generator inside the context, so kernels that draw from the default generator (SDPA's fused
 dropout on CUDA, for instance) use it without knowing.
+
+Layout-invariant dropout (`model.dropout_rng: layout_invariant`) draws no generator at all: its
+masks hash (seed, step, global sample, layer, site, head or channel, position) (`dropout_hash`).
+The trainer says where each micro-batch sits by entering `dropout_coordinates(seed, step,
+first_sample)` around its forward and backward; the layers read them with
+`current_dropout_coordinates()`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 
+from . import dropout_hash
 from .parallel_state import ProcessGroup, group_rank, resolve_tp_group
 
 _TP_SEED_OFFSET = 2718
@@ -85,27 +93,68 @@ def set_tensor_parallel_rng_state(states: dict[str, torch.Tensor]) -> None:
     _tp_states.update({k: v.clone() for k, v in states.items()})
 
 
+@dataclass(frozen=True)
+class DropoutCoordinates:
+    """Where the running micro-batch sits: the coordinates layout-invariant dropout hashes."""
+
+    seed: int
+    step: int
+    first_sample: int  # index, in the step's global batch, of the micro-batch's first row
+
+    def keep_mask(self, p: float, layer: int, site: int, axes: Sequence[tuple[int, int, int]],
+                  device) -> torch.Tensor:
+        """Keep mask of one dropout site (see dropout_hash.keep_mask for `axes`)."""
+        return dropout_hash.keep_mask(p, dropout_hash.stream_key(self.seed, self.step, layer, site), axes, device)
+
+
+_coordinates: DropoutCoordinates | None = None
+
+
+@contextlib.contextmanager
+def dropout_coordinates(seed: int, step: int, first_sample: int) -> Iterator[DropoutCoordinates]:
+    """Inside this block, layout-invariant dropout draws the masks of (seed, step) for the micro-batch
+    whose first row is sample `first_sample` of the step's global batch. Wrap forward and backward."""
+    global _coordinates
+    saved, _coordinates = _coordinates, DropoutCoordinates(seed, step, first_sample)
+    try:
+        yield _coordinates
+    finally:
+        _coordinates = saved
+
+
+def current_dropout_coordinates() -> DropoutCoordinates:
+    if _coordinates is None:
+        raise RuntimeError(
+            "model.dropout_rng='layout_invariant' draws each dropout mask from (seed, step, sample): run the "
+            "training forward and backward inside parallel_attention.tensor_parallel.rng."
+            "dropout_coordinates(seed, step, first_sample) (the trainer does), or use dropout_rng='per_rank'.")
+    return _coordinates
+
+
 def checkpoint_with_tp_rng(function, *args):
     """Activation recomputation (torch.utils.checkpoint) that also replays the tensor-parallel
-    generator, so dropout inside the parallel region draws the same masks when recomputed.
+    generator and the dropout coordinates, so dropout draws the same masks when recomputed.
 
     torch.utils.checkpoint already replays the default CPU/CUDA generators.
     """
     from torch.utils.checkpoint import checkpoint
 
-    tp_states_at_forward = get_tensor_parallel_rng_state()
+    tp_states_at_forward, coordinates_at_forward = get_tensor_parallel_rng_state(), _coordinates
     calls = 0
 
     def run(*inputs):
+        global _coordinates
         nonlocal calls
         calls += 1
         if calls == 1:
             return function(*inputs)
-        current = get_tensor_parallel_rng_state()
+        current, current_coordinates = get_tensor_parallel_rng_state(), _coordinates
         set_tensor_parallel_rng_state(tp_states_at_forward)
+        _coordinates = coordinates_at_forward
         try:
             return function(*inputs)
         finally:
             set_tensor_parallel_rng_state(current)
+            _coordinates = current_coordinates
 
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)

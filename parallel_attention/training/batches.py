@@ -69,16 +69,22 @@ def _rows_per_rank(batch_size: int, dp_rank: int, dp_size: int, micro_batch_size
 
 def validation_batches(dataset: TokenDataset, seq_len: int, batch_size: int, num_batches: int, *,
                        dp_rank: int = 0, dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed list of `num_batches` (tokens, labels) batches of evenly spaced windows over the split.
+    """This data-parallel rank's part of a fixed validation set of `num_batches` x `batch_size` windows.
 
-    The same windows at every evaluation, so val losses are comparable over a run. With dp_size > 1 each
-    rank gets its rows [dp_rank*b/dp, (dp_rank+1)*b/dp) of every batch; average the losses over dp ranks.
+    The windows are evenly spaced over the split and do not depend on the layout: the trainer passes
+    `batch_size = training.micro_batch_size`, whatever the data-parallel size. Rank r takes rows
+    [r*b//dp, (r+1)*b//dp) of every batch (fewer than one row per rank leaves some ranks without that
+    batch), so sum the token losses and the token counts over the ranks, then divide, for a mean that
+    is the same for every layout.
     """
     _check_fits(dataset, seq_len)
-    per_rank = _rows_per_rank(batch_size, dp_rank, dp_size, 1)
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size}).")
     starts = np.linspace(0, dataset.num_tokens - seq_len - 1, batch_size * num_batches).round().astype(np.int64)
+    first, last = dp_rank * batch_size // dp_size, (dp_rank + 1) * batch_size // dp_size
     batches = []
     for b in range(num_batches):
-        mine = starts[b * batch_size + dp_rank * per_rank: b * batch_size + (dp_rank + 1) * per_rank]
-        batches += _split_rows(dataset.windows(mine, seq_len + 1), per_rank)
+        mine = starts[b * batch_size + first: b * batch_size + last]
+        if len(mine):
+            batches += _split_rows(dataset.windows(mine, seq_len + 1), len(mine))
     return batches

@@ -1,28 +1,29 @@
 """Typed configuration of a pretraining run: dataclasses loaded from YAML, validated early.
 
-`load_config(path, overrides)` reads YAML with `yaml.safe_load`, rejects unknown keys with
-their dotted path, checks every value's type, applies `--section.key=value` overrides, and
-returns a `PretrainConfig`. `validate(world_size)` checks the parallel layout against the
-model before any process group exists; every error names the values and the fix.
+`load_config(path, overrides)` reads YAML strictly (duplicate keys and syntax errors name the file
+and line), applies `--section.key=value` overrides, rejects unknown keys with their dotted path,
+checks every value's type (`config_loading`) and returns a `PretrainConfig`. `validate(world_size)`
+checks every numeric field's range and the paths (`config_checks`), then the parallel layout against
+the model, before any process group exists; every error names the dotted key, the value and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from ..transformer.model_config import ModelConfig, migrate_renamed_keys
-from .tokenizer import BPE_MIN_VOCAB, tokenizer_vocab_size
+from ..transformer.model_config import ModelConfig
+from .config_checks import ConfigError, check_data_source, check_names, check_ranges, check_resume
+from .config_loading import apply_override, build_dataclass, read_yaml_file
+from .tokenizer import tokenizer_vocab_size
 
-
-class ConfigError(ValueError):
-    """The run config cannot work; the message names the key, its value and the fix."""
+__all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig",
+           "ParallelConfig", "PretrainConfig", "ScheduleConfig", "TrainingConfig", "config_from_dict", "load_config",
+           "save_config"]
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, else gloo
     timeout_s: float = 600.0
+    debug_collectives: bool = False  # record and cross-check every collective (slow; see the README)
 
     RENAMED = {"backend": "distributed_backend"}  # 0.1.0's name, still read with a warning
 
@@ -75,6 +77,8 @@ class TrainingConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # autocast dtype on GPUs
     eval_interval: int = 50
     eval_batches: int = 4
+    max_skipped_steps: int = 10  # consecutive fp16 loss-scale overflows tolerated (other dtypes: none)
+    audit_interval: int = 100  # steps between replicated-parameter audits (0: only at checkpoints)
 
 
 @dataclass
@@ -113,8 +117,13 @@ class PretrainConfig:
             raise ConfigError(str(error)) from None
 
     def _check(self, world_size: int) -> None:
+        check_ranges(self)  # every numeric field first: the layout checks below assume sane values
+        check_names(self)
+        check_data_source(self.data.source)
+        check_resume(self.checkpoint.resume)
         p, m, t = self.parallel.tensor_parallel_size, self.model, self.training
-        _positive(self, world_size)
+        if world_size < 1:
+            raise ValueError(f"the world size {world_size} (WORLD_SIZE) must be >= 1: launch with torchrun.")
         if world_size % p != 0:
             raise ValueError(
                 f"parallel.tensor_parallel_size={p} does not divide the world size {world_size}: launch a "
@@ -138,9 +147,7 @@ class PretrainConfig:
                 f"parallel.sequence_parallel needs data.seq_len={self.data.seq_len} divisible by "
                 f"tensor_parallel_size={p}."
             )
-        if not 0 <= m.hidden_dropout < 1:
-            raise ValueError(f"model.hidden_dropout={m.hidden_dropout} must lie in [0, 1).")
-        _check_data(self.data, m.vocab_size)
+        _check_vocab(self.data, m.vocab_size)
         if self.optimizer.min_lr > self.optimizer.lr:
             raise ValueError(f"optimizer.min_lr={self.optimizer.min_lr} exceeds optimizer.lr={self.optimizer.lr}.")
 
@@ -152,123 +159,20 @@ class PretrainConfig:
         return dataclasses.asdict(self)
 
 
-def _positive(cfg: PretrainConfig, world_size: int) -> None:
-    checks = {"model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
-              "model.vocab_size": cfg.model.vocab_size, "parallel.tensor_parallel_size":
-              cfg.parallel.tensor_parallel_size, "data.seq_len": cfg.data.seq_len,
-              "training.max_steps": cfg.training.max_steps, "training.micro_batch_size":
-              cfg.training.micro_batch_size, "training.global_batch_size": cfg.training.global_batch_size,
-              "checkpoint.interval": cfg.checkpoint.interval, "checkpoint.keep_last": cfg.checkpoint.keep_last,
-              "logging.log_interval": cfg.logging.log_interval, "training.eval_interval":
-              cfg.training.eval_interval, "world size": world_size}
-    for name, value in checks.items():
-        if value < 1:
-            raise ValueError(f"{name}={value} must be a positive integer.")
-
-
-def _check_data(data: DataConfig, model_vocab_size: int) -> None:
-    """The data settings, and the tokenizer's vocabulary against model.vocab_size (read from its file for a path)."""
-    if data.max_bytes is not None and data.max_bytes < 1:
-        raise ValueError(f"data.max_bytes={data.max_bytes} must be positive, or null for the whole corpus.")
-    if not 0 < data.val_fraction < 1:
-        raise ValueError(f"data.val_fraction={data.val_fraction} must lie in (0, 1).")
-    if data.num_workers < 0:
-        raise ValueError(f"data.num_workers={data.num_workers} must be 0 (one per CPU core) or a process count.")
-    if data.tokenizer == "bpe" and data.bpe_vocab_size < BPE_MIN_VOCAB:
-        raise ValueError(f"data.bpe_vocab_size={data.bpe_vocab_size} is below {BPE_MIN_VOCAB} (256 byte symbols "
-                         f"and the end-of-text token): set data.bpe_vocab_size >= {BPE_MIN_VOCAB}.")
+def _check_vocab(data: DataConfig, model_vocab_size: int) -> None:
+    """The tokenizer's vocabulary against model.vocab_size (read from its file for a path)."""
     tokenizer_vocab = tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size)  # ValueError naming a bad spec
     if model_vocab_size < tokenizer_vocab:
         raise ValueError(f"model.vocab_size={model_vocab_size} is smaller than the {data.tokenizer!r} tokenizer's "
                          f"{tokenizer_vocab} tokens: set model.vocab_size >= {tokenizer_vocab}.")
 
 
-# ---------------------------------------------------------------------- loading
-def _check_type(path: str, value: Any, annotation: Any) -> Any:
-    """Return `value` if it fits `annotation` (ints are accepted for floats), else raise."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(annotation):
-            try:
-                return _check_type(path, value, option)
-            except ValueError:
-                pass
-        raise ValueError(f"{path}={value!r} has type {type(value).__name__}; expected {_type_name(annotation)}.")
-    if origin is Literal:
-        if value not in typing.get_args(annotation):
-            raise ValueError(f"{path}={value!r} is not one of {list(typing.get_args(annotation))}.")
-        return value
-    if annotation is type(None):
-        if value is None:
-            return None
-    elif annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    elif annotation is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
-    elif annotation is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    elif annotation in (bool, str) and isinstance(value, annotation):
-        return value
-    raise ValueError(f"{path}={value!r} has type {type(value).__name__}; expected {_type_name(annotation)}.")
-
-
-def _type_name(annotation: Any) -> str:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
-    if typing.get_origin(annotation) is Literal:
-        return "one of " + str(list(typing.get_args(annotation)))
-    return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
-
-
-def _build(cls, data: dict[str, Any], prefix: str, warn: bool = True):
-    if not isinstance(data, dict):
-        raise ValueError(f"{prefix or 'config'} must be a mapping, got {type(data).__name__}.")
-    data = migrate_renamed_keys(cls, data, prefix.rstrip(".") or "config", warn=warn)
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = ", ".join(f"{prefix}{k}" for k in unknown)
-        raise ValueError(f"unknown config key(s): {where}; known keys here: {', '.join(sorted(names))}.")
-    kwargs = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, f"{prefix}{name}.", warn)
-        else:
-            kwargs[name] = _check_type(f"{prefix}{name}", value, hint)
-    return cls(**kwargs)
-
-
-def apply_override(data: dict[str, Any], override: str) -> None:
-    """Apply `section.key=value` (leading dashes allowed); the value is parsed as YAML."""
-    text = override.lstrip("-")
-    if "=" not in text:
-        raise ValueError(f"override {override!r} must look like --section.key=value.")
-    dotted, raw = text.split("=", 1)
-    keys = dotted.split(".")
-    node = data
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"override {override!r}: {key} is not a section.")
-    node[keys[-1]] = yaml.safe_load(raw) if raw != "" else ""
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PretrainConfig:
     """Read a YAML config (or the defaults), apply overrides, and type-check everything."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text(encoding="utf-8")
-        data = yaml.safe_load(text) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the top level must be a mapping of sections.")
+    data = read_yaml_file(path) if path is not None else {}
     for override in overrides:
         apply_override(data, override)
-    return _build(PretrainConfig, data, "")
+    return build_dataclass(PretrainConfig, data, "")
 
 
 def config_from_dict(data: dict[str, Any]) -> PretrainConfig:
@@ -276,7 +180,7 @@ def config_from_dict(data: dict[str, Any]) -> PretrainConfig:
 
     Keys renamed since it was written are read under their new names without a warning: the
     user cannot edit a checkpoint's manifest."""
-    return _build(PretrainConfig, data, "", warn=False)
+    return build_dataclass(PretrainConfig, data, "", warn=False)
 
 
 def save_config(cfg: PretrainConfig, path: str | Path) -> None:

@@ -19,6 +19,8 @@ import itertools
 import json
 import multiprocessing
 import os
+import secrets
+import shutil
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -26,7 +28,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from ..checkpointing.tensor_io import file_digest, write_atomic
+from ..checkpointing.tensor_io import file_digest, replace_directory, write_atomic
 from .batches import GlobalBatchSampler, validation_batches
 from .corpus import Corpus
 from .tokenizer import TOKENIZER_FILES, get_tokenizer, tokenizer_file, train_bpe
@@ -163,15 +165,26 @@ def prepare_data(source: str, tokenizer: str, out_dir, val_fraction: float = 0.0
     corpus, saved as out_dir/tokenizer.json) or a path to a tokenizer.json or a directory holding one.
     The meta holds the summary: files, documents, tokens, and what was skipped (`skipped`: count by reason,
     `skipped_examples`: where each reason first occurred). Deterministic: the same source and settings give
-    byte-identical files whatever `num_workers`. meta.json is removed first and written last, each file
-    atomically, so an interrupted run never leaves a directory that looks done.
+    byte-identical files whatever `num_workers`. Everything is written into a staging directory beside
+    `out_dir` that replaces it only when complete: a failed or interrupted run leaves an existing
+    prepared dataset as it was.
     """
     _check_settings(val_fraction, max_bytes, num_workers)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META).unlink(missing_ok=True)
-    for stale in out.glob(".*.tmp-*"):
-        stale.unlink()
+    final = Path(out_dir)
+    nonce = secrets.token_hex(6)
+    out = final.parent / f".{final.name}.staging-{nonce}"  # the existing dataset stays untouched until the end
+    out.mkdir(parents=True)
+    try:
+        meta = _prepare_into(out, source, tokenizer, val_fraction, max_bytes, text_field, bpe_vocab_size, num_workers)
+        replace_directory(out, final, nonce)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return meta
+
+
+def _prepare_into(out: Path, source: str, tokenizer: str, val_fraction: float, max_bytes: int | None,
+                  text_field: str, bpe_vocab_size: int, num_workers: int) -> dict:
     corpus = Corpus(source, text_field, max_bytes)
     if tokenizer == "bpe":
         train_bpe(_progress(corpus, "training bpe"), bpe_vocab_size, out / "tokenizer.json")
@@ -187,6 +200,12 @@ def prepare_data(source: str, tokenizer: str, out_dir, val_fraction: float = 0.0
             "bpe_vocab_size": bpe_vocab_size if tokenizer == "bpe" else None, **corpus.stats.summary()}
     if source == "stdlib":
         meta["python_version"] = sys.version.split()[0]
+    if not arrays:
+        skipped = corpus.stats.summary()
+        raise ValueError(f"data.source={source!r} holds no usable text: {skipped['num_files']} files read, skipped "
+                         + (", ".join(f"{n} {why} (first: {skipped['skipped_examples'][why]})"
+                                      for why, n in skipped["skipped"].items()) or "nothing")
+                         + ": point data.source at UTF-8 text, .jsonl or .parquet documents.")
     for split, parts in zip(("train", "val"), _split(arrays, val_fraction)):
         _write_split(out, split, parts, meta)
     write_atomic(out / META, [json.dumps(meta, indent=2).encode("utf-8")])

@@ -4,12 +4,18 @@ Config agreement: right after the process group exists, the ranks compare the re
 package version and the layout. A rank launched with another `--training.seed` would otherwise train
 on other batches than its tensor-parallel peers, with exit 0; another `--training.max_steps` would
 hang at the first collective the others no longer issue.
+
+Replica audit (`check_replicas`): every `training.audit_interval` steps and before each checkpoint,
+the parameters that must be identical across ranks are compared (`tensor_parallel.audit`): a silent
+divergence of replicas (a bad GPU, a missed all-reduce) stops the run naming the parameters and ranks.
+The divergence guard (non-finite losses and gradients) is `divergence`.
 """
 
 from __future__ import annotations
 
 from ..checkpointing.compatibility import flatten_dict
 from ..tensor_parallel import parallel_state as ps
+from ..tensor_parallel.audit import replica_mismatches
 from ..tensor_parallel.collectives import all_gather_objects
 from ..version import __version__
 from .config import ConfigError, PretrainConfig
@@ -39,3 +45,24 @@ def check_config_agreement(cfg: PretrainConfig) -> None:
              for key in differing]
     raise ConfigMismatchError("config differs across ranks:\n" + "\n".join(lines)
                               + "\nlaunch every rank with the same config file and overrides.")
+
+
+class GuardError(RuntimeError):
+    """A run guard stopped training (raised on every rank); the message names the step and the fix."""
+
+
+class ReplicaMismatchError(GuardError):
+    """Parameters that must be identical across ranks differ."""
+
+
+def check_replicas(model, step: int) -> None:
+    """Audit the replicated parameters; raise ReplicaMismatchError on every rank, naming parameters and ranks."""
+    local = replica_mismatches(model, ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group())
+    everywhere = list(dict.fromkeys(m for mismatches in all_gather_objects(local) for m in mismatches))
+    if everywhere:
+        shown = "\n".join(f"  {m}" for m in everywhere[:20]) + (f"\n  ... {len(everywhere) - 20} more"
+                                                               if len(everywhere) > 20 else "")
+        raise ReplicaMismatchError(f"step {step}: replicated parameters differ across ranks:\n{shown}\n"
+                                   "the ranks no longer train one model (faulty device or memory, or a rank that "
+                                   "skipped a collective); not saving a checkpoint: restart from the newest "
+                                   "checkpoint with --resume, and check the hardware if it happens again.")

@@ -9,11 +9,18 @@ of two displays, chosen once at construction:
   (a log file, CI, tests and scripts parse these lines, so their format stays fixed).
 
 A record's `mfu` is the model FLOPs utilisation as a fraction of the hardware peak (0.42 = 42%).
+
+metrics.jsonl holds at most one row per step, each valid JSON: a non-finite value (a diverged loss)
+is written as `null`. A run opened at step N (a fresh run at 0, a resumed one at its checkpoint's
+step) first drops the rows it is about to write again, so a restart, or a fallback to an older
+checkpoint, leaves no duplicate steps.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -95,15 +102,16 @@ class MetricsLogger:
                 SummaryWriter = None
             if SummaryWriter is not None:
                 self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        keep_history(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict) -> None:
         """Append one step's record (flushed at once, so a killed run keeps its history), then show it."""
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json_line(record) + "\n")
         self._file.flush()
         if self.writer is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(key, value, record["step"])
         if "loss" in record:
             self.display.show(record)
@@ -115,6 +123,38 @@ class MetricsLogger:
         self._file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def json_line(record: dict) -> str:
+    """The record as strict JSON: non-finite floats (NaN, inf) become null."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
+def keep_history(path: Path, start_step: int) -> None:
+    """Rewrite metrics.jsonl with one row per step up to the step a run continues from.
+
+    A run that continues after step N keeps rows 0..N; a fresh run (N = 0) keeps none, as it logs step 0
+    again. The last row of a step wins, and a torn last line (a killed write) is dropped.
+    """
+    if not path.exists():
+        return
+    start_step = start_step if start_step > 0 else -1
+    rows: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and 0 <= record["step"] <= start_step:
+                rows[record["step"]] = record
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json_line(rows[step]) + "\n" for step in sorted(rows))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -134,9 +174,9 @@ def plot_loss(run_dir: Path) -> Path:
         records[r["step"]] = {**records.get(r["step"], {}), **r}  # a resumed run may repeat steps
     steps = sorted(records)
     fig, ax = plt.subplots(figsize=(7, 4))
-    train = [s for s in steps if "loss" in records[s]]
+    train = [s for s in steps if records[s].get("loss") is not None]  # null: a diverged step
     ax.plot(train, [records[s]["loss"] for s in train], label="train loss", linewidth=1)
-    val = [s for s in steps if "val_loss" in records[s]]
+    val = [s for s in steps if records[s].get("val_loss") is not None]
     ax.plot(val, [records[s]["val_loss"] for s in val], "o-", label="validation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross entropy (nats/token)")

@@ -1,42 +1,50 @@
-"""Where a run continues from: the newest valid checkpoint (exactly, at the same layout) or any
-checkpoint written at another layout (resharded through the canonical state dict)."""
+"""Where a run continues from: the newest checkpoint that loads, exactly (at the same layout) or resharded
+through the canonical state dict (at another layout), falling back past corrupt ones on either path."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from torch import nn
 
-from ..checkpointing.checkpoint import load_checkpoint, load_latest_valid
+from ..checkpointing.checkpoint import load_checkpoint, load_newest_valid, raise_unless_all_passed
 from ..checkpointing.compatibility import check_same_model, model_shape_config, same_layout
-from ..checkpointing.format import CheckpointCorruptError, latest_checkpoint, read_manifest
+from ..checkpointing.format import CheckpointError, read_manifest
 from ..checkpointing.reshard import load_resharded
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.rng import manual_seed
 from .config import PretrainConfig
 
+RUN_CONFIG_SECTIONS = ("model", "parallel")  # what a resume reads from a checkpoint's config
+
 
 def resume_from_checkpoint(cfg: PretrainConfig, where: str, model: nn.Module, optimizer) -> dict | None:
-    """Load the checkpoint to continue from (`auto`: the newest under the run's checkpoints/, falling
-    back past corrupt ones; else a step directory). Returns its manifest, or None when there is none."""
-    ckpt_root = Path(cfg.logging.run_dir) / "checkpoints"
-    target = latest_checkpoint(ckpt_root) if where == "auto" else Path(where)
-    if target is None:
-        return None
+    """Load the checkpoint to continue from (`auto`: the newest under the run's checkpoints/ that loads, trying
+    older ones past corrupt ones, at the same layout or another; else that step directory). Every rank lands on
+    the same checkpoint. Returns its manifest, or None when there is none."""
+    if where != "auto":
+        return _load(cfg, Path(where), model, optimizer)
+    return load_newest_valid(Path(cfg.logging.run_dir) / "checkpoints", lambda path: _load(cfg, path, model, optimizer))
+
+
+def _load(cfg: PretrainConfig, path: Path, model: nn.Module, optimizer) -> dict:
+    """`path` exactly at the same layout, else resharded (after which the RNG is reseeded from (seed, step))."""
     groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group())
-    expected = {"model": model_shape_config(cfg.model)}
-    try:
-        saved = read_manifest(target)
-    except CheckpointCorruptError:
-        if where != "auto":
-            raise
-        return load_latest_valid(ckpt_root, model, optimizer, expected_config=expected, **groups)
-    if same_layout(saved, cfg.parallel.tensor_parallel_size, int(os.environ.get("WORLD_SIZE", "1"))):
-        if where == "auto":
-            return load_latest_valid(ckpt_root, model, optimizer, expected_config=expected, **groups)
-        return load_checkpoint(target, model, optimizer, expected_config=expected, **groups)
-    check_same_model(saved, cfg.model, target)
-    manifest = load_resharded(target, model, optimizer, tp_group=groups["tp_group"])
+    saved = _agreed_manifest(path)
+    if same_layout(saved, cfg.parallel.tensor_parallel_size, ps.get_world_size()):
+        return load_checkpoint(path, model, optimizer, expected_config={"model": model_shape_config(cfg.model)},
+                               **groups)
+    check_same_model(saved, cfg.model, path)
+    manifest = load_resharded(path, model, optimizer, tp_group=groups["tp_group"])
     manual_seed(cfg.training.seed + manifest["step"])  # per-rank RNG states do not carry across layouts
     return manifest
+
+
+def _agreed_manifest(path: Path) -> dict:
+    """The manifest, read on every rank; every rank raises if any rank could not read it (same decision)."""
+    try:
+        saved, failure = read_manifest(path, config_sections=RUN_CONFIG_SECTIONS), None
+    except CheckpointError as e:
+        saved, failure = None, e
+    raise_unless_all_passed(path, failure)
+    return saved

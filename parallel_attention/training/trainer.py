@@ -3,8 +3,10 @@
 Tensor parallelism p x data parallelism world/p, from a PretrainConfig. One step: the global batch
 of `step` (a pure function of seed and step) split over the data-parallel ranks and into
 micro-batches; forward/backward per micro-batch; finalize_grads (tensor-parallel partial
-gradients); data-parallel gradient average; global norm, clipping, AdamW. After a step: evaluate,
-log, checkpoint (every `checkpoint.interval` steps, at the end and on SIGTERM), stop. Resume is exact.
+gradients); data-parallel gradient average; global norm, clipping, AdamW, unless the divergence guard
+skips or stops the step. After a step: evaluate, log, stop on divergence, audit the replicated parameters
+(every `training.audit_interval` steps and before each checkpoint), checkpoint (every `checkpoint.interval`
+steps, at the end and on SIGTERM), stop. Resume is exact.
 """
 
 from __future__ import annotations
@@ -21,18 +23,22 @@ import torch
 
 from ..checkpointing.checkpoint import save_checkpoint
 from ..tensor_parallel import parallel_state as ps
-from ..tensor_parallel.collectives import all_reduce_, any_rank, barrier
+from ..tensor_parallel.collectives import all_reduce_, any_rank, barrier, enable_collective_log
 from ..tensor_parallel.param_kinds import finalize_grads
-from ..tensor_parallel.rng import manual_seed
+from ..tensor_parallel.rng import dropout_coordinates, manual_seed
+from ..transformer.cross_entropy import IGNORE_INDEX
 from ..transformer.model import GPTModel
-from .config import PretrainConfig, save_config
-from .guards import check_config_agreement
+from .config import PretrainConfig
+from .config_checks import check_resume
+from .divergence import DivergenceGuard, check_parameters_finite
+from .guards import check_config_agreement, check_replicas
 from .data import GlobalBatchSampler, TokenDataset, ensure_prepared, validation_batches
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, learning_rate, set_learning_rate
 from .resume import resume_from_checkpoint
+from .run_dir import prepare_run_dir
 from .summary import run_summary
 
 
@@ -61,6 +67,10 @@ class Run:
     losses: dict[int, float] = field(default_factory=dict)
     val_losses: dict[int, float] = field(default_factory=dict)
     stopped: bool = False
+    guard: DivergenceGuard = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.guard = DivergenceGuard(self.scaler, self.cfg.training.max_skipped_steps, self.cfg.training.dtype)
 
     @property
     def run_dir(self) -> Path:
@@ -113,17 +123,17 @@ def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, TokenDataset]:
 
 def build(cfg: PretrainConfig) -> Run:
     """Process groups, run directory, data, model, optimizer: everything before the first step."""
+    if cfg.parallel.debug_collectives:  # before the groups exist, so that torch's own checks wrap them too
+        enable_collective_log()
     backend = None if cfg.parallel.distributed_backend == "auto" else cfg.parallel.distributed_backend
     device = ps.init_distributed(cfg.parallel.tensor_parallel_size, backend=backend, timeout=cfg.parallel.timeout_s)
     check_config_agreement(cfg)  # before anything is written or drawn: every rank must run this same config
-    if ps.get_global_rank() == 0:
-        Path(cfg.logging.run_dir).mkdir(parents=True, exist_ok=True)
-        save_config(cfg, Path(cfg.logging.run_dir) / "config.yaml")
+    prepare_run_dir(cfg)  # rank 0 makes it and writes config.yaml; every rank refuses an unwritable one, now
     sampler, val_data = build_data(cfg)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     manual_seed(cfg.training.seed)
     model = GPTModel(cfg.model, cfg.parallel.sequence_parallel, device=device)
-    val_batches = validation_batches(val_data, cfg.data.seq_len, cfg.training.micro_batch_size * dp_size,
+    val_batches = validation_batches(val_data, cfg.data.seq_len, cfg.training.micro_batch_size,
                                      cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size)
     scaler = DynamicLossScaler(enabled=device.type == "cuda" and cfg.training.dtype == "float16")
     return Run(cfg, device, model, build_optimizer(model, cfg.optimizer), scaler, sampler, val_batches)
@@ -136,6 +146,7 @@ def resume_run(run: Run, where: str) -> None:
         run.step = manifest["step"]
         if "loss_scaler" in manifest["extra"]:
             run.scaler.load_state_dict(manifest["extra"]["loss_scaler"])
+        run.guard.load_state_dict(manifest["extra"])
         if ps.get_global_rank() == 0:
             print(f"resumed from {manifest['path']} at step {run.step}", file=sys.stderr, flush=True)
     if ps.get_global_rank() == 0:
@@ -147,32 +158,41 @@ def resume_run(run: Run, where: str) -> None:
 # ---------------------------------------------------------------------------------- steps
 @torch.no_grad()
 def evaluate(run: Run) -> float:
-    """Mean validation loss over the fixed validation batches, averaged over data-parallel ranks."""
+    """Mean validation loss per token over the fixed validation windows (the same for every layout):
+    token-loss sums and token counts are summed over the data-parallel ranks, then divided."""
     run.model.eval()
-    total = torch.zeros((), device=run.device)
+    sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # [sum of token losses, tokens]
     for tokens, labels in run.val_batches:
         with _autocast(run.cfg, run.device):
-            total += run.model(tokens.to(run.device), labels.to(run.device)).float()
+            mean = run.model(tokens.to(run.device), labels.to(run.device)).double()
+        count = float((labels != IGNORE_INDEX).sum())
+        sums += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
     run.model.train()
-    return _mean_over(total / len(run.val_batches), ps.get_data_parallel_group())
+    all_reduce_(sums, ps.get_data_parallel_group())
+    return (sums[0] / sums[1]).item()
 
 
 def _forward_backward(run: Run) -> torch.Tensor:
-    """Every micro-batch of this rank's share of the step's global batch; returns the summed loss."""
+    """Every micro-batch of this rank's share of the step's global batch; returns the summed loss.
+
+    Each runs inside its dropout coordinates (seed, step, index of its first row in the global batch):
+    layout-invariant dropout hashes its masks from them."""
     t = run.cfg.training
-    micro_batches = run.sampler.local_micro_batches(run.step, ps.get_data_parallel_rank(),
-                                                    ps.get_data_parallel_world_size(), t.micro_batch_size)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    micro_batches = run.sampler.local_micro_batches(run.step, dp_rank, dp_size, t.micro_batch_size)
     loss_sum = torch.zeros((), device=run.device)
-    for tokens, labels in micro_batches:
-        with _autocast(run.cfg, run.device):
-            loss = run.model(tokens.to(run.device), labels.to(run.device)) / len(micro_batches)
-        run.scaler.scale_loss(loss).backward()
+    for i, (tokens, labels) in enumerate(micro_batches):
+        first_sample = dp_rank * (t.global_batch_size // dp_size) + i * t.micro_batch_size
+        with dropout_coordinates(t.seed, run.step, first_sample):
+            with _autocast(run.cfg, run.device):
+                loss = run.model(tokens.to(run.device), labels.to(run.device)) / len(micro_batches)
+            run.scaler.scale_loss(loss).backward()
         loss_sum += loss.detach().float()
     return loss_sum
 
 
 def train_step(run: Run) -> dict:
-    """One optimizer step; returns its metrics record."""
+    """One optimizer step, unless the divergence guard skips it; returns its metrics record."""
     started = time.perf_counter()
     lr = learning_rate(run.step, run.cfg.training.max_steps, run.cfg.optimizer, run.cfg.schedule)
     set_learning_rate(run.optimizer, lr)
@@ -182,34 +202,47 @@ def train_step(run: Run) -> dict:
     all_reduce_data_parallel(list(run.model.parameters()), ps.get_data_parallel_group())
     run.scaler.unscale(run.model.parameters())
     grad_norm = global_grad_norm(run.model, ps.get_tensor_model_parallel_group())
-    if run.scaler.update(grad_norm.item()):
+    loss = _mean_over(loss_sum, ps.get_data_parallel_group())
+    if run.guard.update(run.step + 1, loss, grad_norm.item()):
         clip_gradients(run.model, run.cfg.optimizer.grad_clip, grad_norm)
         run.optimizer.step()
     run.step += 1
-    run.losses[run.step] = _mean_over(loss_sum, ps.get_data_parallel_group())
-    return {"step": run.step, "loss": run.losses[run.step], "lr": lr, "grad_norm": grad_norm.item(),
+    run.losses[run.step] = loss
+    return {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+            "skipped_steps": run.guard.skipped_steps,
             "tokens_per_s": run.tokens_per_step / (time.perf_counter() - started)}
 
 
 def checkpoint(run: Run) -> None:
+    """Audit the replicas and check the parameters are finite (either raises before anything is written), then
+    save; `finite` records whether this step's update was applied (false right after an fp16 overflow)."""
+    check_replicas(run.model, run.step)
+    check_parameters_finite(run.model, run.step, run.device)
+    extra = {"loss_scaler": run.scaler.state_dict(), "tokens_seen": run.step * run.tokens_per_step,
+             **run.guard.state_dict(), "finite": run.guard.consecutive == 0}
     save_checkpoint(Path(run.cfg.logging.run_dir) / "checkpoints", run.step, run.model, run.optimizer,
-                    config=run.cfg.to_dict(), keep_last=run.cfg.checkpoint.keep_last,
-                    extra={"loss_scaler": run.scaler.state_dict(), "tokens_seen": run.step * run.tokens_per_step},
+                    config=run.cfg.to_dict(), keep_last=run.cfg.checkpoint.keep_last, extra=extra,
                     tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group())
 
 
 def after_step(run: Run, record: dict, sigterm: _SigtermFlag) -> bool:
-    """Evaluate, log, checkpoint; returns True when the run must stop now (SIGTERM on any rank)."""
+    """Evaluate, log, audit, checkpoint; returns True when the run must stop now (SIGTERM on any rank).
+
+    A diverged step is logged, then raises DivergenceError; a failed audit raises ReplicaMismatchError:
+    both before any checkpoint is written."""
     cfg, step = run.cfg, run.step
-    last = step == cfg.training.max_steps
-    if step % cfg.training.eval_interval == 0 or last:
+    last, diverged = step == cfg.training.max_steps, run.guard.stop_reason is not None
+    if not diverged and (step % cfg.training.eval_interval == 0 or last):
         run.val_losses[step] = record["val_loss"] = evaluate(run)
     if run.logger is not None and (step % cfg.logging.log_interval == 0 or "val_loss" in record
-                                   or step == min(run.losses)):
+                                   or step == min(run.losses) or diverged):
         run.logger.log(record)
+    run.guard.raise_if_stopped()
     run.stopped = any_rank(sigterm.raised, run.device)
     if run.stopped or step % cfg.checkpoint.interval == 0 or last:
         checkpoint(run)
+    elif cfg.training.audit_interval and step % cfg.training.audit_interval == 0:
+        check_replicas(run.model, step)
     return run.stopped
 
 
@@ -219,6 +252,8 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
     `resume` overrides `checkpoint.resume`. Raises ConfigError (before any process group exists)
     when the config does not fit the launched world."""
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    if resume is not None:  # --resume overrides checkpoint.resume: the same rule, before any process group
+        check_resume(resume, "--resume")
     run = build(cfg)
     if ps.get_global_rank() == 0:
         world = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()

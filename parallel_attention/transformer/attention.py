@@ -10,6 +10,7 @@ Shape legend: s sequence, b batch, h hidden, p tensor-parallel size, nh heads, n
       | split; rotary on q, k (optional)
     q [b, nhl, s, d], k, v [b, nkvl, s, d]
       | local attention (SDPA / math / apex), dropout from the tensor-parallel generator
+      |   (dropout_rng='layout_invariant': explicit probabilities, masks hashed from global coordinates)
     context [s, b, nhl * d]
       | dense: RowParallelLinear nh d -> h, input_is_parallel
       |   fwd all-reduce / bwd identity  (SP: fwd reduce-scatter s / bwd all-gather s)
@@ -26,7 +27,7 @@ from torch import nn
 
 from ..tensor_parallel import sharding
 from .attention_config import AttentionConfig
-from .core_attention import CoreAttention
+from .core_attention import build_core_attention
 from ..tensor_parallel.param_kinds import Partial
 from .kv_cache import LayerKVCache
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -35,7 +36,8 @@ from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_siz
 from .rotary import build_position_embedding
 
 class ParallelSelfAttention(nn.Module):
-    def __init__(self, config: AttentionConfig, tp_group: ProcessGroup | None = None, device=None) -> None:
+    def __init__(self, config: AttentionConfig, tp_group: ProcessGroup | None = None, device=None,
+                 layer_number: int = 0) -> None:
         super().__init__()
         self.config = config
         self.tp_group = resolve_tp_group(tp_group)
@@ -53,7 +55,8 @@ class ParallelSelfAttention(nn.Module):
         # under sequence parallelism the input is this rank's [s/p, b, h] chunk of the sequence
         self._sequence_chunks = self.tp_size if config.sequence_parallel else 1
         self._input_hint = " (sequence parallel: this rank's [s/p, b, h] chunk)" if config.sequence_parallel else ""
-        self.core_attention = CoreAttention(config.attention_kernel, config.attention_dropout)
+        # layer_number and this rank's first global head name its dropout masks (dropout_rng='layout_invariant')
+        self.core_attention = build_core_attention(config, self.tp_rank * self.num_heads_per_rank, layer_number)
         self.position_embedding = build_position_embedding(config)
         self.load_canonical_state_dict(self._initial_canonical_weights(device))
 

@@ -14,6 +14,7 @@ import torch
 from .apex_kernels import apex_available
 
 ATTENTION_KERNELS = ("auto", "sdpa", "math", "apex")
+DROPOUT_RNGS = ("per_rank", "layout_invariant")
 
 
 @dataclass
@@ -25,6 +26,7 @@ class AttentionConfig:
     qkv_bias: bool = True
     out_bias: bool = True
     attention_dropout: float = 0.0
+    dropout_rng: str = "per_rank"  # per_rank (tensor-parallel generator) or layout_invariant (hashed)
     causal: bool = True
     rotary: bool = False
     rope_theta: float = 10000.0
@@ -76,6 +78,10 @@ class AttentionConfig:
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(
                 f"AttentionConfig: attention_dropout={self.attention_dropout!r} must lie in [0, 1)."
+            )
+        if self.dropout_rng not in DROPOUT_RNGS:
+            raise ValueError(
+                f"AttentionConfig: dropout_rng={self.dropout_rng!r} is unknown; choose one of {', '.join(DROPOUT_RNGS)}."
             )
         if not self.rope_theta > 0:
             raise ValueError(f"AttentionConfig: rope_theta={self.rope_theta!r} must be positive.")

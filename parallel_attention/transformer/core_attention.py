@@ -4,6 +4,11 @@ Every backend takes q [b, nh, s, d], k and v [b, nkv, s, d] (nh a multiple of nk
 i uses k/v head i // (nh / nkv)), an optional boolean mask broadcastable to [b, 1, s, s] (True:
 may attend), the causal flag and the dropout probability, and returns [b, nh, s, d]. A query
 row with no key to attend outputs zeros in every backend.
+
+`build_core_attention` picks how attention dropout draws its masks (`dropout_rng`), once:
+`CoreAttention` runs the kernel inside the tensor-parallel generator; `LayoutInvariantCoreAttention`
+computes explicit probabilities in training and drops them with a mask hashed from the global
+coordinates (sample, head, query, key), so every layout drops the same probabilities.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel.rng import tensor_parallel_rng
+from ..tensor_parallel.rng import current_dropout_coordinates, tensor_parallel_rng
 from .apex_kernels import fused_softmax_module
+from .attention_config import AttentionConfig
+from .dropout import DropoutSite, hashed_dropout
 
 
 def combine_masks(mask: torch.Tensor | None, causal: bool, s: int, device) -> torch.Tensor | None:
@@ -41,19 +48,26 @@ def _expand_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return kv if kv.shape[1] == q.shape[1] else kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
 
 
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask, causal: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) [b, nh, s_q, s_k] for k already expanded to q's heads; softmax in
+    float32 for half-precision inputs; rows with nothing to attend are zeros, not NaN."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    mask = combine_masks(mask, causal, q.shape[2], q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    softmax_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+    if mask is not None:
+        probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
 class MathAttention(nn.Module):
     """Explicit softmax(q k^T / sqrt(d)) v; softmax in float32 for half-precision inputs."""
 
     def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
         k, v = _expand_kv(q, k), _expand_kv(q, v)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-        mask = combine_masks(mask, causal, q.shape[2], q.device)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        softmax_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-        probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
-        if mask is not None:  # rows with nothing to attend: zeros, not NaN
-            probs = probs.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+        probs = attention_probs(q, k, mask, causal)
         if dropout_p > 0:
             probs = F.dropout(probs, p=dropout_p)
         return torch.matmul(probs, v)
@@ -135,3 +149,36 @@ class CoreAttention(nn.Module):
             return self._attend_without_dropout(q, k, v, mask, causal)
         with tensor_parallel_rng(q.device):
             return self.kernel(q, k, v, mask, causal, self.dropout_p)
+
+
+class LayoutInvariantCoreAttention(CoreAttention):
+    """Attention dropout whose mask depends on (seed, step, sample, layer, global head, query, key) only.
+
+    In training the probabilities are explicit (the math path: SDPA cannot take a dropout mask) and this
+    rank hashes the mask of its own heads, global heads head_offset .. head_offset + nh/p - 1 of
+    `num_heads`; outside training the chosen kernel runs without dropout.
+    """
+
+    def __init__(self, kernel: str, dropout_p: float, num_heads: int, head_offset: int, layer: int) -> None:
+        super().__init__(kernel, dropout_p)
+        self.num_heads, self.head_offset, self.layer = num_heads, head_offset, layer
+
+    def _attend_with_dropout(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        if not self.training:
+            return self._attend_without_dropout(q, k, v, mask, causal)
+        k, v = _expand_kv(q, k), _expand_kv(q, v)
+        probs = attention_probs(q, k, mask, causal)
+        b, nh_local, s_q, s_k = probs.shape
+        coords = current_dropout_coordinates()
+        axes = [(coords.first_sample, b, self.num_heads * s_q * s_k), (self.head_offset, nh_local, s_q * s_k),
+                (0, s_q, s_k), (0, s_k, 1)]
+        keep = coords.keep_mask(self.dropout_p, self.layer, DropoutSite.ATTENTION_PROBS, axes, q.device)
+        return torch.matmul(hashed_dropout(probs, keep, self.dropout_p), v)
+
+
+def build_core_attention(config: AttentionConfig, head_offset: int, layer: int) -> CoreAttention:
+    """The core attention `config.dropout_rng` asks for; `head_offset` is this rank's first global head."""
+    if config.dropout_rng == "layout_invariant" and config.attention_dropout > 0:
+        return LayoutInvariantCoreAttention(config.attention_kernel, config.attention_dropout, config.num_heads,
+                                            head_offset, layer)
+    return CoreAttention(config.attention_kernel, config.attention_dropout)

@@ -8,24 +8,25 @@
       | vocab_parallel_cross_entropy: the full logits are never gathered
     loss (mean over tokens)
 
-Dropout on activations replicated across the tensor-parallel group draws from the default
-generator (identical on every rank); under sequence parallelism each rank holds other tokens,
-so it draws from the tensor-parallel generator instead.
+Dropout (`dropout.py`): by default, activations replicated across the tensor-parallel group draw
+from the default generator (identical on every rank) and sequence-parallel chunks from the
+tensor-parallel generator; with model.dropout_rng='layout_invariant' every mask is hashed from its
+global coordinates, the layer index given to each layer at construction among them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..tensor_parallel import collectives, sharding
 from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
 from ..tensor_parallel.param_kinds import Partial, Replicated, Sharded, parameter_kinds
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
-from ..tensor_parallel.rng import checkpoint_with_tp_rng, tensor_parallel_rng
+from ..tensor_parallel.rng import checkpoint_with_tp_rng
 from .attention import ParallelSelfAttention
 from .cross_entropy import IGNORE_INDEX, check_ids, vocab_parallel_cross_entropy
+from .dropout import DropoutSite, build_hidden_dropout
 from .kv_cache import KVCache
 from .mlp import ParallelMLP
 from .model_config import ModelConfig
@@ -33,49 +34,33 @@ from .model_layout import padded_vocab_size, shard_state_dict, unshard
 from .norms import build_norm
 
 
-class HiddenDropout(nn.Module):
-    """Dropout on [s, b, h] activations. Replicated activations draw from the default generator (the
-    same mask on every rank); sequence-parallel chunks hold other tokens per rank, so they draw from
-    the tensor-parallel generator. Chosen once, at construction."""
-
-    def __init__(self, p: float, sequence_parallel: bool) -> None:
-        super().__init__()
-        self.p = p
-        self._drop = self._drop_per_rank if sequence_parallel else self._drop_replicated
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._drop(x) if self.training and self.p > 0 else x
-
-    def _drop_replicated(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.p, training=True)
-
-    def _drop_per_rank(self, x: torch.Tensor) -> torch.Tensor:
-        with tensor_parallel_rng(x.device):
-            return F.dropout(x, self.p, training=True)
-
-
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x)))."""
 
-    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, tp_group: ProcessGroup | None, device, dtype):
+    def __init__(self, cfg: ModelConfig, sequence_parallel: bool, tp_group: ProcessGroup | None, device, dtype,
+                 layer_number: int = 0):
         super().__init__()
         norm = lambda: build_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sequence_parallel,  # noqa: E731
                                   tp_group, device, dtype)
         self.input_norm = norm()
-        self.attention = ParallelSelfAttention(cfg.attention_config(sequence_parallel, dtype), tp_group, device)
+        self.attention = ParallelSelfAttention(cfg.attention_config(sequence_parallel, dtype), tp_group, device,
+                                               layer_number)
         self.post_attention_norm = norm()
         self.mlp = ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
                                sequence_parallel, cfg.init_std, tp_group, device, dtype)
-        self.dropout = HiddenDropout(cfg.hidden_dropout, sequence_parallel)
+        dropout = lambda site: build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng,  # noqa: E731
+                                                    sequence_parallel, tp_group, layer_number, site)
+        self.attention_output_dropout = dropout(DropoutSite.ATTENTION_OUTPUT)
+        self.mlp_output_dropout = dropout(DropoutSite.MLP_OUTPUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attention(self.input_norm(x)))
-        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+        x = x + self.attention_output_dropout(self.attention(self.input_norm(x)))
+        return x + self.mlp_output_dropout(self.mlp(self.post_attention_norm(x)))
 
     def decode(self, x: torch.Tensor, cache) -> torch.Tensor:
         """forward() for new tokens only, attending the cached keys and values (see ParallelSelfAttention.decode)."""
-        x = x + self.dropout(self.attention.decode(self.input_norm(x), cache))
-        return x + self.dropout(self.mlp(self.post_attention_norm(x)))
+        x = x + self.attention_output_dropout(self.attention.decode(self.input_norm(x), cache))
+        return x + self.mlp_output_dropout(self.mlp(self.post_attention_norm(x)))
 
 
 def _run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -107,9 +92,10 @@ class GPTModel(nn.Module):
         self.embed_positions = None
         if cfg.position_embedding == "learned":
             self.embed_positions = nn.Parameter(self._normal((cfg.max_seq_len, h), std, device, dtype))
-        self.embedding_dropout = HiddenDropout(cfg.hidden_dropout, sequence_parallel)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, sequence_parallel, self.tp_group, device, dtype)
-                                    for _ in range(cfg.num_layers))
+        self.embedding_dropout = build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng, sequence_parallel,
+                                                      self.tp_group, 0, DropoutSite.EMBEDDING)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, sequence_parallel, self.tp_group, device, dtype, i)
+                                    for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.norm, h, cfg.norm_eps, sequence_parallel, self.tp_group, device, dtype)
         if cfg.tie_embeddings:  # no parameter of its own: nothing of it in the state dict
             self.lm_head = TiedOutputLayer(self.embed_tokens, sequence_parallel)

@@ -37,6 +37,9 @@ class ModelConfig:
     mlp_bias: bool = True
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # per_rank: dropout from the tensor-parallel generator (fast; masks depend on the layout);
+    # layout_invariant: masks hashed from (seed, step, sample, layer, head/channel, position)
+    dropout_rng: Literal["per_rank", "layout_invariant"] = "per_rank"
     init_std: float = 0.02
     recompute_activations: bool = False
     attention_kernel: Literal["auto", "sdpa", "math", "apex"] = "auto"
@@ -59,9 +62,10 @@ class ModelConfig:
         return AttentionConfig(
             hidden_size=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, qkv_bias=self.qkv_bias, out_bias=self.out_bias,
-            attention_dropout=self.attention_dropout, causal=True, rotary=self.position_embedding == "rotary",
-            rope_theta=self.rope_theta, sequence_parallel=sequence_parallel, init_std=self.init_std,
-            attention_kernel=self.attention_kernel, params_dtype=params_dtype,
+            attention_dropout=self.attention_dropout, dropout_rng=self.dropout_rng, causal=True,
+            rotary=self.position_embedding == "rotary", rope_theta=self.rope_theta,
+            sequence_parallel=sequence_parallel, init_std=self.init_std, attention_kernel=self.attention_kernel,
+            params_dtype=params_dtype,
         )
 
     def resolved_ffn_hidden_size(self) -> int:

@@ -1,0 +1,116 @@
+"""The collective guard's bookkeeping (`parallel.debug_collectives`): what `collectives` records per rank.
+
+Each collective issued through `collectives` while the guard is on becomes a `Call` (op, shape, dtype,
+group, the call's number on its group, and the call site: the first stack frame outside this package's
+collectives and torch) in a per-rank ring buffer. Before the real collective the ranks of its group
+all-gather a small signature of it (op, dtype, shape, number on the group); `collectives` issues that
+exchange, and this module turns a disagreement into a report of each rank's first diverging call, and
+a timeout into the calls that led to it. No collective is issued here.
+
+What each layer catches (the README's "Failure modes" lists them for users):
+- the signature exchange: another op, shape or dtype on one rank at the same point of the group's sequence,
+  which is also how an extra or a missing collective on one rank usually shows (the calls after it pair up
+  wrongly); CollectiveMismatchError names each rank's call and call site, on every rank of the group;
+- the ring buffer: a rank that hangs, dies, or waits on another group (or an extra call whose peers all look
+  alike, left unpaired at the end) shows up as CollectiveTimeoutError, with the waiting rank's last calls and
+  their numbers on each group, to set beside the other ranks' reports;
+- TORCH_DISTRIBUTED_DEBUG=DETAIL (set when the guard is enabled before the groups exist): torch's own
+  per-collective check on every group, also for collectives issued outside this package;
+- TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DUMP_ON_TIMEOUT (NCCL): the flight recorder, which dumps every
+  rank's in-flight NCCL operations when the watchdog times out.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+RECENT_CALLS = 64  # calls kept per rank
+SHOWN_CALLS = 8  # calls printed with an error
+# torch's own layers, switched on with the guard (an explicit setting in the environment wins)
+TORCH_DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+_SKIPPED_FILES = {os.path.join(os.path.dirname(__file__), "collectives.py"), __file__, contextlib.__file__}
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks of a group issued different collectives (op, shape, dtype, or an extra/missing call)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    number: int  # this rank's n-th guarded collective
+    op: str
+    shape: tuple[int, ...] | None  # None: a pickled object (its size may differ across ranks)
+    dtype: str
+    group: str  # describe_group's words
+    on_group: int  # the n-th call on this group: equal on every rank of the group when they agree
+    site: str
+
+    def signature(self) -> list[int]:
+        """What every rank of the group must agree on, as int64s (crc32 is the same in every process)."""
+        return [zlib.crc32(self.op.encode()), zlib.crc32(self.dtype.encode()), zlib.crc32(str(self.shape).encode()),
+                self.on_group]
+
+    def __str__(self) -> str:
+        what = "of a pickled object" if self.shape is None else f"of {self.dtype}{list(self.shape)}"
+        return f"#{self.number} {self.op} {what} on the {self.group} (call {self.on_group} on it) at {self.site}"
+
+
+def call_site() -> str:
+    """`dir/file.py:line in function` of the first frame outside collectives and torch (and the region
+    function whose forward or backward it is, when the collective runs inside one)."""
+    frame, region = sys._getframe(1), ""
+    while frame is not None and (frame.f_code.co_filename in _SKIPPED_FILES
+                                 or frame.f_code.co_filename.startswith(_TORCH_DIR)):
+        if frame.f_code.co_name in ("run_forward", "run_backward") and "ctx" in frame.f_locals:
+            region = f" [{type(frame.f_locals['ctx']).__name__.removesuffix('Backward')} "
+            region += f"{frame.f_code.co_name.removeprefix('run_')}]"
+        frame = frame.f_back
+    if frame is None:  # a backward pass on an autograd engine thread: no Python caller
+        return f"<autograd engine thread>{region}"
+    where = os.path.join(*frame.f_code.co_filename.split(os.sep)[-2:])
+    return f"{where}:{frame.f_lineno} in {frame.f_code.co_name}{region}"
+
+
+class CollectiveLog:
+    """The ring buffer of this rank's recent collectives and the per-group call numbers."""
+
+    def __init__(self, size: int = RECENT_CALLS) -> None:
+        self.calls: collections.deque[Call] = collections.deque(maxlen=size)
+        self._on_group: dict[int, int] = {}
+
+    def record(self, op: str, x: torch.Tensor | None, group, group_words: str) -> Call:
+        on_group = self._on_group[id(group)] = self._on_group.get(id(group), 0) + 1
+        number = self.calls[-1].number + 1 if self.calls else 1
+        call = Call(number, op, None if x is None else tuple(x.shape),
+                    "object" if x is None else str(x.dtype).removeprefix("torch."), group_words, on_group, call_site())
+        self.calls.append(call)
+        return call
+
+    def before(self, call: Call, n: int = SHOWN_CALLS) -> list[Call]:
+        """Up to `n` calls this rank made before `call`, oldest first."""
+        return [c for c in self.calls if c.number < call.number][-n:]
+
+    def recent(self, rank: int, n: int = SHOWN_CALLS) -> str:
+        lines = [f"    {c}" for c in list(self.calls)[-n:]] or ["    (none)"]
+        return f"collective guard: the last {len(lines)} collectives of rank {rank}, oldest first:\n" + "\n".join(lines)
+
+
+def mismatch_report(group_words: str, ranks: list[int], calls: list[tuple[Call, list[Call]]]) -> str:
+    """The message of a CollectiveMismatchError: each rank's first diverging call, then what came before it."""
+    lines = [f"the ranks of the {group_words} issued different collectives (op, shape or dtype) at the same point; "
+             "first diverging call on each rank:"]
+    lines += [f"  rank {rank}: {call}" for rank, (call, _) in zip(ranks, calls)]
+    for rank, (_, before) in zip(ranks, calls):
+        lines.append(f"  before it, rank {rank}: " + ("; ".join(f"#{c.number} {c.op} at {c.site}" for c in before[-3:])
+                                                      or "nothing"))
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Counter-based dropout masks: each element's keep bit is a hash of its global coordinates.
+
+An element is kept when `mix64(key + index * GAMMA)`, read as a signed 64-bit integer, is at least
+`keep_threshold(p)` (so with probability 1 - p, to 2**-64), where `key` names the stream (seed, step,
+layer, site: `stream_key`), `index` is the element's row-major index in the *global* tensor (every
+sample of the step, every head, the whole sequence, every channel) and `mix64` is splitmix64's
+finaliser without its last xorshift (that step changes only the low 33 bits, which decide the
+comparison with probability 2**-31: not worth three passes over the mask). A rank computes only the slice it holds, so the mask of an element does not depend on p,
+sequence parallelism, data parallelism, micro-batching or the device: the same coordinates give the
+same bit everywhere (int64 arithmetic wraps alike on CPU and CUDA).
+
+Each axis of the local tensor is described by `(start, count, stride)`: this rank holds global
+indices start .. start+count-1 along it, and `stride` is the axis' stride in the global row-major
+layout. For attention probabilities [b, nh/p, s, s] of a step with nh heads:
+`[(first_sample, b, nh*s*s), (head0, nh/p, s*s), (0, s, s), (0, s, 1)]`. Adjacent axes that are
+contiguous in the global layout are merged first: the cost is a few small aranges, one int64 add
+and ten elementwise int64 operations on the mask's size.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (2**64 / golden ratio, odd)
+_MUL1, _MUL2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(value: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser on Python ints (the reference the tensor version matches)."""
+    z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def stream_key(*words: int) -> int:
+    """One 64-bit key from integer coordinates (seed, step, layer, site), each word mixed in turn."""
+    key = 0
+    for word in words:
+        key = _mix64((key + (word & _MASK64) + _GAMMA) & _MASK64)
+    return key
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> on int64 is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def keep_threshold(p: float) -> int:
+    """An element is kept when its signed 64-bit hash is >= this: keep rate 1 - p (to 2**-64)."""
+    return -(1 << 63) + min(round(p * 2.0**64), (1 << 64) - 1)
+
+
+def _merged(axes: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merge each axis into the one before it when the pair is one contiguous run of global indices."""
+    merged = [tuple(axes[0])]
+    for start, count, stride in axes[1:]:
+        prev_start, prev_count, prev_stride = merged[-1]
+        if start == 0 and prev_stride == count * stride:
+            merged[-1] = (prev_start * count, prev_count * count, stride)
+        else:
+            merged.append((start, count, stride))
+    return merged
+
+
+def keep_mask(p: float, key: int, axes: Sequence[tuple[int, int, int]], device) -> torch.Tensor:
+    """Boolean keep mask of shape [count for each axis]: True with probability 1 - p, a pure function
+    of (key, global index) of each element (see the module docstring for `axes`)."""
+    merged = _merged(axes)
+    state = None
+    for dim, (start, count, stride) in enumerate(merged):
+        term = torch.arange(start, start + count, dtype=torch.int64, device=device) * _signed(stride * _GAMMA)
+        term = term.view([count if d == dim else 1 for d in range(len(merged))])
+        state = term + _signed(key) if state is None else state + term  # int64 wraps mod 2**64
+    state = state.reshape([count for _, count, _ in axes])
+    state ^= _shift_right(state, 30)
+    state *= _signed(_MUL1)
+    state ^= _shift_right(state, 27)
+    state *= _signed(_MUL2)
+    return state >= keep_threshold(p)

@@ -1,0 +1,162 @@
+"""Range checks of a run config, made before any process group exists.
+
+Every numeric field of `PretrainConfig` has one entry in `RANGES`: the values that mean something.
+Ranges are about meaning, not taste: the learning rate must be finite and >= 0 but has no upper
+bound (a huge rate is the user's call; the divergence guard catches what follows), while `norm_eps`
+must be > 0 because 0 divides by zero on a constant input. Every error names the dotted key, the
+value, the range with what the value means, and the fix.
+
+Paths are checked here too: `data.source` and `checkpoint.resume` (or `--resume`) must exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ..checkpointing.format import MANIFEST
+from .tokenizer import BPE_MIN_VOCAB
+
+
+class ConfigError(ValueError):
+    """The run config cannot work; the message names the key, its value and the fix."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The meaningful values of one numeric field: low..high, each end open or closed; floats finite."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False  # True: `low` itself is refused
+    high_open: bool = False
+    null: str = ""  # what null means, when null is allowed
+    meaning: str = ""  # why the range is what it is, for the error message
+
+    def contains(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def describe(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        return (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+COUNT = Range(1)
+PROBABILITY = Range(0, 1, high_open=True, meaning="a probability; 1 would drop everything")
+BETA = Range(0, 1, high_open=True, meaning="an exponential moving-average factor; 1 never updates")
+EPSILON = Range(0, low_open=True, meaning="added to keep a division finite; 0 divides by zero")
+MAX_TIMEOUT_S = datetime.timedelta.max.total_seconds()  # the longest timeout a process group can represent
+
+RANGES: dict[str, Range] = {
+    "model.vocab_size": COUNT,
+    "model.hidden_size": COUNT,
+    "model.num_layers": COUNT,
+    "model.num_heads": COUNT,
+    "model.num_kv_heads": Range(1, null="num_heads (multi-head attention)"),
+    "model.head_dim": Range(1, null="hidden_size / num_heads"),
+    "model.ffn_hidden_size": Range(1, null="4 hidden_size (gelu) or 8/3 hidden_size (swiglu)"),
+    "model.norm_eps": EPSILON,
+    "model.max_seq_len": COUNT,
+    "model.rope_theta": Range(0, low_open=True, meaning="the base of the rotary frequencies"),
+    "model.hidden_dropout": PROBABILITY,
+    "model.attention_dropout": PROBABILITY,
+    "model.init_std": Range(0, low_open=True, meaning="the standard deviation of the initial weights"),
+    "parallel.tensor_parallel_size": COUNT,
+    "parallel.timeout_s": Range(0, MAX_TIMEOUT_S, low_open=True, meaning="seconds a collective may wait"),
+    "data.val_fraction": Range(0, 1, low_open=True, high_open=True,
+                               meaning="the share of tokens held out; both splits must be non-empty"),
+    "data.max_bytes": Range(1, null="the whole corpus"),
+    "data.seq_len": COUNT,
+    "data.bpe_vocab_size": Range(BPE_MIN_VOCAB, meaning="256 byte symbols and the end-of-text token at least"),
+    "data.num_workers": Range(0, meaning="0: one process per CPU core, up to 8"),
+    "optimizer.lr": Range(0, meaning="no upper bound: a huge rate is your call"),
+    "optimizer.min_lr": Range(0),
+    "optimizer.weight_decay": Range(0),
+    "optimizer.beta1": BETA,
+    "optimizer.beta2": BETA,
+    "optimizer.eps": EPSILON,
+    "optimizer.grad_clip": Range(0, meaning="the largest global gradient norm; 0 disables clipping"),
+    "schedule.warmup_steps": Range(0),
+    "training.max_steps": COUNT,
+    "training.global_batch_size": COUNT,
+    "training.micro_batch_size": COUNT,
+    "training.seed": Range(0, 2 ** 63, high_open=True, meaning="a generator seed"),
+    "training.eval_interval": COUNT,
+    "training.eval_batches": Range(1, meaning="the validation loss is the mean over these batches"),
+    "training.max_skipped_steps": Range(0, meaning="consecutive fp16 overflow steps tolerated"),
+    "training.audit_interval": Range(0, meaning="0: audit replicated parameters only at checkpoints"),
+    "checkpoint.interval": COUNT,
+    "checkpoint.keep_last": Range(1, meaning="the checkpoint just written is always kept"),
+    "logging.log_interval": COUNT,
+}
+
+
+def numeric_fields(cfg: Any) -> dict[str, type]:
+    """Dotted key -> int or float, for every numeric field (`int`, `float`, `int | None`, ...) of the sections."""
+    found = {}
+    for section in dataclasses.fields(cfg):
+        hints = typing.get_type_hints(type(getattr(cfg, section.name)))
+        for item in dataclasses.fields(getattr(cfg, section.name)):
+            options = typing.get_args(hints[item.name]) or (hints[item.name],)
+            kind = next((t for t in (int, float) if t in options), None)
+            if kind is not None and typing.get_origin(hints[item.name]) is not Literal:
+                found[f"{section.name}.{item.name}"] = kind
+    return found
+
+
+def check_ranges(cfg: Any) -> None:
+    """Raise ConfigError for the first numeric field outside its range in `RANGES`."""
+    kinds = numeric_fields(cfg)
+    for key, allowed in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is None and allowed.null:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and allowed.contains(value):
+            continue
+        what = "an integer" if kinds.get(key) is int else "a finite number"
+        notes = "; ".join(n for n in (allowed.meaning, allowed.null and f"null: {allowed.null}") if n)
+        raise ConfigError(f"{key}={value!r} is out of range: it must be {what} {allowed.describe()}"
+                          f"{' or null' if allowed.null else ''}{f' ({notes})' if notes else ''}; "
+                          f"set it in the config file or with --{key}=VALUE.")
+
+
+def check_data_source(source: str) -> None:
+    if source != "stdlib" and not Path(source).exists():
+        raise ConfigError(f"data.source={source!r} does not exist: give an existing file or directory of text, "
+                          f"or 'stdlib' for this interpreter's standard-library sources.")
+
+
+def check_resume(where: str, key: str = "checkpoint.resume") -> None:
+    """`auto`, `none` or an existing step directory (one that holds manifest.json)."""
+    if where in ("auto", "none"):
+        return
+    path = Path(where)
+    if not (path / MANIFEST).is_file():
+        state = "has no " + MANIFEST if path.is_dir() else "does not exist"
+        raise ConfigError(f"{key}={where!r} {state}: give 'auto' (the newest complete checkpoint of "
+                          f"logging.run_dir), 'none', or a complete step directory such as "
+                          f"<run_dir>/checkpoints/step_0000100.")
+
+
+def check_names(cfg: Any) -> None:
+    """Paths and names that an empty string would silently turn into the working directory."""
+    for key in ("data.data_dir", "data.text_field", "logging.run_dir"):
+        section, name = key.split(".")
+        if not getattr(getattr(cfg, section), name).strip():
+            raise ConfigError(f"{key} is empty: give it a name (see configs/gpt_tiny.yaml).")

@@ -1,0 +1,138 @@
+"""From YAML text to typed config dataclasses: strict parsing, overrides and type checks.
+
+`read_yaml` parses with a SafeLoader that refuses duplicate keys (YAML would keep the last one
+silently) and turns every YAML error into a ValueError naming the file, line and column.
+`apply_override` applies `--section.key=value` (the value parsed as YAML). `build_dataclass`
+rejects unknown keys with their dotted path and checks every value against its annotation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ..transformer.model_config import migrate_renamed_keys
+
+
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping holding the same key twice."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]}): keep only one of them",
+                    key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(text: str, source: str) -> Any:
+    """Parse `text`; a YAML error becomes a ValueError naming `source`, the line and the column."""
+    try:
+        return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error)
+        context = getattr(error, "context", None)
+        raise ValueError(f"{source}{where}: {problem}{f' ({context})' if context else ''}: "
+                         f"fix the YAML there.") from None
+
+
+def read_yaml_file(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML config file (empty for an empty file)."""
+    data = read_yaml(Path(path).read_text(encoding="utf-8"), str(path)) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of sections (model:, data:, ...), "
+                         f"got {type(data).__name__}.")
+    return data
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `section.key=value` (leading dashes allowed); the value is parsed as YAML."""
+    text = override.lstrip("-")
+    if "=" not in text:
+        raise ValueError(f"override {override!r} must look like --section.key=value.")
+    dotted, raw = text.split("=", 1)
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {override!r}: {key} is not a section.")
+    node[keys[-1]] = read_yaml(raw, f"override {override!r}") if raw != "" else ""
+
+
+def check_type(path: str, value: Any, annotation: Any) -> Any:
+    """Return `value` if it fits `annotation` (ints are accepted for floats), else raise."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            try:
+                return check_type(path, value, option)
+            except ValueError:
+                pass
+        raise ValueError(f"{path}={value!r} has type {type(value).__name__}; expected {type_name(annotation)}.")
+    if origin is Literal:
+        if value not in typing.get_args(annotation):
+            raise ValueError(f"{path}={value!r} is not one of {list(typing.get_args(annotation))}.")
+        return value
+    if annotation is type(None):
+        if value is None:
+            return None
+    elif annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, int) and abs(value) > sys.float_info.max:
+            raise ValueError(f"{path}={value!r} is too large for a float: give a finite number.")
+        return float(value)
+    elif annotation is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    elif annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif annotation in (bool, str) and isinstance(value, annotation):
+        return value
+    raise ValueError(f"{path}={value!r} has type {type(value).__name__}; expected {type_name(annotation)}.")
+
+
+def type_name(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) is Literal:
+        return "one of " + str(list(typing.get_args(annotation)))
+    return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
+
+
+def build_dataclass(cls, data: dict[str, Any], prefix: str, warn: bool = True):
+    """`cls(**data)` with nested sections built alike; unknown keys and wrong types raise ValueError."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}.")
+    data = migrate_renamed_keys(cls, data, prefix.rstrip(".") or "config", warn=warn)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names, key=str)
+    if unknown:
+        where = ", ".join(f"{prefix}{k}" for k in unknown)
+        raise ValueError(f"unknown config key(s): {where}; known keys here: {', '.join(sorted(names))}.")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = build_dataclass(hint, value, f"{prefix}{name}.", warn)
+        else:
+            kwargs[name] = check_type(f"{prefix}{name}", value, hint)
+    return cls(**kwargs)

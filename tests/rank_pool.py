@@ -1,0 +1,75 @@
+"""Gloo ranks that stay up between calls, for property tests that run many small cases.
+
+`RankPool(world_size)` spawns `world_size` ranks once (tensor-parallel size = world size) on the
+first `run`; `pool.run(fn, *args)` then runs fn(*args) on every rank and returns the per-rank results,
+like `run_distributed` but without paying for process start-up and group creation on every call.
+A rank's exception is re-raised in the parent; a crash or a hang past `timeout` closes the pool (its
+group is no longer usable) and the next `run` starts a fresh one. `close` kills the ranks. `fn` must be a module-level function.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+from distributed import DEFAULT_TIMEOUT_S, _collect
+
+
+def _serve(rank, world_size, init_file, inbox, results, timeout):
+    import torch
+    import torch.distributed as dist
+
+    import parallel_attention as pa
+
+    torch.set_num_threads(1)  # ranks share two cores: do not oversubscribe them
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    pa.initialize_model_parallel(world_size)
+    while True:  # until the pool kills this process
+        fn, args = inbox.get()
+        try:
+            results.put((rank, True, pickle.dumps(fn(*args))))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+
+
+class RankPool:
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.world_size, self.timeout = world_size, timeout
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        self._results, self._inboxes = ctx.Queue(), [ctx.Queue() for _ in range(self.world_size)]
+        init_file = os.path.join(self._tmp.name, "store")
+        self._procs = [ctx.Process(target=_serve, daemon=True, args=(r, self.world_size, init_file, self._inboxes[r],
+                                                                     self._results, self.timeout))
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args) -> list:
+        if not self._procs:
+            self._start()
+        for inbox in self._inboxes:
+            inbox.put((fn, args))
+        try:
+            return _collect(self._procs, self._results, self.timeout)
+        except BaseException:
+            self.close()  # the other ranks may wait in a collective forever
+            raise
+
+    def close(self) -> None:
+        """Kill the ranks: nothing they hold outlives the pool, and a rank may be stuck in a collective."""
+        for p in self._procs:
+            p.kill()
+            p.join(5)
+        if self._procs:
+            self._tmp.cleanup()
+        self._procs = []
