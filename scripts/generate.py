@@ -28,6 +28,7 @@ import parallel_attention as pa
 from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_step_dir
 from parallel_attention.hf import missing_tokenizer_message, tokenizer_is_missing
 from parallel_attention.training import PretrainConfig, TokenizerUnavailableError, config_from_dict, get_tokenizer
+from parallel_attention.tensor_parallel.agreement import disagreements
 from parallel_attention.transformer import GPTModel, generate_batch
 
 
@@ -52,6 +53,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole context at every step")
     parser.add_argument("--print-tokens", action="store_true", help="also print the token ids")
     parser.add_argument("--tokenizer", help="byte, gpt2, or a tokenizer.json (or its directory); default: the run's")
+    parser.add_argument("--timeout-s", type=float, default=None,
+                        help="seconds before a collective that a rank never joins fails (default: the run's "
+                             "parallel.timeout_s)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens={args.max_new_tokens} must be >= 0.")
@@ -103,6 +107,8 @@ def encode_prompts(tokenizer, prompts: list[str], vocab_size: int) -> list[list[
 def prepare(argv: list[str], tp: int):
     """Everything that can fail on bad input, checked before any process group exists."""
     args = parse_args(argv)
+    if args.timeout_s is not None and not args.timeout_s > 0:
+        raise UsageError(f"--timeout-s={args.timeout_s} must be positive (seconds).")
     prompts = read_prompts(args)
     step_dir = resolve_step_dir(args.checkpoint)
     saved, canonical = read_canonical_checkpoint(step_dir)  # written at any p
@@ -130,7 +136,12 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
         return 2
-    device = pa.init_distributed(tensor_model_parallel_size=tp)
+    device = pa.init_distributed(tensor_model_parallel_size=tp, timeout=args.timeout_s or cfg.parallel.timeout_s)
+    differing = disagreements({**vars(args), "checkpoint": str(step_dir.resolve()), "version": pa.__version__})
+    if differing:  # a rank launched with other arguments would sample other tokens, or hang
+        if rank == 0:
+            print("error: arguments differ across ranks:\n" + "\n".join(differing), file=sys.stderr)
+        return 2
     model = GPTModel(cfg.model, sequence_parallel=False, device=device)  # decoding runs without SP
     model.load_canonical_state_dict(canonical)
     outputs = generate_batch(model, prompts, args.max_new_tokens, args.temperature, args.top_k or None, args.seed,

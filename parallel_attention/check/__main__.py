@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
+from ..tensor_parallel.agreement import disagreements
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
 from ..tensor_parallel.parallel_state import destroy_model_parallel, group_rank
 from ..transformer import active_paths
@@ -94,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         device = init_distributed(tp, timeout=args.timeout)
     except ValueError as error:  # a --tp that does not fit the world: say so in the report format
         return _setup_failure(error)
+    differing = disagreements(vars(args))
+    if differing:  # every rank must run the same checks, or the first differing collective hangs
+        return _setup_failure(ValueError("arguments differ across ranks: " + "; ".join(d.strip() for d in differing)))
     ctx = build_context(args, device)
     default_mib = 256 if device.type == "cuda" else 4
     results = agree(run_checks(ctx, int((args.bandwidth_mib or default_mib) * 2**20)))

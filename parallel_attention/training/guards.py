@@ -16,6 +16,7 @@ from __future__ import annotations
 from ..checkpointing.compatibility import flatten_dict
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.audit import replica_mismatches
+from ..tensor_parallel.agreement import disagreements
 from ..tensor_parallel.collectives import all_gather_objects
 from ..version import __version__
 from .config import ConfigError, PretrainConfig
@@ -31,20 +32,15 @@ def config_fingerprint(cfg: PretrainConfig) -> dict[str, object]:
     flat["package.version"] = __version__
     flat["layout.world_size"] = ps.get_world_size()
     flat["layout.tensor_parallel_size"] = ps.get_tensor_model_parallel_world_size()
-    return {key: repr(value) for key, value in flat.items()}
+    return flat
 
 
 def check_config_agreement(cfg: PretrainConfig) -> None:
     """Raise ConfigMismatchError on every rank, naming each differing key with its value per rank."""
-    fingerprints = all_gather_objects(config_fingerprint(cfg))
-    keys = sorted(set().union(*fingerprints))
-    differing = [k for k in keys if len({f.get(k, "<absent>") for f in fingerprints}) > 1]
-    if not differing:
-        return
-    lines = [f"  {key}: " + ", ".join(f"rank {rank}: {f.get(key, '<absent>')}" for rank, f in enumerate(fingerprints))
-             for key in differing]
-    raise ConfigMismatchError("config differs across ranks:\n" + "\n".join(lines)
-                              + "\nlaunch every rank with the same config file and overrides.")
+    lines = disagreements(config_fingerprint(cfg))
+    if lines:
+        raise ConfigMismatchError("config differs across ranks:\n" + "\n".join(lines)
+                                  + "\nlaunch every rank with the same config file and overrides.")
 
 
 class GuardError(RuntimeError):
