@@ -13,6 +13,6 @@ setup(
         "hf": ["transformers>=4.45"],
         "tb": ["tensorboard"],
         "data": ["pyarrow"],  # .parquet corpora
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "transformers>=4.45", "tensorboard", "pyarrow"],
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.45", "tensorboard", "pyarrow"],
     },
 )

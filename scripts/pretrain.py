@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
         return 2
     except GuardError as error:  # agreed on every rank (divergence, replica mismatch): said once
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"run stopped: {error}", file=sys.stderr)
+            print(f"run stopped: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:

@@ -34,7 +34,7 @@ def verdicts(lines: list[str]) -> dict[str, bool]:
     return found
 
 
-@pytest.mark.parametrize("tp", ["2", "1"])
+@pytest.mark.parametrize("tp", ["2", pytest.param("1", marks=pytest.mark.slow)])
 def test_passes_at_world_two(tp):
     code, lines = run_check("--tp", tp)
     assert all(verdicts(lines).values()), lines

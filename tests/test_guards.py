@@ -33,8 +33,10 @@ def _run_with_rank_overrides(tmp_path: Path, data: Path, extra: dict[str, list[s
 
 
 @pytest.mark.parametrize("extra,key", [({"1": ["--training.seed=99"]}, "training.seed"),
-                                       ({"1": ["--training.max_steps=5"]}, "training.max_steps"),
-                                       ({"0": ["--optimizer.lr=0.01"]}, "optimizer.lr")])
+                                       pytest.param({"1": ["--training.max_steps=5"]}, "training.max_steps",
+                                                    marks=pytest.mark.slow),
+                                       pytest.param({"0": ["--optimizer.lr=0.01"]}, "optimizer.lr",
+                                                    marks=pytest.mark.slow)])
 def test_ranks_with_different_configs_stop_naming_the_key(data_dir, tmp_path, extra, key):  # noqa: F811
     result, waited = _run_with_rank_overrides(tmp_path, data_dir, extra)
     assert result.returncode != 0

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from launch import ROOT, environment, torchrun_command
 from test_pretrain import data_dir, tiny_args  # noqa: F401  (data_dir is a fixture)
 
@@ -30,6 +32,7 @@ def _wait_for_step(run_dir, step: int, deadline: float) -> None:
     raise AssertionError(f"the run never reached step {step}")
 
 
+@pytest.mark.slow  # CI keeps tests/test_timeouts.py (the same timeout, in-process)
 def test_a_stopped_rank_fails_the_job_within_the_timeout(data_dir, tmp_path):  # noqa: F811
     run = tmp_path / "run"
     args = tiny_args(data_dir, run, 2, 100000, f"--parallel.timeout_s={TIMEOUT_S}", "--checkpoint.interval=100000")

@@ -112,6 +112,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(data_dir, tmp_path):
     assert steps == sorted(set(steps))  # one row per step, though the stopped run may have logged past its checkpoint
 
 
+@pytest.mark.slow  # CI keeps two local agents through tests/test_slurm.py
 def test_two_agent_multinode_rendezvous_matches_one_agent(data_dir, tmp_path):
     torchrun("pretrain.py", 2, tiny_args(data_dir, tmp_path / "single", 2, 4))
     port = free_port()

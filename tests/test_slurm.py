@@ -88,6 +88,7 @@ def test_sbatch_script_runs_two_agents_like_one(data_dir, fake_slurm, tmp_path):
     assert _calls(fake_slurm) == ["scontrol show hostnames node[01-02]"]  # no requeue after a normal end
 
 
+@pytest.mark.slow  # CI keeps test_sbatch_script_runs_two_agents_like_one; SIGTERM -> checkpoint is test_pretrain's
 def test_sigterm_to_the_batch_shell_checkpoints_and_requeues(data_dir, fake_slurm, tmp_path):  # noqa: F811
     run = tmp_path / "slurm_run"
     env = _job_environment(fake_slurm, run)
