@@ -109,6 +109,7 @@ def _token_lines(stdout: str) -> list[list[int]]:
     return [list(map(int, line.split()[1:])) for line in stdout.splitlines() if line.startswith("tokens:")]
 
 
+@pytest.mark.slow  # CI keeps the in-process sliding-window tests and the script's EOS and error tests
 def test_script_prompt_file_and_window(run_dir, tmp_path):
     (tmp_path / "prompts.txt").write_text("def main(\n\nclass A:\n")
     args = ["--checkpoint", str(run_dir), "--prompt", "import os", "--prompt-file", str(tmp_path / "prompts.txt"),

@@ -48,6 +48,7 @@ def test_resume_at_other_tensor_parallel_sizes(trained, tmp_path):
         assert losses[4] == pytest.approx(reference, rel=1e-5), name
 
 
+@pytest.mark.slow  # CI keeps resharding on resume (this file) and of the 0.1.0 checkpoint
 def test_offline_reshard_tool_gives_the_same_result(trained, tmp_path):
     data_dir, run = trained
     out = tmp_path / "p4"
