@@ -11,7 +11,8 @@ from .config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, M
                      ParallelConfig, PretrainConfig, ScheduleConfig, TrainingConfig, config_from_dict, load_config,
                      save_config)
 from .corpus import Corpus, CorpusStats
-from .data import GlobalBatchSampler, TokenDataset, ensure_prepared, prepare_data, read_meta, validation_batches
+from .batches import GlobalBatchSampler, validation_batches
+from .data import TokenDataset, ensure_prepared, prepare_data, read_meta
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
 from .optim import build_optimizer, learning_rate
 from .tokenizer import (ByteTokenizer, HFTokenizer, TokenizerUnavailableError, get_tokenizer, tokenizer_vocab_size,

@@ -29,11 +29,10 @@ import numpy as np
 import torch
 
 from ..checkpointing.tensor_io import file_digest, replace_directory, write_atomic
-from .batches import GlobalBatchSampler, validation_batches
 from .corpus import Corpus
 from .tokenizer import TOKENIZER_FILES, get_tokenizer, tokenizer_file, train_bpe
 
-__all__ = ["GlobalBatchSampler", "TokenDataset", "ensure_prepared", "prepare_data", "read_meta", "validation_batches"]
+__all__ = ["TokenDataset", "ensure_prepared", "prepare_data", "read_meta"]
 
 META = "meta.json"
 _CHUNK_BYTES = 1 << 20  # text per task of the tokenizing processes

@@ -32,7 +32,8 @@ from .config import PretrainConfig
 from .config_checks import check_resume
 from .divergence import DivergenceGuard, check_parameters_finite
 from .guards import check_config_agreement, check_replicas
-from .data import GlobalBatchSampler, TokenDataset, ensure_prepared, validation_batches
+from .batches import GlobalBatchSampler, validation_batches
+from .data import TokenDataset, ensure_prepared
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
