@@ -7,6 +7,13 @@ returns the per-rank results in rank order. A rank's exception is re-raised in t
 with its traceback; a hang past `timeout` seconds kills every rank and fails.
 
 `fn` must be a module-level function (spawned processes import it by name).
+
+Spawning costs each rank about 3 s of CPU (importing torch), which over the suite is most of CI's time.
+So by default the ranks stay up between calls (one set per world size, see rank_pool): each
+call resets the state a fresh process would have (default generator seed, default dtype, model-parallel
+groups of the requested size, collective guard off). `fresh=True` spawns new ranks, for functions that
+change what a reset cannot undo (the world group, environment variables, the collective guard, killing a
+rank); a failing or hanging call closes its pool, so a broken group is never reused.
 """
 
 from __future__ import annotations
@@ -48,12 +55,16 @@ def _worker(rank, world_size, tp_size, init_file, fn, args, results, timeout, ba
 
 
 def run_distributed(fn, world_size: int, tp_size: int | None = None, *args, timeout: float = DEFAULT_TIMEOUT_S,
-                    backend: str = "gloo"):
+                    backend: str = "gloo", fresh: bool = False):
     """fn(*args) on each of `world_size` ranks (tensor-parallel size `tp_size`, default all).
 
-    backend="nccl" runs rank r on cuda:r (one GPU per rank, as NCCL requires).
+    backend="nccl" runs rank r on cuda:r (one GPU per rank, as NCCL requires); it always spawns fresh ranks.
     """
     tp_size = world_size if tp_size is None else tp_size
+    if not fresh and backend == "gloo":
+        from rank_pool import reused_ranks
+
+        return reused_ranks(world_size).run_reset(fn, tp_size, *args, timeout=timeout)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

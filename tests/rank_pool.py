@@ -31,11 +31,35 @@ def _serve(rank, world_size, init_file, inbox, results, timeout):
                             timeout=datetime.timedelta(seconds=timeout))
     pa.initialize_model_parallel(world_size)
     while True:  # until the pool kills this process
-        fn, args = inbox.get()
+        fn, args, reset_tp = inbox.get()
         try:
+            if reset_tp is not None:
+                _reset(reset_tp)
             results.put((rank, True, pickle.dumps(fn(*args))))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
+
+
+# torch's default generator seed in a fresh process (torch.initial_seed() before any manual_seed)
+_FRESH_SEED = 67280421310721
+
+
+def _reset(tp_size: int) -> None:
+    """What a freshly spawned rank would hold: default seed and dtype, gradients on, and the model-parallel
+    groups of `tp_size` (kept when the size is unchanged: creating gloo groups costs a connection round)."""
+    import torch
+
+    import parallel_attention as pa
+    from parallel_attention.tensor_parallel import collectives, rng
+
+    torch.manual_seed(_FRESH_SEED)
+    rng._tp_states.clear()
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    collectives._issue, collectives._LOG = collectives._plain, None
+    if not pa.model_parallel_is_initialized() or pa.get_tensor_model_parallel_world_size() != tp_size:
+        pa.destroy_model_parallel()
+        pa.initialize_model_parallel(tp_size)
 
 
 class RankPool:
@@ -55,12 +79,20 @@ class RankPool:
             p.start()
 
     def run(self, fn, *args) -> list:
+        """fn(*args) on every rank, in the state the previous calls left."""
+        return self._run(fn, args, None)
+
+    def run_reset(self, fn, tp_size: int, *args, timeout: float | None = None) -> list:
+        """fn(*args) on every rank, after resetting each rank to a fresh process's state (`_reset`)."""
+        return self._run(fn, args, tp_size, timeout)
+
+    def _run(self, fn, args, reset_tp, timeout: float | None = None) -> list:
         if not self._procs:
             self._start()
         for inbox in self._inboxes:
-            inbox.put((fn, args))
+            inbox.put((fn, args, reset_tp))
         try:
-            return _collect(self._procs, self._results, self.timeout)
+            return _collect(self._procs, self._results, timeout or self.timeout)
         except BaseException:
             self.close()  # the other ranks may wait in a collective forever
             raise
@@ -73,3 +105,12 @@ class RankPool:
         if self._procs:
             self._tmp.cleanup()
         self._procs = []
+
+
+_REUSED: dict[int, RankPool] = {}
+
+
+def reused_ranks(world_size: int) -> RankPool:
+    """The ranks run_distributed reuses for this world size (started on first use; their groups keep the
+    default timeout, while each call waits for its own)."""
+    return _REUSED.setdefault(world_size, RankPool(world_size))

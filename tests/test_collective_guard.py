@@ -42,7 +42,7 @@ def _mismatch_worker():
 
 
 def test_mismatched_collectives_name_each_ranks_first_diverging_call():
-    messages = run_distributed(_mismatch_worker, 2, 2, timeout=90)
+    messages = run_distributed(_mismatch_worker, 2, 2, timeout=90, fresh=True)
     assert messages[0] is not None and messages[0] == messages[1], messages  # every rank stops, with one story
     message = messages[0]
     assert "tensor-parallel group (global ranks [0, 1]) issued different collectives" in message, message
@@ -76,7 +76,7 @@ def _timeout_worker():
 
 
 def test_a_timeout_under_the_guard_lists_the_recent_calls():
-    message = run_distributed(_timeout_worker, 2, 2, timeout=90)[0]
+    message = run_distributed(_timeout_worker, 2, 2, timeout=90, fresh=True)[0]
     assert "all_reduce on the tensor-parallel group (global ranks [0, 1]) did not complete" in message, message
     assert "the last 2 collectives of rank 0, oldest first" in message, message
     assert "#1 all_reduce of float32[5]" in message and "in _timeout_worker" in message, message

@@ -82,7 +82,8 @@ def _expected_layout(rank, world, tp):
 
 @pytest.mark.parametrize("world_size,device", WORLDS)
 def test_group_layout_and_lifecycle(world_size, device):
-    results = run_distributed(_groups_worker, world_size, world_size, device, backend=backend_for(device))
+    results = run_distributed(_groups_worker, world_size, world_size, device, backend=backend_for(device),
+                              fresh=True)
     for rank, layouts in results:
         assert sorted(layouts) == [tp for tp in (1, 2, 4) if world_size % tp == 0]
         for tp, layout in layouts.items():

@@ -32,6 +32,6 @@ def _silent_rank_worker(which: str):
 
 @pytest.mark.parametrize("which,name", [("tensor", "tensor-parallel group"), ("data", "data-parallel group")])
 def test_a_silent_rank_times_out_with_the_group_and_operation_named(which, name):
-    message, waited = run_distributed(_silent_rank_worker, 2, 2, which, timeout=60)[0]
+    message, waited = run_distributed(_silent_rank_worker, 2, 2, which, timeout=60, fresh=True)[0]
     assert "all_reduce" in message and name in message and "global ranks [0, 1]" in message, message
     assert waited < GROUP_TIMEOUT_S + 3  # the group's timeout, not the world's (60 s) nor torch's 30 min
