@@ -13,6 +13,8 @@ setup(
         "hf": ["transformers>=4.45"],
         "tb": ["tensorboard"],
         "data": ["pyarrow"],  # .parquet corpora
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.45", "tensorboard", "pyarrow"],
+        # the baselines of scripts/benchmark_attention.py (fairscale) and benchmark_training.py (transformers)
+        "bench": ["fairscale==0.4.13", "transformers>=4.45", "accelerate"],  # accelerate: transformers' tp_plan
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.45", "accelerate", "tensorboard", "pyarrow"],
     },
 )

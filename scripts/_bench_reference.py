@@ -29,9 +29,10 @@ class PlainAttention(nn.Module):
     forward runs unsharded (nh heads) and under torch TP (nh/p local heads).
     """
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, device, dtype) -> None:
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, device, dtype,
+                 bias: bool = True) -> None:
         super().__init__()
-        kw = dict(device=device, dtype=dtype)
+        kw = dict(device=device, dtype=dtype, bias=bias)
         self.head_dim = head_dim
         self.q_proj = nn.Linear(hidden, num_heads * head_dim, **kw)
         self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, **kw)

@@ -1,36 +1,44 @@
-"""Time ParallelSelfAttention against an unsharded reference and PyTorch's own tensor parallelism.
+"""Time ParallelSelfAttention against an unsharded reference, PyTorch's own tensor parallelism and fairscale.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/benchmark_attention.py --out bench_p2.json
 
 Tensor-parallel size p = the number of launched ranks. For each case (causal, [s, b, h] input)
-three variants run one forward+backward step each per repetition, in rotating order, with the
+the variants run one forward+backward step each per repetition, in rotating order, with the
 same canonical weights and input:
-    unsharded  plain nn.Linear + SDPA attention on the full problem, on every rank (what p=1 is)
-    torch_tp   the same module sharded by torch.distributed.tensor.parallel (DTensor)
-    ours       parallel_attention.ParallelSelfAttention
-Reported per variant: median ms per step (slowest rank), ratio ours / variant, collectives and
-payload MB per step per rank, and peak memory per rank. Outputs and input gradients are checked
-against the unsharded reference before anything is timed. Details: docs/benchmarks.md.
+    unsharded       plain nn.Linear + SDPA attention on the full problem, on every rank (what p=1 is)
+    torch_tp        the same module sharded by torch.distributed.tensor.parallel (DTensor): q, k, v apart
+    torch_tp_fused  DTensor TP of one fused qkv projection, rows in the per-group layout (whole heads per rank)
+    fairscale       fairscale 0.4.13's Column/RowParallelLinear, fused qkv (per-group layout), batch-first
+    ours            parallel_attention.ParallelSelfAttention, with its defaults (--comm-chunks to change one)
+    ours_no_overlap the same with overlap_comm=False (only with --compare-overlap)
+A baseline whose package is missing (fairscale: pip install -e '.[bench]') or that cannot split the
+case's k/v heads is skipped with the reason. Reported per variant: median ms per step (slowest rank),
+ratio ours / variant, collectives and payload MB per step per rank, and peak memory per rank. Outputs
+and input gradients are checked against the unsharded reference before anything is timed. Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import importlib.metadata
 import json
 import os
 import platform
 import statistics
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 import parallel_attention as pa
-from _bench_reference import CollectiveCounter, PlainAttention, torch_tp
+from _bench_fused import FusedPlainAttention, fairscale_attention, torch_tp_fused
+from _bench_measure import count_collectives, memory_method, peak_memory_mb, sync, time_variants
+from _bench_reference import PlainAttention, torch_tp
 
-VARIANTS = ("unsharded", "torch_tp", "ours")
+VARIANTS = ("unsharded", "torch_tp", "torch_tp_fused", "fairscale", "ours", "ours_no_overlap")
+BATCH_FIRST = {"fairscale"}  # fed [b, s, h]; compared with the others after a transpose
+FUSED_PEERS = ("fairscale", "torch_tp_fused")  # issue 9's target: ours <= 0.95x the faster of them
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--no-bias", action="store_true", help="projections without biases (issue 9's config)")
+    ap.add_argument("--comm-chunks", type=int, default=1, help="ours: AttentionConfig.comm_chunks")
+    ap.add_argument("--compare-overlap", action="store_true",
+                    help="also time ours with overlap_comm=False (variant ours_no_overlap)")
     ap.add_argument("--out", help="write all figures as JSON here (rank 0)")
     return ap.parse_args()
 
@@ -80,68 +92,34 @@ def cases_from(args, device: torch.device) -> list[Case]:
     return SIZES[("cuda" if device.type == "cuda" else "cpu") if args.sizes == "auto" else args.sizes]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# ----------------------------------------------------------------------------- memory
-def memory_method(device: torch.device) -> str:
-    if device.type == "cuda":
-        return "torch.cuda.max_memory_allocated during the step - allocated before it"
-    return "peak of live CPU tensor bytes allocated during the step (torch.profiler, profile_memory)"
-
-
-def peak_memory_mb(step: Step, device: torch.device) -> float:
-    """Peak memory of one step (gradients cleared first) above what was held before it, in MiB.
-
-    On CPU there is no allocator counter to read: the profiler records every allocation and free
-    of the CPU allocator, and the running sum's maximum is the peak. (Peak RSS is no substitute:
-    glibc caching and transparent huge pages move it by several tensors from step to step.)
-    """
-    step.clear()
-    gc.collect()
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        step()
-        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    saved_stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)  # the profiler's C++ side logs start/stop lines to fd 2: mute them
-    os.close(devnull)
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-    finally:
-        os.dup2(saved_stderr, 2)
-        os.close(saved_stderr)
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()  # negative for a free
-        peak = max(peak, live)
-    return peak / 2**20
-
-
 # ----------------------------------------------------------------------------- variants
-def build_variants(case: Case, p: int, device: torch.device, dtype) -> tuple[dict, dict]:
-    """The three modules on the same canonical weights, and {variant: reason} for those skipped."""
+def build_variants(case: Case, args, p: int, device: torch.device, dtype) -> tuple[dict, dict]:
+    """The modules on the same canonical weights, and {variant: reason} for those skipped."""
+    bias = not args.no_bias
     config = pa.AttentionConfig(hidden_size=case.h, num_heads=case.nh, num_kv_heads=case.nkv, causal=True,
-                                params_dtype=dtype)
+                                params_dtype=dtype, qkv_bias=bias, out_bias=bias, comm_chunks=args.comm_chunks)
     ours = pa.ParallelSelfAttention(config, device=device)
     weights = ours.canonical_state_dict()
-    dims = (case.h, case.nh, case.nkv, config.head_dim, device, dtype)
+    dims = (case.h, case.nh, case.nkv, config.head_dim, device, dtype, bias)
     modules, skipped = {"unsharded": PlainAttention(*dims), "ours": ours}, {}
     modules["unsharded"].load_state_dict(weights)
+    if args.compare_overlap:
+        modules["ours_no_overlap"] = pa.ParallelSelfAttention(replace(config, overlap_comm=False), device=device)
+        modules["ours_no_overlap"].load_canonical_state_dict(weights)
     if case.nkv % p == 0:
         plain = PlainAttention(*dims)
         plain.load_state_dict(weights)
         modules["torch_tp"] = torch_tp(plain, device.type, p)
+        fused = FusedPlainAttention(weights, case.nh, case.nkv, config.head_dim, bias, device, dtype)
+        modules["torch_tp_fused"] = torch_tp_fused(fused, device.type, p)
+        fair, reason = fairscale_attention(weights, case.nh, case.nkv, config.head_dim, bias, p, dist.get_rank(),
+                                           dtype)
+        modules.update({"fairscale": fair} if fair is not None else {})
+        skipped.update({"fairscale": reason} if fair is None else {})
     else:
-        skipped["torch_tp"] = (f"ColwiseParallel cannot split nkv={case.nkv} k/v heads over p={p} ranks "
-                               "(ours replicates them)")
+        reason = (f"a column split cannot keep nkv={case.nkv} k/v heads whole over p={p} ranks "
+                  "(ours replicates them)")
+        skipped.update({v: reason for v in ("torch_tp", "torch_tp_fused", "fairscale")})
     return {v: modules[v] for v in VARIANTS if v in modules}, skipped
 
 
@@ -149,11 +127,15 @@ class Step:
     """One forward+backward of loss = sum(y * proj), proj a fixed random tensor: gradients reach
     the input and every weight, and the loss reads y, as the next layer would. (torch TP's output
     is an async all-reduce result; a bare y.backward(g) never waits for it, so its forward
-    all-reduce would finish outside the timed region.)
+    all-reduce would finish outside the timed region.) batch_first: the module takes [b, s, h]; its
+    input, proj and output are transposed copies, and `canonical` turns them back to [s, b, h].
     """
 
-    def __init__(self, module, x: torch.Tensor, proj: torch.Tensor, device: torch.device) -> None:
-        self.module, self.x, self.proj, self.device = module, x, proj, device
+    def __init__(self, module, x: torch.Tensor, proj: torch.Tensor, device: torch.device,
+                 batch_first: bool = False) -> None:
+        self.canonical = _transposed if batch_first else _as_is
+        self.x = self.canonical(x).detach().clone(memory_format=torch.contiguous_format).requires_grad_(True)
+        self.module, self.proj, self.device = module, self.canonical(proj).contiguous(), device
 
     def clear(self) -> None:
         """Drop the last step's gradients (outside the timed or measured region)."""
@@ -171,6 +153,14 @@ class Step:
         sync(self.device)
 
 
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def check_correct(steps: dict, dtype) -> dict:
     """Output and input gradient of each variant vs the unsharded reference; abort when off."""
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2  # relative to the largest value
@@ -179,7 +169,7 @@ def check_correct(steps: dict, dtype) -> dict:
         step.clear()
         y = step.forward()
         step.backward(y)
-        results[name] = (y.detach().clone(), step.x.grad.clone())
+        results[name] = (step.canonical(y.detach()).clone(), step.canonical(step.x.grad).clone())
     ref_y, ref_dx = results["unsharded"]
     errors = {}
     for name, (y, dx) in results.items():
@@ -195,56 +185,15 @@ def check_correct(steps: dict, dtype) -> dict:
     return errors
 
 
-def count_collectives(step: Step, p: int) -> dict:
-    """Collectives of one step, forward and backward apart, with their payload."""
-    counter = CollectiveCounter(p)
-    step.clear()
-    with counter.counting():
-        y = step.forward()
-        fwd = list(counter.calls)
-    with counter.counting():
-        step.backward(y)
-        bwd = list(counter.calls)
-    mb = sum(b for _, b in fwd + bwd) / 2**20
-    return {"fwd": len(fwd), "bwd": len(bwd), "mb_per_step": mb, "calls": [list(c) for c in fwd + bwd]}
-
-
-def time_variants(steps: dict, warmup: int, iters: int, device: torch.device) -> dict:
-    """Per variant, ms per step of the slowest rank, one value per timed repetition.
-
-    Variants alternate within each repetition, rotating who goes first, so that drift in the
-    machine (clock, caches, the other rank) hits all of them alike.
-    """
-    names = list(steps)
-    times = {n: [] for n in names}
-    gc.collect()
-    for i in range(warmup + iters):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for name in order:
-            steps[name].clear()
-            dist.barrier()
-            sync(device)
-            start = time.perf_counter()
-            steps[name]()
-            elapsed = (time.perf_counter() - start) * 1e3
-            if i >= warmup:
-                times[name].append(elapsed)
-    for name in names:  # a tensor-parallel step takes as long as its slowest rank
-        t = torch.tensor(times[name], dtype=torch.float64, device=device)  # NCCL reduces device tensors
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times[name] = t.tolist()
-    return times
-
-
 def bench_case(case: Case, args, p: int, device: torch.device, dtype) -> dict:
     """Build, check, count, time and measure one case; figures per variant."""
     if case.nh % p or case.h % case.nh:
         raise SystemExit(f"case {case}: nh={case.nh} must divide h and be divisible by p={p}.")
     pa.manual_seed(args.seed)  # same weights and inputs on every rank and for every p
-    modules, skipped = build_variants(case, p, device, dtype)
+    modules, skipped = build_variants(case, args, p, device, dtype)
     x = torch.randn(case.s, case.b, case.h, device=device, dtype=dtype)
     proj = torch.randn_like(x)
-    steps = {n: Step(m, x.detach().clone().requires_grad_(True), proj, device) for n, m in modules.items()}
+    steps = {n: Step(m, x, proj, device, n in BATCH_FIRST) for n, m in modules.items()}
     errors = check_correct(steps, dtype)
     comms = {n: count_collectives(step, p) for n, step in steps.items()}
     if dist.get_rank() == 0:
@@ -269,24 +218,36 @@ def bench_case(case: Case, args, p: int, device: torch.device, dtype) -> dict:
 # ----------------------------------------------------------------------------- report
 def table(results: list[dict], env: dict) -> str:
     lines = [f"p={env['p']}  backend={env['backend']}  device={env['device']}  threads/rank={env['threads']}  "
-             f"dtype={env['dtype']}  torch {env['torch']}  reps {env['warmup']}+{env['iters']}",
+             f"dtype={env['dtype']}  torch {env['torch']}  reps {env['warmup']}+{env['iters']}  "
+             f"bias={env['bias']}  comm_chunks={env['comm_chunks']}  fairscale {env['fairscale']}",
              "ms: median per fwd+bwd step (slowest rank); ours/x: median of per-repetition ratios (<1: ours "
              "faster); coll: collectives per rank fwd+bwd; MB: their payload per step",
              f"peak MB (max over ranks): {env['memory_method']}",
-             f"{'case':<8}{'s,b,h,nh/nkv':<20}{'variant':<11}{'ms':>9}{'IQR %':>7}{'ours/x':>8}"
+             f"{'case':<8}{'s,b,h,nh/nkv':<20}{'variant':<16}{'ms':>9}{'IQR %':>7}{'ours/x':>8}"
              f"{'coll':>7}{'MB':>8}{'peak MB':>9}"]
     for r in results:
         c = r["case"]
         shape = f"{c['s']},{c['b']},{c['h']},{c['nh']}/{c['nkv']}"
-        for name in VARIANTS:
+        for name in (n for n in VARIANTS if n in r["variants"] or n in r["skipped"]):
             if name in r["skipped"]:
-                lines.append(f"{c['name']:<8}{shape:<20}{name:<11}  skipped: {r['skipped'][name]}")
+                lines.append(f"{c['name']:<8}{shape:<20}{name:<16}  skipped: {r['skipped'][name]}")
                 continue
             v = r["variants"][name]
-            lines.append(f"{c['name']:<8}{shape:<20}{name:<11}{v['median_ms']:>9.1f}{v['iqr_pct']:>7.1f}"
+            lines.append(f"{c['name']:<8}{shape:<20}{name:<16}{v['median_ms']:>9.1f}{v['iqr_pct']:>7.1f}"
                          f"{v['ours_over_this']:>8.3f}{v['fwd']:>4}+{v['bwd']:<2}{v['mb_per_step']:>8.2f}"
                          f"{v['peak_mb']:>9.1f}")
+        peers = [r["variants"][n] | {"name": n} for n in FUSED_PEERS if n in r["variants"]]
+        if peers:
+            best = min(peers, key=lambda v: v["median_ms"])
+            lines.append(f"{c['name']:<8}ours / best fused peer ({best['name']}): {best['ours_over_this']:.3f}")
     return "\n".join(lines)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def main() -> None:
@@ -298,7 +259,8 @@ def main() -> None:
            "cpu_count": os.cpu_count(), "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
            "python": platform.python_version(), "memory_method": memory_method(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-           "loadavg_start": os.getloadavg()}  # other jobs on the machine show up here
+           "loadavg_start": os.getloadavg(),  # other jobs on the machine show up here
+           "bias": not args.no_bias, "comm_chunks": args.comm_chunks, "fairscale": _version("fairscale")}
     results = [bench_case(case, args, p, device, getattr(torch, args.dtype)) for case in cases_from(args, device)]
     env["loadavg_end"] = os.getloadavg()
     if dist.get_rank() == 0:

@@ -59,14 +59,13 @@ def reference_attention(x, weights, num_heads, num_kv_heads, head_dim, causal=Tr
 
 
 def expected_fused_rows(q, k, v, rank, p, num_heads, num_kv_heads, head_dim):
-    """Rows of the fused query_key_value held by `rank`, per DESIGN.md: per local query group,
-    [its query heads | k | v]; ranks own consecutive query heads; k/v heads replicate when p > nkv."""
+    """Rows of the fused query_key_value held by `rank`: [its query heads | the k heads they use | the
+    v heads they use]; ranks own consecutive query heads; k/v heads replicate when p > nkv.
+    (Checkpoint format 1 interleaved them per query group instead: [q heads | k | v] per k/v head.)"""
     d, group = head_dim, num_heads // num_kv_heads
-    rows = []
     first, last = rank * num_heads // p, (rank + 1) * num_heads // p - 1
-    for i in range(first, last + 1):
-        rows.append(("q", i))
-        if (i + 1) % group == 0 or i == last:  # the group (or this rank's part of it) ends here
-            rows += [("k", i // group), ("v", i // group)]
+    queries = list(range(first, last + 1))
+    kv = sorted({i // group for i in queries})
+    rows = [("q", i) for i in queries] + [("k", j) for j in kv] + [("v", j) for j in kv]
     source = {"q": q, "k": k, "v": v}
     return torch.cat([source[kind][h * d:(h + 1) * d] for kind, h in rows])

@@ -2,7 +2,9 @@
 
 Model and optimizer state are sharded across the p tensor-parallel ranks and replicated across the
 dp data-parallel ranks, so the data-parallel rank 0 of each tensor-parallel group writes its shard;
-every global rank writes its own RNG states. This module owns who writes and reads what, and how
+every global rank writes its own RNG states. Optimizer state sharded across the data-parallel ranks
+(ZeRO-1) is first consolidated in memory on that writer, so the files do not depend on dp or on
+sharding. This module owns who writes and reads what, and how
 the ranks agree; the files and the commit are `format`, their contents `state_encoding`, the bytes
 `tensor_io`, and whether a checkpoint fits this run `compatibility`.
 
@@ -37,8 +39,8 @@ from ..tensor_parallel.parallel_state import (ProcessGroup, get_data_parallel_gr
 from .compatibility import check_config, check_layout
 from .format import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointCorruptError, CheckpointError, check_shard_shapes,
                      commit, latest_checkpoint, list_checkpoints, model_file, optim_file, prune, read_manifest,
-                     rng_file, step_dir_name, verify_file, write_manifest)
-from .state_encoding import optim_state_dict, optim_tensors, rng_tensors, set_rng
+                     rng_file, step_dir_name, upgrade_shard, verify_file, write_manifest)
+from .state_encoding import full_optimizer_state, optim_state_dict, optim_tensors, rng_tensors, set_rng
 from .tensor_io import cpu_tensors, read_safetensors, write_safetensors
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
@@ -72,14 +74,14 @@ def _write(directory: Path, name: str, tensors: dict, meta: dict | None = None) 
     return {name: write_safetensors(directory / name, tensors, meta)}
 
 
-def _write_shards(tmp: Path, at: _Placement, model: nn.Module, optimizer) -> dict:
+def _write_shards(tmp: Path, at: _Placement, model: nn.Module, optimizer, packed: dict | None) -> dict:
     files, shapes = {}, None
-    if at.dp_rank == 0:  # model and optimizer are replicated across data-parallel ranks
+    if at.dp_rank == 0:  # model and (consolidated) optimizer are the same on every data-parallel rank
         tensors = cpu_tensors(model.state_dict())
         files.update(_write(tmp, model_file(at.tp_rank), tensors))
         shapes = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in tensors.items()}
         if optimizer is not None:
-            files.update(_write(tmp, optim_file(at.tp_rank), *optim_tensors(model, optimizer)))
+            files.update(_write(tmp, optim_file(at.tp_rank), *optim_tensors(model, optimizer, packed)))
     files.update(_write(tmp, rng_file(at.rank), *rng_tensors()))
     return {"files": files, "tp_rank": at.tp_rank, "shapes": shapes}
 
@@ -118,8 +120,10 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: nn.Module, o
     if error is not None:
         raise CheckpointError(f"saving step {step}: cannot create a directory under {root}: {error}")
     tmp = root / f"{final.name}.tmp-{nonce}"
+    # a collective for a sharded optimizer, so outside the per-rank try below
+    packed = full_optimizer_state(optimizer, at.dp_rank == 0) if optimizer is not None else None
     try:
-        report = {"ok": True, **_write_shards(tmp, at, model, optimizer)}
+        report = {"ok": True, **_write_shards(tmp, at, model, optimizer, packed)}
     except Exception as e:  # reported to every rank below, so no rank is left waiting in a collective
         report, local_failure = {"ok": False, "error": f"rank {at.rank}: {type(e).__name__}: {e}"}, e
     reports = all_gather_objects(report)
@@ -167,7 +171,7 @@ def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, exp
     manifest = read_manifest(path, config_sections=tuple(expected_config or ()))
     check_layout(manifest, at.world, at.tp_size)
     check_config(manifest, expected_config)
-    weights, _ = read_safetensors(verify_file(path, manifest, model_file(at.tp_rank)))
+    weights = upgrade_shard(manifest, read_safetensors(verify_file(path, manifest, model_file(at.tp_rank)))[0])
     check_shard_shapes(manifest, at.tp_rank, weights)
     current = model.state_dict()
     missing, unexpected = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
@@ -186,6 +190,7 @@ def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, exp
             raise CheckpointError(f"{path} holds no optimizer state (saved with optimizer=None): "
                                   "load it with optimizer=None.")
         tensors, meta = read_safetensors(verify_file(path, manifest, optim_file(at.tp_rank)))
+        tensors = upgrade_shard(manifest, tensors)
         loaded["optim"] = optim_state_dict(model, optimizer, tensors, meta)
     loaded["rng"] = read_safetensors(verify_file(path, manifest, rng_file(at.rank)))
     return loaded

@@ -15,7 +15,7 @@ from .format import CheckpointError
 
 # settings that change how the model runs, not what its weights are
 RUNTIME_MODEL_KEYS = frozenset({"hidden_dropout", "attention_dropout", "dropout_rng", "recompute_activations",
-                                "attention_kernel"})
+                                "recompute_granularity", "attention_kernel", "compile"})
 
 
 def model_shape_config(model: ModelConfig) -> dict:

@@ -13,6 +13,10 @@ collective protocol that fills a directory is `checkpoint`.
         manifest.json              written last, by global rank 0: layout, config, extra, shapes, and the
                                    size and sha256 of every file
 
+Format versions: 2 holds each rank's fused QKV rows as [q heads | k heads | v heads]; 1 (0.1.0 and
+later, until the reorder) held them per query group, [q heads | k | v] per k/v head. Version 1 is still
+read: `upgrade_shard` reorders its fused rows (and their optimizer moments) as they are read.
+
 A checkpoint is complete iff its directory is named exactly `step_<digits>` and holds manifest.json.
 Writers fill `step_0000100.tmp-<nonce>/` and rename it into place only after the manifest is durable,
 so a crash leaves at most a `.tmp-` directory, which is never listed or loaded.
@@ -30,10 +34,15 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
+
+from ..tensor_parallel.sharding import grouped_to_blocked_qkv
+from ..transformer.model_config import ModelConfig
 from .tensor_io import file_digest, fsync_dir, replace_directory, retire_directory, write_atomic
 
 FORMAT = "parallel_attention.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 _COMPLETE = re.compile(r"step_(\d+)")
 _TEMPORARY = re.compile(r"step_\d+\.tmp-.*")
@@ -106,9 +115,9 @@ def read_manifest(directory: str | os.PathLike, *, config_sections: tuple[str, .
         raise CheckpointCorruptError(f"{path} is unreadable ({e}).") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{path} is not a {FORMAT} manifest.")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has format_version={manifest.get('format_version')!r}; this loader reads {FORMAT_VERSION}.")
+    if manifest.get("format_version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{path} has format_version={manifest.get('format_version')!r}; this loader reads "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}: load it with a newer parallel_attention.")
     problems = _manifest_problems(manifest, Path(directory), config_sections)
     if problems:
         raise CheckpointCorruptError(f"{path} does not describe its checkpoint: " + "; ".join(problems) + ".")
@@ -160,6 +169,22 @@ def check_shard_shapes(manifest: dict, tp_rank: int, tensors: dict) -> None:
     if differ:
         raise CheckpointCorruptError(f"{model_file(tp_rank)} disagrees with the manifest's model_shapes: "
                                      + "; ".join(differ[:5]) + (" ..." if len(differ) > 5 else "") + ".")
+
+
+_FUSED_QKV = re.compile(r"(?:[^/]+/)?layers\.\d+\.attention\.query_key_value\.(?:weight|bias)")
+
+
+def upgrade_shard(manifest: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors read from one tensor-parallel rank's model or optimizer file (`exp_avg/<name>`), in today's
+    row order: format 1's per-group fused QKV rows are reordered (a permutation, so values are bit-exact)."""
+    fused = [name for name, t in tensors.items() if _FUSED_QKV.fullmatch(name) and t.dim() > 0]
+    if manifest["format_version"] >= 2 or not fused:
+        return tensors
+    attn = ModelConfig.from_dict(manifest["config"]["model"]).attention_config()
+    p = manifest["tensor_parallel_size"]
+    reordered = {name: grouped_to_blocked_qkv(tensors[name], attn.num_heads, attn.num_kv_heads, attn.head_dim, p)
+                 for name in fused}
+    return {**tensors, **reordered}
 
 
 def verify_file(directory: Path, manifest: dict, name: str) -> Path:

@@ -2,7 +2,10 @@
 
 `optimizer.state_dict()` refers to parameters by their position in the optimizer; the files key
 them by parameter name instead (`exp_avg/<name>`), so a checkpoint does not depend on the order in
-which parameters were handed to the optimizer and can be resharded by name. Generators are saved
+which parameters were handed to the optimizer and can be resharded by name. An optimizer whose state
+is sharded across the data-parallel group (torch's ZeroRedundancyOptimizer API) is consolidated in
+memory on the writing rank first, so its files are those of an unsharded one; loading hands every rank
+the full state dict and the optimizer keeps its own partition. Generators are saved
 as uint8 tensors and JSON, never pickled, so loading a checkpoint runs no code.
 """
 
@@ -33,9 +36,34 @@ def _live_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return groups
 
 
-def optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """optimizer.state_dict() with parameter indices replaced by names; hyper-parameters as JSON."""
-    live, packed = _live_names(model, optimizer), optimizer.state_dict()
+def full_optimizer_state(optimizer: torch.optim.Optimizer, writer: bool) -> dict | None:
+    """optimizer.state_dict() on the writing rank (data-parallel rank 0), None elsewhere.
+
+    A sharded optimizer (`consolidate_state_dict`, torch's ZeroRedundancyOptimizer API) gathers its shards
+    on data-parallel rank 0 first, in memory: a collective over its group, so every rank must call this."""
+    consolidate = getattr(optimizer, "consolidate_state_dict", None)
+    if consolidate is not None:
+        consolidate(to=0)
+    return optimizer.state_dict() if writer else None
+
+
+def _packed_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The `param_groups` of optimizer.state_dict(), without asking for it (a sharded optimizer has no full
+    state_dict() outside a consolidation): hyper-parameters, and parameter indices numbered across the groups
+    in order, as torch numbers them."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": list(range(start, start + count))})
+        start += count
+    return groups
+
+
+def optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, packed: dict) -> tuple[dict, dict]:
+    """`packed` (optimizer.state_dict(), see full_optimizer_state) with parameter indices replaced by names;
+    hyper-parameters as JSON."""
+    live = _live_names(model, optimizer)
     name_of = {i: n for names, g in zip(live, packed["param_groups"]) for i, n in zip(g["params"], names)}
     tensors, scalars, groups = {}, {}, []
     for gi, (names, group) in enumerate(zip(live, packed["param_groups"])):
@@ -58,7 +86,7 @@ def optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
 def optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict, meta: dict) -> dict:
     """The inverse of `optim_tensors` for this optimizer's parameter indices; CheckpointError on mismatch."""
     saved_groups, scalars = json.loads(meta["param_groups"]), json.loads(meta["scalar_state"])
-    live, packed = _live_names(model, optimizer), optimizer.state_dict()
+    live, packed = _live_names(model, optimizer), {"param_groups": _packed_groups(optimizer)}
     if len(saved_groups) != len(live):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one {len(live)}.")
     index_of, groups = {}, []

@@ -1,10 +1,9 @@
 """Every collective of the package: the tensor-parallel region as autograd functions, and the plain
 (no-autograd) reductions and object exchanges that training and checkpointing use.
 
-The only module that calls torch.distributed's collectives. Each function takes the
-group it runs on, returns its input unchanged when the group has one rank (or is None),
-and states what it does forward and backward. Shapes: `s` sequence, `b` batch, `h` hidden,
-`p` tensor-parallel size.
+The only module that calls torch.distributed's collectives. Each function takes the group it runs on,
+returns its input unchanged when the group has one rank (or is None), and states what it does forward
+and backward. Shapes: `s` sequence, `b` batch, `h` hidden, `p` tensor-parallel size.
 
     name                                   forward                 backward
     copy_to_tensor_parallel_region         identity                all-reduce
@@ -16,7 +15,8 @@ and states what it does forward and backward. Shapes: `s` sequence, `b` batch, `
 
 Every call goes through `_issue(op, tensor, group)`, chosen once: `_named` (timeouts named), or with
 `enable_collective_log()` (`parallel.debug_collectives`) the guard of `collective_log`, which records the
-call and cross-checks it with the group's other ranks before it runs.
+call and cross-checks it with the group's other ranks before it runs. An asynchronous call (async_op=True,
+for `overlap`'s fused layers) is issued the same way; its PendingCollective.wait() names timeouts too.
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ def _named(op: str, group: ProcessGroup | None):
             f"Backend said: {str(error).splitlines()[0]}") from error
 
 
-# TORCH_DISTRIBUTED_DEBUG=DETAIL checks each collective behind a monitored barrier first: a rank missing
-# from it is a timeout too (and torch names the missing ranks)
+# TORCH_DISTRIBUTED_DEBUG=DETAIL puts a monitored barrier before each collective: a rank missing there times out too
 _TIMEOUT_WORDS = re.compile(r"timed out|timeout|failed to pass monitoredBarrier", re.IGNORECASE)
 
 
@@ -62,6 +61,7 @@ def _plain(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
 
 
 _issue = _plain  # (op, tensor or None, group) -> the context a collective runs in; the guard replaces it
+_await = _named  # (op, group) -> the context an asynchronous collective's wait() runs in; likewise
 _LOG: CollectiveLog | None = None
 
 
@@ -71,11 +71,11 @@ def enable_collective_log(size: int = RECENT_CALLS) -> None:
     ranks raise CollectiveMismatchError naming each rank's first diverging call, and a timeout lists the
     recent calls. Also turns on torch's TORCH_DISTRIBUTED_DEBUG=DETAIL and the NCCL flight recorder for
     the groups created afterwards: call it before init_distributed. Costs a small all-gather per collective."""
-    global _issue, _LOG
+    global _issue, _await, _LOG
     for name, value in TORCH_DEBUG_ENV.items():
         os.environ.setdefault(name, value)
     dist.set_debug_level_from_env()  # torch read the variable at import
-    _LOG, _issue = CollectiveLog(size), _guarded
+    _LOG, _issue, _await = CollectiveLog(size), _guarded, _listing_recent
 
 
 def _gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> None:
@@ -87,12 +87,19 @@ def _gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None)
 def _guarded(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
     """Record the call, check it against the group's other ranks, then run it (timeouts list the recent calls)."""
     call = _LOG.record(op, x, group, describe_group(group))
+    with _listing_recent(op, group):
+        calls = _exchange_signatures(call, x, group)
+    if calls is not None:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(calls)))
+        raise CollectiveMismatchError(mismatch_report(call.group, ranks, calls))
+    with _listing_recent(op, group):
+        yield
+
+
+@contextlib.contextmanager
+def _listing_recent(op: str, group: ProcessGroup | None):
+    """_named, and a timeout lists this rank's recent calls (the guard's wait of an asynchronous collective)."""
     try:
-        with _named(op, group):
-            calls = _exchange_signatures(call, x, group)
-        if calls is not None:
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(calls)))
-            raise CollectiveMismatchError(mismatch_report(call.group, ranks, calls))
         with _named(op, group):
             yield
     except CollectiveTimeoutError as error:
@@ -120,16 +127,30 @@ def _all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) 
         _gather_into(out, x, group)
 
 
-def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     with _issue("reduce_scatter", x, group):
-        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+        return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+            out, x, group=group, async_op=async_op)
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+class PendingCollective:
+    """A collective launched with async_op=True. `wait()` returns its result; a timeout there is named as the
+    collective's own. On NCCL, wait() makes the current CUDA stream wait for NCCL's stream (no CPU block)."""
+
+    def __init__(self, op: str, work, group: ProcessGroup, result: torch.Tensor) -> None:
+        self.op, self.work, self.group, self.result = op, work, group, result
+
+    def wait(self) -> torch.Tensor:
+        with _await(self.op, self.group):
+            self.work.wait()
+        return self.result
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
     x = x.contiguous()
     with _issue("all_reduce", x, group):
-        dist.all_reduce(x, op=op, group=group)
-    return x
+        work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    return PendingCollective("all_reduce", work, group, x) if async_op else x
 
 
 def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -141,8 +162,7 @@ def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     p = group_size(group)
-    # all_gather_into_tensor concatenates along dim 0, so gather with the last dim moved first.
-    moved = x.movedim(-1, 0).contiguous()
+    moved = x.movedim(-1, 0).contiguous()  # all_gather_into_tensor concatenates along dim 0
     out = torch.empty((p * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
     _all_gather_tensor(out, moved, group)
     return out.movedim(0, -1).contiguous()
@@ -155,17 +175,15 @@ def _gather_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     p = group_size(group)
     if x.shape[0] % p != 0:
-        raise ValueError(
-            f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {p}; "
-            "sequence parallelism needs s % p == 0: pad the sequence."
-        )
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {p}; "
+                         "sequence parallelism needs s % p == 0: pad the sequence.")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // p,) + x.shape[1:], dtype=x.dtype, device=x.device)
-    _reduce_scatter_tensor(out, x, group)
-    return out
+    work = _reduce_scatter_tensor(out, x, group, async_op)
+    return PendingCollective("reduce_scatter", work, group, out) if async_op else out
 
 
 def _region_function(name: str, forward, backward) -> type[torch.autograd.Function]:
@@ -187,8 +205,7 @@ def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    # autograd may hand the same gradient tensor to other branches (and the forward input is the
-    # caller's): reduce a copy
+    # autograd may hand the same gradient to other branches, and the forward input is the caller's: reduce a copy
     return _all_reduce(x.clone(), group)
 
 
@@ -227,19 +244,14 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | 
     return x if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(
-    x: torch.Tensor, group: ProcessGroup | None
-) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward: sum the ranks' [s, ...] partials and keep chunk [s/p, ...]. Backward: all-gather along s."""
     return x if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
 
 
 @torch.no_grad()
 def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
-    """Plain (no autograd) all-gather of the ranks' shards, concatenated along `dim` in rank order.
-
-    For assembling full weights (state dicts), not for the forward pass.
-    """
+    """Plain (no autograd) all-gather of the ranks' shards along `dim`, in rank order: for full weights."""
     if group_size(group) == 1:
         return x.clone()
     return _gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()

@@ -2,7 +2,9 @@
 
 Each layer builds the full weight from the default generator (seeded identically on every
 rank by `manual_seed`) and keeps its shard, so a sharded model is exactly a slice of the
-single-rank model whatever p is. Shapes: `s` sequence, `b` batch, `h` hidden, `p` TP size.
+single-rank model whatever p is. The linears run their GEMM and its collective as one autograd function
+(`overlap`: in place, the backward's dX collective overlapped). Shapes: `s` sequence, `b` batch, `h` hidden,
+`p` TP size.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import collectives
+from .overlap import OVERLAP_COMM, column_parallel_linear, row_parallel_linear
 from .param_kinds import Partial, Replicated, Sharded
 from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 
@@ -69,12 +72,16 @@ class ColumnParallelLinear(_TensorParallelModule):
         Y_r = X A_r^T + b_r     A_r: [out/p, in], this rank's rows
           | gather_output: all-gather the last dim -> [s, b, out]
         Y_r [s, b, out/p]
+
+    overlap_comm: the backward launches dX's collective asynchronously and computes dA, db while it runs
+    (`overlap`); the same collectives either way.
     """
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
         sequence_parallel: bool = False, init_std: float | None = 0.02,
         tp_group: ProcessGroup | None = None, device=None, dtype: torch.dtype = torch.float32,
+        overlap_comm: bool = OVERLAP_COMM,
     ) -> None:
         super().__init__(tp_group)
         if sequence_parallel and gather_output:
@@ -83,14 +90,14 @@ class ColumnParallelLinear(_TensorParallelModule):
                 "keep the output split (gather_output=False) and feed a RowParallelLinear."
             )
         self.out_features_per_rank = _divide(out_features, self.tp_size, "out_features")
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.gather_output, self.sequence_parallel, self.overlap_comm = gather_output, sequence_parallel, overlap_comm
         self._init_weight(in_features, out_features, 0, init_std, device, dtype)
         self.bias = (nn.Parameter(torch.zeros(self.out_features_per_rank, device=device, dtype=dtype))
                      if bias else None)
-        self._enter, self._exit = column_parallel_regions(self, sequence_parallel, gather_output)
+        self._linear, self._exit = column_parallel_regions(self, sequence_parallel, gather_output, overlap_comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._exit(F.linear(self._enter(x), self.weight, self.bias))
+        return self._exit(self._linear(x, self.weight, self.bias))
 
     def parameter_kinds(self) -> dict:
         return {name: Sharded(0, self.tp_group) for name, _ in self.named_parameters(recurse=False)}
@@ -98,7 +105,7 @@ class ColumnParallelLinear(_TensorParallelModule):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, out_per_rank={self.out_features_per_rank}, "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, overlap_comm={self.overlap_comm}")
 
 
 class RowParallelLinear(_TensorParallelModule):
@@ -111,27 +118,35 @@ class RowParallelLinear(_TensorParallelModule):
           | backward: identity  (SP: all-gather dY along s)
         Y = sum_r Y_r + b       b is replicated; under SP each rank sees only its tokens, so
                                 finalize_grads() sums its gradient across the group
+
+    comm_chunks=k: the GEMM runs in k pieces along s, the collective of piece i overlapping the GEMM of
+    piece i+1 (`overlap`): k all-reduces (SP: k reduce-scatters) forward instead of 1, at most s (SP: s/p).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = False,
                  sequence_parallel: bool = False, init_std: float | None = 0.02, tp_group: ProcessGroup | None = None,
-                 device=None, dtype: torch.dtype = torch.float32) -> None:
+                 device=None, dtype: torch.dtype = torch.float32, comm_chunks: int = 1) -> None:
         super().__init__(tp_group)
         self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")
         if sequence_parallel and not input_is_parallel:  # the reduce-scatter needs the ranks' partial sums
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
                              "(its input comes split from a ColumnParallelLinear).")
+        if not isinstance(comm_chunks, int) or isinstance(comm_chunks, bool) or comm_chunks < 1:
+            raise ValueError(f"RowParallelLinear: comm_chunks={comm_chunks!r} must be a positive integer "
+                             "(1: one collective, no chunking).")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.comm_chunks = comm_chunks
         self._init_weight(in_features, out_features, 1, init_std, device, dtype)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         self._enter = (_identity if input_is_parallel
                        else self._region(collectives.scatter_to_tensor_parallel_region))
-        self._exit = self._region(collectives.reduce_scatter_to_sequence_parallel_region if sequence_parallel
-                                  else collectives.reduce_from_tensor_parallel_region)
+        # the GEMM and its exit collective fused (in place, optionally chunked); p = 1: no collective
+        self._linear = (partial(row_parallel_linear, group=self.tp_group, sequence_parallel=sequence_parallel,
+                                chunks=comm_chunks) if self.tp_size > 1 else F.linear)
         self._add_bias = self._plus_bias if bias else _identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._add_bias(self._exit(F.linear(self._enter(x), self.weight)))
+        return self._add_bias(self._linear(self._enter(x), self.weight))
 
     def _plus_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y + self.bias
@@ -146,7 +161,7 @@ class RowParallelLinear(_TensorParallelModule):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, in_per_rank={self.in_features_per_rank}, out={self.out_features}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}")
 
 
 class VocabParallelEmbedding(_TensorParallelModule):
@@ -208,21 +223,24 @@ class TiedOutputLayer(_TensorParallelModule):
     The embedding is held outside the module tree, so its weight appears once in state dicts.
     """
 
-    def __init__(self, embedding: VocabParallelEmbedding, sequence_parallel: bool = False) -> None:
+    def __init__(self, embedding: VocabParallelEmbedding, sequence_parallel: bool = False,
+                 overlap_comm: bool = OVERLAP_COMM) -> None:
         super().__init__(embedding.tp_group)
         self._embedding = [embedding]  # a list: not registered as a child module
-        self._enter, self._exit = column_parallel_regions(self, sequence_parallel, gather_output=False)
+        self._linear, self._exit = column_parallel_regions(self, sequence_parallel, False, overlap_comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._exit(F.linear(self._enter(x), self._embedding[0].weight))
+        return self._exit(self._linear(x, self._embedding[0].weight, None))
 
 
-def column_parallel_regions(layer: _TensorParallelModule, sequence_parallel: bool, gather_output: bool):
-    """(entry, exit) functions of a column-parallel layer, chosen once: plain TP or sequence parallel."""
-    enter = layer._region(collectives.gather_from_sequence_parallel_region if sequence_parallel
-                          else collectives.copy_to_tensor_parallel_region)
+def column_parallel_regions(layer: _TensorParallelModule, sequence_parallel: bool, gather_output: bool,
+                            overlap_comm: bool):
+    """(linear, exit) functions of a column-parallel layer, chosen once: the GEMM fused with its entry region
+    (plain TP or sequence parallel, backward overlapped or not; p = 1: a plain GEMM), and the output gather."""
+    linear = (partial(column_parallel_linear, group=layer.tp_group, sequence_parallel=sequence_parallel,
+                      overlap=overlap_comm) if layer.tp_size > 1 else F.linear)
     leave = layer._region(collectives.gather_from_tensor_parallel_region) if gather_output else _identity
-    return enter, leave
+    return linear, leave
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ layout is written down once. Shapes: p tensor-parallel size, nh heads, nkv k/v h
     row          [out, in]            columns r*in/p ..          (RowParallelLinear weight)
     vocab        [V, h]               rows of the table padded to V_padded (zeros past V)
     qkv          q [nh d, ...], k, v [nkv d, ...]
-                                      per local group: [its q heads | k | v]; k/v replicated if p > nkv
+                                      [its q heads | its k heads | its v heads]; k/v replicated if p > nkv
+                                      (checkpoint format 1 held per local group [q heads | k | v]:
+                                      `grouped_to_blocked_qkv` converts)
     gated        gate, up [f, ...]    [gate rows of r | up rows of r]
     replicated   any                  the whole tensor on every rank
 """
@@ -47,33 +49,41 @@ def kv_heads_of_rank(num_kv_heads: int, p: int, rank: int) -> list[int]:
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int,
              head_dim: int, p: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s rows of the fused projection from full q/k/v weights or biases."""
+    """Rank `rank`'s rows of the fused projection from full q/k/v weights or biases:
+    [q heads of rank | its k heads | its v heads], so that q, k and v are plain views of the output."""
     rest, d = q.shape[1:], head_dim
-    kv_heads = kv_heads_of_rank(num_kv_heads, p, rank)
-    heads_per_rank = num_heads // p
-    q_heads = q.reshape(num_heads, d, *rest)[rank * heads_per_rank:(rank + 1) * heads_per_rank]
-    q_heads = q_heads.reshape(len(kv_heads), heads_per_rank // len(kv_heads), d, *rest)
-    index = torch.tensor(kv_heads, device=q.device)
-    k_heads = k.reshape(num_kv_heads, d, *rest).index_select(0, index).unsqueeze(1)
-    v_heads = v.reshape(num_kv_heads, d, *rest).index_select(0, index).unsqueeze(1)
-    return torch.cat([q_heads, k_heads, v_heads], dim=1).reshape(-1, *rest)
+    index = torch.tensor(kv_heads_of_rank(num_kv_heads, p, rank), device=q.device)
+    q_rows = column_shard(q, p, rank)
+    k_rows = k.reshape(num_kv_heads, d, *rest).index_select(0, index).reshape(-1, *rest)
+    v_rows = v.reshape(num_kv_heads, d, *rest).index_select(0, index).reshape(-1, *rest)
+    return torch.cat([q_rows, k_rows, v_rows])
 
 
 def unfuse_qkv(shards: list[torch.Tensor], num_heads: int, num_kv_heads: int,
                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full q, k, v from every rank's fused rows (p = len(shards))."""
     p, rest, d = len(shards), shards[0].shape[1:], head_dim
-    kv_per_rank = len(kv_heads_of_rank(num_kv_heads, p, 0))
-    queries_per_group = num_heads // p // kv_per_rank
+    q_rows, kv_rows = num_heads // p * d, len(kv_heads_of_rank(num_kv_heads, p, 0)) * d
     q_parts = []
     k = shards[0].new_empty((num_kv_heads, d, *rest))
     v = shards[0].new_empty((num_kv_heads, d, *rest))
     for rank, shard in enumerate(shards):
-        groups = shard.reshape(kv_per_rank, queries_per_group + 2, d, *rest)
-        q_parts.append(groups[:, :queries_per_group].reshape(-1, *rest))
+        q_part, k_part, v_part = shard.split([q_rows, kv_rows, kv_rows])
+        q_parts.append(q_part)
         for local, head in enumerate(kv_heads_of_rank(num_kv_heads, p, rank)):
-            k[head], v[head] = groups[local, queries_per_group], groups[local, queries_per_group + 1]
+            k[head], v[head] = k_part[local * d:(local + 1) * d], v_part[local * d:(local + 1) * d]
     return torch.cat(q_parts), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def grouped_to_blocked_qkv(shard: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                           p: int) -> torch.Tensor:
+    """A fused shard in checkpoint format 1's per-group row order, [q heads | k | v] per local k/v
+    head, reordered to today's [all q | all k | all v] (the same rows: a permutation)."""
+    kv_per_rank = len(kv_heads_of_rank(num_kv_heads, p, 0))
+    queries_per_group = num_heads // p // kv_per_rank
+    groups = shard.reshape(kv_per_rank, queries_per_group + 2, head_dim, *shard.shape[1:])
+    q, k, v = groups.split([queries_per_group, 1, 1], dim=1)
+    return torch.cat([t.reshape(-1, *shard.shape[1:]) for t in (q, k, v)])
 
 
 def fuse_gated(gate: torch.Tensor, up: torch.Tensor, p: int, rank: int) -> torch.Tensor:

@@ -16,8 +16,10 @@ from typing import Any, Literal
 
 import yaml
 
+from ..tensor_parallel.overlap import OVERLAP_COMM
 from ..transformer.model_config import ModelConfig
-from .config_checks import ConfigError, check_data_source, check_names, check_ranges, check_resume
+from .config_checks import (ConfigError, check_compile, check_data_source, check_names, check_ranges,
+                            check_resume)
 from .config_loading import apply_override, build_dataclass, read_yaml_file
 from .tokenizer import tokenizer_vocab_size
 
@@ -30,9 +32,12 @@ __all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "Mo
 class ParallelConfig:
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
+    overlap_comm: bool = OVERLAP_COMM  # column-parallel backward: dX's collective overlaps the dW GEMM
+    comm_chunks: int = 1  # row-parallel forward in k pieces along s: k collectives, each overlapping the next GEMM
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, else gloo
     timeout_s: float = 600.0
     debug_collectives: bool = False  # record and cross-check every collective (slow; see the README)
+    zero_stage: int = 1  # 1: AdamW state sharded across data-parallel ranks (ZeRO-1); 0: every rank holds all of it
 
     RENAMED = {"backend": "distributed_backend"}  # 0.1.0's name, still read with a warning
 
@@ -94,6 +99,7 @@ class LoggingConfig:
     log_interval: int = 10
     progress_bar: bool = True
     tensorboard: bool = True  # used when tensorboard is installed
+    peak_tflops: float | None = None  # MFU's denominator per device; null: known GPU's bf16 peak, else measured GEMM
 
 
 @dataclass
@@ -121,6 +127,7 @@ class PretrainConfig:
         check_names(self)
         check_data_source(self.data.source)
         check_resume(self.checkpoint.resume)
+        check_compile(self.model)
         p, m, t = self.parallel.tensor_parallel_size, self.model, self.training
         if world_size < 1:
             raise ValueError(f"the world size {world_size} (WORLD_SIZE) must be >= 1: launch with torchrun.")

@@ -78,6 +78,9 @@ RANGES: dict[str, Range] = {
     "model.init_std": Range(0, low_open=True, meaning="the standard deviation of the initial weights"),
     "parallel.tensor_parallel_size": COUNT,
     "parallel.timeout_s": Range(0, MAX_TIMEOUT_S, low_open=True, meaning="seconds a collective may wait"),
+    "parallel.comm_chunks": Range(1, meaning="pieces of each row-parallel GEMM along s; 1: one collective"),
+    "parallel.zero_stage": Range(0, 1, meaning="0: every data-parallel rank holds the whole optimizer state; "
+                                               "1: it is sharded across them (ZeRO-1)"),
     "data.val_fraction": Range(0, 1, low_open=True, high_open=True,
                                meaning="the share of tokens held out; both splits must be non-empty"),
     "data.max_bytes": Range(1, null="the whole corpus"),
@@ -103,6 +106,8 @@ RANGES: dict[str, Range] = {
     "checkpoint.interval": COUNT,
     "checkpoint.keep_last": Range(1, meaning="the checkpoint just written is always kept"),
     "logging.log_interval": COUNT,
+    "logging.peak_tflops": Range(0, low_open=True, null="the GPU's bf16 peak by name, else a measured GEMM rate",
+                                 meaning="the device's peak TFLOP/s that MFU divides by"),
 }
 
 
@@ -152,6 +157,14 @@ def check_resume(where: str, key: str = "checkpoint.resume") -> None:
         raise ConfigError(f"{key}={where!r} {state}: give 'auto' (the newest complete checkpoint of "
                           f"logging.run_dir), 'none', or a complete step directory such as "
                           f"<run_dir>/checkpoints/step_0000100.")
+
+
+def check_compile(model: Any) -> None:
+    """model.compile with layout-invariant dropout: inductor cannot compile its 64-bit mask hash (integer overflow
+    in the generated code), so the combination is refused instead of failing at the first step."""
+    if model.compile and model.dropout_rng == "layout_invariant" and (model.hidden_dropout or model.attention_dropout):
+        raise ConfigError("model.compile=true cannot compile model.dropout_rng='layout_invariant' dropout: set "
+                          "--model.compile=false, --model.dropout_rng=per_rank, or the dropouts to 0.")
 
 
 def check_names(cfg: Any) -> None:

@@ -1,6 +1,7 @@
-"""Gradient reductions of a training step beyond the tensor-parallel ones (see finalize_grads).
+"""The global gradient norm and clipping, after every reduction of a step (the data-parallel average runs
+inside the backward, `data_parallel`; the tensor-parallel partial sums in `finalize_grads`).
 
-- `all_reduce_data_parallel`: average gradients across data-parallel replicas in flat buckets.
+- `all_reduce_data_parallel`: the data-parallel average in flat buckets after the backward (the guarded path).
 - `global_grad_norm`: the norm of the whole model's gradient with each parameter counted once,
   read off the declared parameter kinds: sharded parameters add up across the tensor-parallel
   group, replicated ones count on its first rank, and partial rows shared by several ranks (k/v
@@ -19,7 +20,9 @@ from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_siz
 
 @torch.no_grad()
 def all_reduce_data_parallel(params: list[nn.Parameter], group: ProcessGroup | None, bucket_mb: float = 64) -> int:
-    """Average `.grad` across the data-parallel group; returns the number of all-reduces issued."""
+    """Average `.grad` across the data-parallel group in flat buckets, after the backward, through `collectives`;
+    returns the number of all-reduces issued. Training uses DDP; this is the path of parallel.debug_collectives
+    (see data_parallel.ReducedAfterBackward)."""
     world = group_size(group)
     if world == 1:
         return 0

@@ -3,12 +3,13 @@
 Only global rank 0 creates a `MetricsLogger`; the other ranks stay silent. The console shows one
 of two displays, chosen once at construction:
 
-- `TqdmBar`: a tqdm progress bar (loss, tokens/s, ETA, MFU when records carry `mfu`), when
+- `TqdmBar`: a tqdm progress bar (loss, tokens/s, ETA, TFLOP/s and MFU when records carry them), when
   `logging.progress_bar` is true and stderr is a terminal;
 - `PlainLines`: one line per logged step, `[###---] step N/M loss X T tok/s ETA Ss [val V]`, otherwise
   (a log file, CI, tests and scripts parse these lines, so their format stays fixed).
 
-A record's `mfu` is the model FLOPs utilisation as a fraction of the hardware peak (0.42 = 42%).
+A record's `tflops` is the achieved model TFLOP/s per device and `mfu` the model FLOPs utilisation as a
+fraction of the device's peak (0.42 = 42%); `flops.py` says what is counted.
 
 metrics.jsonl holds at most one row per step, each valid JSON: a non-finite value (a diverged loss)
 is written as `null`. A run opened at step N (a fresh run at 0, a resumed one at its checkpoint's
@@ -28,8 +29,11 @@ from typing import TextIO
 
 
 def _extras(record: dict) -> list[str]:
-    """MFU and validation loss, when the record has them, as `mfu 42.0%` / `val 2.3456`."""
+    """Model TFLOP/s per device, MFU and validation loss, when the record has them, as
+    `12.3 TFLOP/s` / `mfu 42.0%` / `val 2.3456`."""
     parts = []
+    if "tflops" in record:
+        parts.append(f"{record['tflops']:.3g} TFLOP/s")
     if "mfu" in record:
         parts.append(f"mfu {record['mfu']:.1%}")
     if "val_loss" in record:

@@ -1,4 +1,5 @@
-"""AdamW with weight-decay groups, and the warm-up + cosine learning-rate schedule."""
+"""AdamW with weight-decay groups (its state sharded across data-parallel ranks with zero_stage 1), and the
+warm-up + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -7,18 +8,27 @@ import math
 import torch
 from torch import nn
 
+from ..tensor_parallel.parallel_state import ProcessGroup, group_size
 from .config import OptimizerConfig, ScheduleConfig
+from .sharded_optimizer import sharded_adamw
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """Matrices (linear and embedding weights) decay; biases, norms and other vectors do not."""
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, dp_group: ProcessGroup | None = None,
+                    zero_stage: int = 0) -> torch.optim.Optimizer:
+    """Matrices (linear and embedding weights) decay; biases, norms and other vectors do not.
+
+    zero_stage 1 with more than one data-parallel rank: the state is sharded across `dp_group` (torch's
+    ZeroRedundancyOptimizer, `sharded_optimizer`); otherwise every rank holds all of it."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach=False keeps the update order fixed, so a resumed run repeats the same float operations
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    if zero_stage == 1 and group_size(dp_group) > 1:
+        return sharded_adamw(groups, dp_group, **adamw)
+    return torch.optim.AdamW(groups, **adamw)
 
 
 def learning_rate(step: int, max_steps: int, opt: OptimizerConfig, schedule: ScheduleConfig) -> float:

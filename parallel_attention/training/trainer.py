@@ -2,11 +2,12 @@
 
 Tensor parallelism p x data parallelism world/p, from a PretrainConfig. One step: the global batch
 of `step` (a pure function of seed and step) split over the data-parallel ranks and into
-micro-batches; forward/backward per micro-batch; finalize_grads (tensor-parallel partial
-gradients); data-parallel gradient average; global norm, clipping, AdamW, unless the divergence guard
-skips or stops the step. After a step: evaluate, log, stop on divergence, audit the replicated parameters
-(every `training.audit_interval` steps and before each checkpoint), checkpoint (every `checkpoint.interval`
-steps, at the end and on SIGTERM), stop. Resume is exact.
+micro-batches; forward/backward per micro-batch through DDP (the data-parallel gradient average runs
+during the last micro-batch's backward); finalize_grads (tensor-parallel partial gradients); global
+norm, clipping, AdamW (its state sharded across data-parallel ranks at zero_stage 1), unless the
+divergence guard skips or stops the step. After a step: evaluate, log, stop on divergence, audit the
+replicated parameters (every `training.audit_interval` steps and before each checkpoint), checkpoint
+(every `checkpoint.interval` steps, at the end and on SIGTERM), stop. Resume is exact.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ from ..transformer.cross_entropy import IGNORE_INDEX
 from ..transformer.model import GPTModel
 from .config import PretrainConfig
 from .config_checks import check_resume
+from .compile import compile_layers
 from .divergence import DivergenceGuard, check_parameters_finite
+from .flops import step_rates
 from .guards import check_config_agreement, check_replicas
 from .batches import GlobalBatchSampler, validation_batches
 from .data import TokenDataset, ensure_prepared
-from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
+from .data_parallel import reduce_gradients, wrap_data_parallel
+from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, learning_rate, set_learning_rate
@@ -58,11 +62,12 @@ class Run:
 
     cfg: PretrainConfig
     device: torch.device
-    model: GPTModel
+    model: GPTModel  # the raw model: checkpoints, norms, audit and evaluation read it
     optimizer: torch.optim.Optimizer
     scaler: DynamicLossScaler
     sampler: GlobalBatchSampler
     val_batches: list
+    data_parallel_model: torch.nn.Module | None = None  # the training forward: DDP over the dp group, or `model`
     step: int = 0
     logger: MetricsLogger | None = None
     losses: dict[int, float] = field(default_factory=dict)
@@ -72,6 +77,8 @@ class Run:
 
     def __post_init__(self) -> None:
         self.guard = DivergenceGuard(self.scaler, self.cfg.training.max_skipped_steps, self.cfg.training.dtype)
+        if self.data_parallel_model is None:
+            self.data_parallel_model = self.model
 
     @property
     def run_dir(self) -> Path:
@@ -133,11 +140,17 @@ def build(cfg: PretrainConfig) -> Run:
     sampler, val_data = build_data(cfg)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     manual_seed(cfg.training.seed)
-    model = GPTModel(cfg.model, cfg.parallel.sequence_parallel, device=device)
+    model = GPTModel(cfg.model, cfg.parallel.sequence_parallel, device=device, overlap_comm=cfg.parallel.overlap_comm,
+                     comm_chunks=cfg.parallel.comm_chunks)
+    if cfg.model.compile:
+        compile_layers(model)
     val_batches = validation_batches(val_data, cfg.data.seq_len, cfg.training.micro_batch_size,
                                      cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size)
     scaler = DynamicLossScaler(enabled=device.type == "cuda" and cfg.training.dtype == "float16")
-    return Run(cfg, device, model, build_optimizer(model, cfg.optimizer), scaler, sampler, val_batches)
+    dp_group = ps.get_data_parallel_group()
+    optimizer = build_optimizer(model, cfg.optimizer, dp_group, cfg.parallel.zero_stage)
+    return Run(cfg, device, model, optimizer, scaler, sampler, val_batches,
+               data_parallel_model=wrap_data_parallel(model, dp_group, cfg.parallel.debug_collectives))
 
 
 def resume_run(run: Run, where: str) -> None:
@@ -177,16 +190,18 @@ def _forward_backward(run: Run) -> torch.Tensor:
     """Every micro-batch of this rank's share of the step's global batch; returns the summed loss.
 
     Each runs inside its dropout coordinates (seed, step, index of its first row in the global batch):
-    layout-invariant dropout hashes its masks from them."""
+    layout-invariant dropout hashes its masks from them. Only the last one reduces gradients across the
+    data-parallel group (during its backward); the others accumulate locally."""
     t = run.cfg.training
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro_batches = run.sampler.local_micro_batches(run.step, dp_rank, dp_size, t.micro_batch_size)
-    loss_sum = torch.zeros((), device=run.device)
+    loss_sum, forward = torch.zeros((), device=run.device), run.data_parallel_model
     for i, (tokens, labels) in enumerate(micro_batches):
         first_sample = dp_rank * (t.global_batch_size // dp_size) + i * t.micro_batch_size
-        with dropout_coordinates(t.seed, run.step, first_sample):
+        with dropout_coordinates(t.seed, run.step, first_sample), \
+                reduce_gradients(forward, reduce=i == len(micro_batches) - 1):
             with _autocast(run.cfg, run.device):
-                loss = run.model(tokens.to(run.device), labels.to(run.device)) / len(micro_batches)
+                loss = forward(tokens.to(run.device), labels.to(run.device)) / len(micro_batches)
             run.scaler.scale_loss(loss).backward()
         loss_sum += loss.detach().float()
     return loss_sum
@@ -199,8 +214,7 @@ def train_step(run: Run) -> dict:
     set_learning_rate(run.optimizer, lr)
     run.optimizer.zero_grad(set_to_none=True)
     loss_sum = _forward_backward(run)
-    finalize_grads(run.model)
-    all_reduce_data_parallel(list(run.model.parameters()), ps.get_data_parallel_group())
+    finalize_grads(run.model)  # after the data-parallel average of the backward: the two commute
     run.scaler.unscale(run.model.parameters())
     grad_norm = global_grad_norm(run.model, ps.get_tensor_model_parallel_group())
     loss = _mean_over(loss_sum, ps.get_data_parallel_group())
@@ -211,7 +225,7 @@ def train_step(run: Run) -> dict:
     run.losses[run.step] = loss
     return {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
             "skipped_steps": run.guard.skipped_steps,
-            "tokens_per_s": run.tokens_per_step / (time.perf_counter() - started)}
+            **step_rates(run.cfg, run.device, run.tokens_per_step, time.perf_counter() - started)}
 
 
 def checkpoint(run: Run) -> None:

@@ -4,10 +4,10 @@ Shape legend: s sequence, b batch, h hidden, p tensor-parallel size, nh heads, n
 (query groups), d head dim; nhl = nh/p and nkvl = max(nkv/p, 1) heads on this rank.
 
     x [s, b, h]                       (sequence_parallel: [s/p, b, h], chunks in rank order)
-      | query_key_value: ColumnParallelLinear h -> (nh + 2 nkv) d, split by query group
+      | query_key_value: ColumnParallelLinear h -> (nh + 2 nkv) d, each rank the rows of its heads
       |   fwd identity / bwd all-reduce  (SP: fwd all-gather s / bwd reduce-scatter s)
-    mixed [s, b, nkvl * (nh/nkv + 2) * d]   per local group g: [q_g,1 .. q_g,nh/nkv | k_g | v_g]
-      | split; rotary on q, k (optional)
+    mixed [s, b, (nhl + 2 nkvl) * d]  [this rank's q heads | its k heads | its v heads]
+      | split: q, k, v are views of mixed (no copy); rotary on q, k (optional)
     q [b, nhl, s, d], k, v [b, nkvl, s, d]
       | local attention (SDPA / math / apex), dropout from the tensor-parallel generator
       |   (dropout_rng='layout_invariant': explicit probabilities, masks hashed from global coordinates)
@@ -18,6 +18,11 @@ Shape legend: s sequence, b batch, h hidden, p tensor-parallel size, nh heads, n
 
 Rank r owns query heads r*nhl .. (r+1)*nhl - 1. When p > nkv, p/nkv consecutive ranks share
 k/v head r // (p/nkv), each holding a replica; finalize_grads() sums the replicas' gradients.
+
+Memory: the kernel saves q, k, v for backward. As views they keep exactly `mixed` alive, which holds
+nothing else. With rotary, q and k are new tensors, so v is copied (nkvl d columns) rather than keep all
+of `mixed` alive for it. Checkpoint format 1 held the rows per group ([q heads | k | v] per k/v head):
+under GQA q then needed a copy and k, v views kept the copied rows alive too (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -35,9 +40,16 @@ from ..tensor_parallel.collectives import all_gather_along_dim
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 from .rotary import build_position_embedding
 
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class ParallelSelfAttention(nn.Module):
     def __init__(self, config: AttentionConfig, tp_group: ProcessGroup | None = None, device=None,
-                 layer_number: int = 0) -> None:
+                 layer_number: int = 0, recompute_core: bool = False) -> None:
+        """recompute_core: recompute softmax(q k^T) v in backward instead of keeping what the kernel saves
+        (selective recomputation; q, k, v and the projections' outputs are kept)."""
         super().__init__()
         self.config = config
         self.tp_group = resolve_tp_group(tp_group)
@@ -49,15 +61,19 @@ class ParallelSelfAttention(nn.Module):
         qkv_per_rank = (self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank) * d
         common = dict(sequence_parallel=config.sequence_parallel, init_std=None, tp_group=self.tp_group,
                       device=device, dtype=config.params_dtype)
-        self.query_key_value = ColumnParallelLinear(h, qkv_per_rank * self.tp_size, bias=config.qkv_bias, **common)
+        self.query_key_value = ColumnParallelLinear(h, qkv_per_rank * self.tp_size, bias=config.qkv_bias,
+                                                    overlap_comm=config.overlap_comm, **common)
         self.dense = RowParallelLinear(config.num_heads * d, h, bias=config.out_bias, input_is_parallel=True,
-                                       **common)
+                                       comm_chunks=config.comm_chunks, **common)
         # under sequence parallelism the input is this rank's [s/p, b, h] chunk of the sequence
         self._sequence_chunks = self.tp_size if config.sequence_parallel else 1
         self._input_hint = " (sequence parallel: this rank's [s/p, b, h] chunk)" if config.sequence_parallel else ""
         # layer_number and this rank's first global head name its dropout masks (dropout_rng='layout_invariant')
-        self.core_attention = build_core_attention(config, self.tp_rank * self.num_heads_per_rank, layer_number)
+        self.core_attention = build_core_attention(config, self.tp_rank * self.num_heads_per_rank, layer_number,
+                                                   recompute_core)
         self.position_embedding = build_position_embedding(config)
+        # rotary makes q, k new tensors: a copy of v then frees mixed after the forward (module docstring)
+        self._own_values = torch.Tensor.contiguous if config.rotary else _as_is
         self.load_canonical_state_dict(self._initial_canonical_weights(device))
 
     # ----------------------------------------------------------------------------- weights
@@ -161,14 +177,14 @@ class ParallelSelfAttention(nn.Module):
 
     def _project(self, x: torch.Tensor, s: int, position_ids, offset: int):
         """Fused QKV projection, split per local group, positions applied: q, k, v as [b, heads, s, d]."""
-        d, qpg = self.config.head_dim, self.queries_per_group
-        mixed = self.query_key_value(x)  # [s, b, nkvl * (qpg + 2) * d]
+        d, nhl, nkvl = self.config.head_dim, self.num_heads_per_rank, self.num_kv_heads_per_rank
+        mixed = self.query_key_value(x)  # [s, b, (nhl + 2 nkvl) d]
         b = mixed.shape[1]
         # split, not three slices: its backward is one concatenation instead of three zero-filled
         # buffers of the fused size added together (measured: ~3% of a CPU step, docs/benchmarks.md)
-        q, k, v = mixed.view(s, b, self.num_kv_heads_per_rank, qpg + 2, d).split([qpg, 1, 1], dim=3)
-        q, k = self.position_embedding(q.reshape(s, b, self.num_heads_per_rank, d), k.squeeze(3), position_ids, offset)
-        return tuple(t.permute(1, 2, 0, 3) for t in (q, k, v.squeeze(3)))
+        q, k, v = (t.view(s, b, -1, d) for t in mixed.split([nhl * d, nkvl * d, nkvl * d], dim=-1))
+        q, k = self.position_embedding(q, k, position_ids, offset)
+        return tuple(t.permute(1, 2, 0, 3) for t in (q, k, self._own_values(v)))
 
     def _output(self, context: torch.Tensor) -> torch.Tensor:
         """context [b, nhl, s, d] -> dense (row-parallel) -> [s, b, h] (SP: [s/p, b, h])."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tensor_parallel.overlap import OVERLAP_COMM
 from .apex_kernels import apex_available
 
 ATTENTION_KERNELS = ("auto", "sdpa", "math", "apex")
@@ -35,6 +36,10 @@ class AttentionConfig:
     params_dtype: torch.dtype = torch.float32
     attention_kernel: str = "auto"  # auto (= sdpa), sdpa, math or apex
     backend: str | None = None  # deprecated name of attention_kernel (0.1.0), still accepted
+    # communication (runtime-only: parallel.overlap_comm / comm_chunks of a run config), last so that
+    # positional arguments keep their meaning
+    overlap_comm: bool = OVERLAP_COMM  # QKV backward: dX's collective runs while dW is computed
+    comm_chunks: int = 1  # output projection in k pieces along s: k collectives forward, overlapped with the GEMM
 
     def __post_init__(self) -> None:
         if self.backend is not None:
@@ -83,6 +88,9 @@ class AttentionConfig:
             raise ValueError(
                 f"AttentionConfig: dropout_rng={self.dropout_rng!r} is unknown; choose one of {', '.join(DROPOUT_RNGS)}."
             )
+        if not isinstance(self.comm_chunks, int) or isinstance(self.comm_chunks, bool) or self.comm_chunks < 1:
+            raise ValueError(f"AttentionConfig: comm_chunks={self.comm_chunks!r} must be a positive integer "
+                             "(1: one collective per projection).")
         if not self.rope_theta > 0:
             raise ValueError(f"AttentionConfig: rope_theta={self.rope_theta!r} must be positive.")
         if not self.init_std > 0:

@@ -9,6 +9,8 @@ row with no key to attend outputs zeros in every backend.
 `CoreAttention` runs the kernel inside the tensor-parallel generator; `LayoutInvariantCoreAttention`
 computes explicit probabilities in training and drops them with a mask hashed from the global
 coordinates (sample, head, query, key), so every layout drops the same probabilities.
+With `recompute=True` (model.recompute_granularity='selective') it wraps either in
+`RecomputedCoreAttention`: softmax(q k^T) v is recomputed in backward, its dropout masks replayed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel.rng import current_dropout_coordinates, tensor_parallel_rng
+from ..tensor_parallel.rng import checkpoint_with_tp_rng, current_dropout_coordinates, tensor_parallel_rng
 from .apex_kernels import fused_softmax_module
 from .attention_config import AttentionConfig
 from .dropout import DropoutSite, hashed_dropout
@@ -176,9 +178,29 @@ class LayoutInvariantCoreAttention(CoreAttention):
         return torch.matmul(hashed_dropout(probs, keep, self.dropout_p), v)
 
 
-def build_core_attention(config: AttentionConfig, head_offset: int, layer: int) -> CoreAttention:
-    """The core attention `config.dropout_rng` asks for; `head_offset` is this rank's first global head."""
+class RecomputedCoreAttention(nn.Module):
+    """Selective recomputation (Korthikanti et al. 2022): keep q, k, v (the projections' outputs), drop what
+    the kernel saves (the s x s probabilities and dropout masks of the math path; SDPA's output and logsumexp)
+    and recompute it in backward. The tensor-parallel generator and the dropout coordinates are replayed,
+    so dropout draws the same masks (`checkpoint_with_tp_rng`, as full-layer recomputation does)."""
+
+    def __init__(self, core: CoreAttention) -> None:
+        super().__init__()
+        self.core = core
+
+    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        if not (self.training and torch.is_grad_enabled()):  # nothing to save: run it plainly
+            return self.core(q, k, v, mask, causal)
+        return checkpoint_with_tp_rng(self.core, q, k, v, mask, causal)
+
+
+def build_core_attention(config: AttentionConfig, head_offset: int, layer: int,
+                         recompute: bool = False) -> nn.Module:
+    """The core attention `config.dropout_rng` asks for; `head_offset` is this rank's first global head;
+    `recompute`: recomputed in backward (selective recomputation)."""
     if config.dropout_rng == "layout_invariant" and config.attention_dropout > 0:
-        return LayoutInvariantCoreAttention(config.attention_kernel, config.attention_dropout, config.num_heads,
+        core = LayoutInvariantCoreAttention(config.attention_kernel, config.attention_dropout, config.num_heads,
                                             head_offset, layer)
-    return CoreAttention(config.attention_kernel, config.attention_dropout)
+    else:
+        core = CoreAttention(config.attention_kernel, config.attention_dropout)
+    return RecomputedCoreAttention(core) if recompute else core

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..tensor_parallel import collectives, sharding
 from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
+from ..tensor_parallel.overlap import OVERLAP_COMM
 from ..tensor_parallel.param_kinds import Partial, Replicated, Sharded, parameter_kinds
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 from ..tensor_parallel.rng import checkpoint_with_tp_rng
@@ -38,16 +39,17 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool, tp_group: ProcessGroup | None, device, dtype,
-                 layer_number: int = 0):
+                 layer_number: int = 0, **communication):
+        """`communication`: overlap_comm and comm_chunks of the parallel linears (their defaults when left out)."""
         super().__init__()
         norm = lambda: build_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sequence_parallel,  # noqa: E731
                                   tp_group, device, dtype)
         self.input_norm = norm()
-        self.attention = ParallelSelfAttention(cfg.attention_config(sequence_parallel, dtype), tp_group, device,
-                                               layer_number)
+        self.attention = ParallelSelfAttention(cfg.attention_config(sequence_parallel, dtype, **communication),
+                                               tp_group, device, layer_number, _recomputes_core(cfg))
         self.post_attention_norm = norm()
         self.mlp = ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
-                               sequence_parallel, cfg.init_std, tp_group, device, dtype)
+                               sequence_parallel, cfg.init_std, tp_group, device, dtype, **communication)
         dropout = lambda site: build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng,  # noqa: E731
                                                     sequence_parallel, tp_group, layer_number, site)
         self.attention_output_dropout = dropout(DropoutSite.ATTENTION_OUTPUT)
@@ -63,6 +65,13 @@ class TransformerLayer(nn.Module):
         return x + self.mlp_output_dropout(self.mlp(self.post_attention_norm(x)))
 
 
+def _recomputes_core(cfg: ModelConfig) -> bool:
+    """Selective recomputation: only the attention core is recomputed (model.recompute_granularity)."""
+    if cfg.recompute_granularity not in ("full", "selective"):
+        raise ValueError(f"recompute_granularity={cfg.recompute_granularity!r} is unknown; choose full or selective.")
+    return cfg.recompute_activations and cfg.recompute_granularity == "selective"
+
+
 def _run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return layer(x)
 
@@ -76,7 +85,9 @@ def _run_layer_recomputed(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False, tp_group: ProcessGroup | None = None,
-                 device=None, dtype: torch.dtype = torch.float32) -> None:
+                 device=None, dtype: torch.dtype = torch.float32, overlap_comm: bool = OVERLAP_COMM,
+                 comm_chunks: int = 1) -> None:
+        """overlap_comm, comm_chunks: runtime-only communication settings of the parallel linears (parallel.*)."""
         super().__init__()
         self.config, self.sequence_parallel = cfg, sequence_parallel
         self.tp_group = resolve_tp_group(tp_group)
@@ -94,18 +105,20 @@ class GPTModel(nn.Module):
             self.embed_positions = nn.Parameter(self._normal((cfg.max_seq_len, h), std, device, dtype))
         self.embedding_dropout = build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng, sequence_parallel,
                                                       self.tp_group, 0, DropoutSite.EMBEDDING)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, sequence_parallel, self.tp_group, device, dtype, i)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, sequence_parallel, self.tp_group, device, dtype, i,
+                                                     overlap_comm=overlap_comm, comm_chunks=comm_chunks)
                                     for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.norm, h, cfg.norm_eps, sequence_parallel, self.tp_group, device, dtype)
         if cfg.tie_embeddings:  # no parameter of its own: nothing of it in the state dict
-            self.lm_head = TiedOutputLayer(self.embed_tokens, sequence_parallel)
+            self.lm_head = TiedOutputLayer(self.embed_tokens, sequence_parallel, overlap_comm)
         else:
             self.lm_head = ColumnParallelLinear(h, self.padded_vocab_size, bias=False, init_std=None,
                                                 sequence_parallel=sequence_parallel, tp_group=self.tp_group,
-                                                device=device, dtype=dtype)
+                                                device=device, dtype=dtype, overlap_comm=overlap_comm)
             self._load_vocab_rows(self.lm_head.weight, self._normal((cfg.vocab_size, h), std, device, dtype))
         self._positions = self._my_positions if sequence_parallel else self._all_positions
-        self._run_layer = _run_layer_recomputed if cfg.recompute_activations else _run_layer
+        full = cfg.recompute_activations and cfg.recompute_granularity == "full"  # selective: TransformerLayer
+        self._run_layer = _run_layer_recomputed if full else _run_layer
 
     @staticmethod
     def _normal(shape, std, device, dtype) -> torch.Tensor:

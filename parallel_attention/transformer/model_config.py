@@ -42,6 +42,10 @@ class ModelConfig:
     dropout_rng: Literal["per_rank", "layout_invariant"] = "per_rank"
     init_std: float = 0.02
     recompute_activations: bool = False
+    # what recompute_activations recomputes: the whole layer (keeps its input only) or the attention core
+    # softmax(q k^T) v (keeps the projections' outputs); runtime-only, like dropout
+    recompute_granularity: Literal["full", "selective"] = "full"
+    compile: bool = False  # torch.compile (inductor) each transformer layer; runtime-only, like dropout
     attention_kernel: Literal["auto", "sdpa", "math", "apex"] = "auto"
 
     # keys renamed since 0.1.0: still read (configs and checkpoints in users' hands), with a warning
@@ -57,15 +61,16 @@ class ModelConfig:
             raise ValueError(f"unknown model config key(s) {unknown}; known: {sorted(names)}.")
         return cls(**data)
 
-    def attention_config(self, sequence_parallel: bool = False,
-                         params_dtype: torch.dtype = torch.float32) -> AttentionConfig:
+    def attention_config(self, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                         **communication) -> AttentionConfig:
+        """`communication`: the runtime-only overlap_comm / comm_chunks (parallel.*; AttentionConfig's defaults)."""
         return AttentionConfig(
             hidden_size=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, qkv_bias=self.qkv_bias, out_bias=self.out_bias,
             attention_dropout=self.attention_dropout, dropout_rng=self.dropout_rng, causal=True,
             rotary=self.position_embedding == "rotary", rope_theta=self.rope_theta,
             sequence_parallel=sequence_parallel, init_std=self.init_std, attention_kernel=self.attention_kernel,
-            params_dtype=params_dtype,
+            params_dtype=params_dtype, **communication,
         )
 
     def resolved_ffn_hidden_size(self) -> int:

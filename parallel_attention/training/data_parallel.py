@@ -1,0 +1,81 @@
+"""Data-parallel gradient reduction: torch's DistributedDataParallel over the data-parallel group.
+
+    micro-batch 1 .. n-1   forward + backward under no_sync(): gradients accumulate locally, no collective
+    micro-batch n          forward + backward: each bucket (~bucket_cap_mb, parameters in reverse order of
+                           registration) is all-reduced and averaged over the dp ranks from the autograd hooks
+                           as soon as its last gradient is ready, overlapping the rest of the backward
+
+Under `parallel.debug_collectives` the model is wrapped in `ReducedAfterBackward` instead: the same average,
+in flat buckets after the last micro-batch's backward, through `collectives`, where the guard records and
+cross-checks it (DDP's C++ reducer bypasses the guard, and torch 2.13's DDP crashes on the gloo groups that
+TORCH_DISTRIBUTED_DEBUG=DETAIL wraps). Slower, never overlapped: a debugging path.
+
+DDP shares the model's parameters: everything but the training forward (checkpoints, the global norm, the
+replica audit, evaluation) keeps using the raw model. The average runs over the data-parallel group only;
+`finalize_grads` sums partial gradients over the tensor-parallel group afterwards, and the two commute (both
+are linear, over disjoint groups). At dp = 1 there is no wrapper and no collective. DDP's hooks and its
+one-off parameter check and broadcast at construction are torch's own documented engine, not hidden
+collectives of this package (STYLE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..tensor_parallel.parallel_state import ProcessGroup, group_size
+from .gradients import all_reduce_data_parallel
+
+BUCKET_CAP_MB = 25  # DDP's default: small enough that the first buckets start early in the backward
+# parameters are the same on every dp rank and buffers are never trained: no buffer broadcast per forward
+# (torch >= 2.13 spells it forward_sync_buffers; broadcast_buffers is the older, deprecated name)
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                   inspect.signature(DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False})
+
+
+def wrap_data_parallel(model: nn.Module, group: ProcessGroup | None, debug_collectives: bool = False,
+                       bucket_cap_mb: float = BUCKET_CAP_MB) -> nn.Module:
+    """What the training forward runs through: DDP over `group` when it has more than one rank (ReducedAfterBackward
+    under debug_collectives), else `model`.
+
+    gradient_as_bucket_view: the gradients are views into DDP's buckets (no copy in and out of them), which
+    clipping and the optimizer read and scale in place like any gradient.
+    """
+    if group_size(group) == 1:
+        return model
+    if debug_collectives:
+        return ReducedAfterBackward(model, group)
+    return DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
+                                   gradient_as_bucket_view=True, **_NO_BUFFER_SYNC)
+
+
+class ReducedAfterBackward(nn.Module):
+    """The data-parallel average after the backward of a step's last micro-batch, through `collectives`."""
+
+    def __init__(self, module: nn.Module, group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.module, self.group = module, group
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # gradients only accumulate until sync()
+
+    @contextlib.contextmanager
+    def sync(self):
+        yield
+        all_reduce_data_parallel(list(self.module.parameters()), self.group)
+
+
+def reduce_gradients(module: nn.Module, reduce: bool) -> contextlib.AbstractContextManager:
+    """The context of one micro-batch's forward and backward: DDP's no_sync() unless `reduce` (the last
+    micro-batch of a step), so that accumulation micro-batches issue no collective."""
+    if reduce:  # DDP reduces from its hooks; ReducedAfterBackward when the backward is done
+        sync = getattr(module, "sync", None)
+        return contextlib.nullcontext() if sync is None else sync()
+    no_sync = getattr(module, "no_sync", None)  # only the wrappers have one: nothing to hold back at dp = 1
+    return contextlib.nullcontext() if no_sync is None else no_sync()

@@ -1,0 +1,102 @@
+"""Model FLOPs per token, the device's peak rate, and the two figures a step reports from them.
+
+Model FLOPs (MFU's numerator, as in Megatron-LM and PaLM) count the matrix multiplications the model
+needs, not what the hardware happens to run: activation recompute and the vocabulary padding are not
+counted, and neither are norms, biases, activations, softmax or the embedding lookup.
+
+    flops per token = 6 N + 12 L (nh d) s
+
+- N: the weights of every matrix multiplication a token goes through: per layer the fused QKV projection
+  h (nh + 2 nkv) d, the output projection nh d h and the MLP (2 h f with gelu, 3 h f with SwiGLU), plus
+  the output layer h V (counted even when tied to the embedding: its matmul runs either way). Embedding
+  tables (tokens, learned positions), norms and biases are not in N.
+- 6: 2 FLOPs per multiply-add forward, 4 backward (input and weight gradients).
+- 12 L (nh d) s: attention scores QK^T and the weighted sum AV, 2 s nh d FLOPs each forward per token,
+  times 3 for forward + backward. Causal masking would halve the work a fused kernel does; like Megatron
+  and PaLM we do not halve, so MFU figures compare with theirs.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from ..tensor_parallel import parallel_state as ps
+from ..transformer.model_config import ModelConfig
+from .config import PretrainConfig
+
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' data sheets; the first name
+# contained in torch.cuda.get_device_name() wins, so the more specific names come first.
+GPU_BF16_PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0),
+    ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0),
+    ("A10G", 70.0), ("A10", 125.0),
+)
+
+
+def matmul_weights(cfg: ModelConfig) -> int:
+    """N above: weights of the per-token matrix multiplications (the output layer included)."""
+    h, nh = cfg.hidden_size, cfg.num_heads
+    nkv, d = cfg.num_kv_heads or nh, cfg.head_dim or cfg.hidden_size // nh
+    ffn = cfg.resolved_ffn_hidden_size()
+    attention = h * (nh + 2 * nkv) * d + nh * d * h
+    mlp = (3 if cfg.activation == "swiglu" else 2) * h * ffn
+    return cfg.num_layers * (attention + mlp) + h * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training (forward + backward) model FLOPs per token at sequence length `seq_len`."""
+    nh, d = cfg.num_heads, cfg.head_dim or cfg.hidden_size // cfg.num_heads
+    return 6 * matmul_weights(cfg) + 12 * cfg.num_layers * nh * d * seq_len
+
+
+def gpu_table_peak(name: str) -> float | None:
+    """The dense bf16 peak of a known GPU by its name, else None."""
+    return next((peak for key, peak in GPU_BF16_PEAK_TFLOPS if key in name), None)
+
+
+def measured_gemm_tflops(device: torch.device, seconds: float = 0.2) -> float:
+    """The best rate of repeated square GEMMs over about `seconds` (float32 on CPU, bf16 on GPUs)."""
+    cuda = device.type == "cuda"
+    n, dtype, reps = (4096, torch.bfloat16, 20) if cuda else (512, torch.float32, 4)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    torch.matmul(a, b)  # first call: library initialisation, not timed
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        sync()
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b)
+        sync()
+        best = max(best, reps * 2 * n ** 3 / (time.perf_counter() - start) / 1e12)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_peak(device_type: str, index: int | None) -> float:
+    device = torch.device(device_type, index)
+    if device.type == "cuda":
+        known = gpu_table_peak(torch.cuda.get_device_name(device))
+        if known is not None:
+            return known
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leave the seeded stream alone
+        return measured_gemm_tflops(device)
+
+
+def peak_tflops(configured: float | None, device: torch.device) -> float:
+    """`logging.peak_tflops` if set; else the table's bf16 peak of a known GPU, or a GEMM rate measured
+    once per process (float32 on CPU, bf16 on an unknown GPU)."""
+    if configured is not None:
+        return configured
+    return _auto_peak(device.type, device.index)
+
+
+def step_rates(cfg: PretrainConfig, device: torch.device, tokens_per_step: int, seconds: float) -> dict:
+    """tokens/s of the whole job, achieved model TFLOP/s per device and MFU, for a step's metrics record."""
+    world = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
+    tflops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step / seconds / world / 1e12
+    return {"tokens_per_s": tokens_per_step / seconds, "tflops": tflops,
+            "mfu": tflops / peak_tflops(cfg.logging.peak_tflops, device)}

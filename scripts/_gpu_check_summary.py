@@ -1,0 +1,81 @@
+"""gpu_check.sh's summary: every step's outcome plus the facts each one must show, as one JSON file.
+
+    python scripts/_gpu_check_summary.py LOGS OUT.json     (exit 1 unless every step passed)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _pretrain(logs: Path, dtype: str) -> dict:
+    """Losses finite and falling; for fp16 also the loss scale the checkpoint saved."""
+    run = logs / f"run_{dtype}"
+    rows = [r for r in _rows(run / "metrics.jsonl") if "loss" in r]
+    losses = [r["loss"] for r in rows]
+    facts = {"steps": len(rows), "first_loss": losses[0] if losses else None,
+             "last_loss": losses[-1] if losses else None, "mfu_last": rows[-1].get("mfu") if rows else None,
+             "first_finite_grad_norm": next((r["grad_norm"] for r in rows if r.get("grad_norm") is not None), None)}
+    facts["ok"] = bool(losses) and all(x is not None and math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    manifests = sorted(run.glob("checkpoints/step_*/manifest.json"))
+    if dtype == "fp16":
+        scale = json.loads(manifests[-1].read_text())["extra"]["loss_scaler"]["scale"] if manifests else None
+        facts["loss_scale"] = scale
+        facts["ok"] = facts["ok"] and scale is not None and scale > 1
+    return facts
+
+
+def _junit(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    suite = ET.parse(path).getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def _json(path: Path, keys: tuple[str, ...]) -> dict:
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return {k: data.get(k) for k in keys if k in data} if keys else data
+
+
+def main(logs: Path, out: Path) -> int:
+    steps = {}
+    for line in (logs / "steps.tsv").read_text(encoding="utf-8").splitlines():
+        name, status, seconds = line.split("\t")
+        steps[name] = {"status": status, "seconds": int(seconds), "log": str(logs / f"{name}.log")}
+    steps.get("cuda_tests", {}).update(_junit(logs / "cuda_tests.xml"))
+    bf16, fp16 = _pretrain(logs, "bf16"), _pretrain(logs, "fp16")
+    if bf16["first_finite_grad_norm"] and fp16["first_finite_grad_norm"]:  # unscaled: the same size as bf16's
+        ratio = fp16["first_finite_grad_norm"] / bf16["first_finite_grad_norm"]
+        fp16["grad_norm_ratio_to_bf16"], fp16["ok"] = ratio, fp16["ok"] and 0.5 < ratio < 2
+    for name, facts in (("pretrain_bf16", bf16), ("pretrain_fp16", fp16)):
+        steps.get(name, {}).update(facts)
+        if name in steps and not facts["ok"] and steps[name]["status"] == "passed":
+            steps[name]["status"] = "failed(check)"
+    if "flash_sdpa" in steps:
+        lines = Path(steps["flash_sdpa"]["log"]).read_text(encoding="utf-8").splitlines()
+        steps["flash_sdpa"].update(json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {})
+    steps.get("bench_attention", {}).update(result=_json(logs / "bench_attention.json", ()))
+    steps.get("bench_training", {}).update(result=_json(logs / "bench_training.json", (
+        "step_ms", "tokens_per_s", "tflops", "mfu", "peak_tflops", "optimizer_state_bytes_per_rank",
+        "saved_activation_bytes", "baselines")))
+    ok = all(s["status"] == "passed" for s in steps.values())
+    out.write_text(json.dumps({"ok": ok, "steps": steps}, indent=2) + "\n", encoding="utf-8")
+    print(f"gpu_check: {'all passed' if ok else 'FAILED'}; summary in {out}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2])))

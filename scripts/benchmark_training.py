@@ -1,0 +1,130 @@
+"""Time one full training step (forward, backward, reductions, optimizer) as pretrain.py runs it.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node N scripts/benchmark_training.py \
+        --config FILE [--section.key=value ...] [--iters 10] [--warmup 3] [--no-baselines] --out OUT.json
+
+The config and overrides are read as pretrain.py reads them, at any (p, dp) the launch allows; the step is the
+trainer's own (training/trainer.py: build, then train_step), so what is timed is what training runs. In the
+same alternating rounds (each round runs every variant once, rotating the order) it times:
+    ours                  the training step
+    ours_tp_comm_off      the same step with the tensor-parallel group's collectives made no-ops (p > 1)
+    ours_dp_comm_off      the same step without DDP's gradient all-reduce (dp > 1)
+    transformers          Hugging Face transformers on the same initial weights (_bench_training_hf.py):
+                          single process at p = 1, tp_plan="auto" at p > 1; skipped, with the reason, when
+                          transformers is missing, dp > 1, the config has no counterpart or the losses differ
+Exposed communication (ms) = median(ours) - median(the variant with that group's collectives off): the time
+that communication adds to the step, what overlap has not hidden (_bench_training_timing.py).
+
+JSON (rank 0): step_ms {median, q1, q3, iqr, n} (slowest rank per step), tokens_per_s, tflops (model TFLOP/s
+per device; flops.py says what is counted), mfu, exposed_tp_comm_ms, exposed_dp_comm_ms,
+optimizer_state_bytes_per_rank (max over ranks, after the timed steps), saved_activation_bytes (peak of one
+step, max over ranks), baselines, and the resolved config. logging.run_dir defaults to OUT.json.run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from _bench_training_hf import transformers_baseline
+from _bench_training_timing import alternate, collectives_off, data_parallel_off, parameters_restored, summary_ms
+from parallel_attention import load_config
+from parallel_attention.tensor_parallel import parallel_state as ps
+from parallel_attention.tensor_parallel.collectives import all_gather_objects
+from parallel_attention.training import trainer
+from parallel_attention.training.activation_memory import saved_activation_bytes
+from parallel_attention.training.flops import flops_per_token, peak_tflops
+from parallel_attention.training.sharded_optimizer import optimizer_state_bytes
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/gpt_tiny.yaml", help="YAML config (default: %(default)s)")
+    parser.add_argument("--out", required=True, help="where rank 0 writes the JSON")
+    parser.add_argument("--iters", type=int, default=10, help="timed rounds (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: %(default)s)")
+    parser.add_argument("--no-baselines", action="store_true", help="time only our step and its variants")
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like --section.key=value")
+    if args.iters < 1 or args.warmup < 0:
+        parser.error(f"--iters={args.iters} must be >= 1 and --warmup={args.warmup} >= 0")
+    if not any(o.startswith("--logging.run_dir=") for o in overrides):
+        overrides.append(f"--logging.run_dir={args.out}.run")
+    return args, [*overrides, "--logging.progress_bar=false", "--logging.tensorboard=false"]
+
+
+def variants(run, baseline) -> dict:
+    """name -> (context to run it in, one step)."""
+    ours = lambda: trainer.train_step(run)  # noqa: E731
+    found = {"ours": (contextlib.nullcontext, ours)}
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        tp_group = ps.get_tensor_model_parallel_group()
+        found["ours_tp_comm_off"] = (lambda: _both(collectives_off(tp_group), parameters_restored(run.model)), ours)
+    if ps.get_data_parallel_world_size() > 1:
+        found["ours_dp_comm_off"] = (lambda: _both(data_parallel_off(run), parameters_restored(run.model)), ours)
+    if baseline is not None:
+        found["transformers"] = (contextlib.nullcontext, baseline)
+    return found
+
+
+@contextlib.contextmanager
+def _both(first, second):
+    with first, second:
+        yield
+
+
+def report(run, times: dict, baseline_info: dict, memory: dict) -> dict:
+    cfg = run.cfg
+    steps = {name: summary_ms(seconds) for name, seconds in times.items()}
+    median_s = steps["ours"]["median"] / 1e3
+    world = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
+    per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+    tflops = per_token * run.tokens_per_step / median_s / world / 1e12
+    peak = peak_tflops(cfg.logging.peak_tflops, run.device)
+    exposed = {f"exposed_{kind}_comm_ms": steps["ours"]["median"] - steps[f"ours_{kind}_comm_off"]["median"]
+               if f"ours_{kind}_comm_off" in steps else 0.0 for kind in ("tp", "dp")}
+    if "transformers" in steps:
+        baseline_info = {**baseline_info, "step_ms": steps["transformers"],
+                         "ours_over_transformers": steps["ours"]["median"] / steps["transformers"]["median"]}
+    return {"tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "data_parallel_size": ps.get_data_parallel_world_size(), "device": str(run.device),
+            "torch": torch.__version__, "host": platform.node(), "tokens_per_step": run.tokens_per_step,
+            "step_ms": steps["ours"], "tokens_per_s": run.tokens_per_step / median_s, "tflops": tflops,
+            "flops_per_token": per_token, "peak_tflops": peak, "mfu": tflops / peak, **exposed, **memory,
+            "variants_ms": steps, "baselines": {"transformers": baseline_info}, "config": cfg.to_dict()}
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
+    cfg = load_config(args.config, overrides)
+    cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    run = trainer.build(cfg)
+    baseline, baseline_info = (None, {"status": "skipped", "reason": "--no-baselines"}) if args.no_baselines \
+        else transformers_baseline(run, Path(cfg.logging.run_dir))  # before our first step: the same weights
+    times = alternate(variants(run, baseline), run.device, args.iters, args.warmup)
+    memory = {"optimizer_state_bytes_per_rank": max(all_gather_objects(optimizer_state_bytes(run.optimizer))),
+              "saved_activation_bytes": max(all_gather_objects(
+                  saved_activation_bytes(lambda: trainer.train_step(run))))}
+    result = report(run, times, baseline_info, memory)
+    if ps.get_global_rank() == 0:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        hf = result["baselines"]["transformers"]
+        print(f"ours {result['step_ms']['median']:.1f} ms/step (IQR {result['step_ms']['iqr']:.1f}), "
+              f"{result['tokens_per_s']:.0f} tok/s, MFU {result['mfu']:.1%}; exposed TP "
+              f"{result['exposed_tp_comm_ms']:.1f} ms, DP {result['exposed_dp_comm_ms']:.1f} ms; transformers: "
+              + (f"{hf['step_ms']['median']:.1f} ms" if "step_ms" in hf else hf["reason"]), file=sys.stderr)
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

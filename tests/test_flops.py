@@ -1,0 +1,82 @@
+"""MFU: model FLOPs per token against a hand count, the peak rate (configured, by GPU name, measured), and the
+tflops / mfu fields of a real training step's metrics row."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from parallel_attention.training.flops import (flops_per_token, gpu_table_peak, matmul_weights,
+                                               measured_gemm_tflops, peak_tflops)
+from parallel_attention.transformer.model import GPTModel
+from parallel_attention.transformer.model_config import ModelConfig
+from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
+
+# h 8, nh 2, nkv 1 (GQA), d 4, ffn 16, L 1, V 10: small enough to count by hand
+TINY = dict(vocab_size=10, hidden_size=8, num_heads=2, num_kv_heads=1, ffn_hidden_size=16, num_layers=1,
+            max_seq_len=5)
+
+
+@pytest.mark.parametrize("activation, mlp_weights", [("gelu", 2 * 8 * 16), ("swiglu", 3 * 8 * 16)])
+def test_flops_per_token_by_hand(activation, mlp_weights):
+    cfg = ModelConfig(**TINY, activation=activation)
+    qkv, out, lm_head = 8 * (2 + 2 * 1) * 4, 2 * 4 * 8, 8 * 10  # h (nh + 2 nkv) d; nh d h; h V
+    n = qkv + out + mlp_weights + lm_head
+    assert matmul_weights(cfg) == n
+    # per token and layer: QK^T and AV are 2 s nh d FLOPs each forward; x3 for forward + backward; no causal halving
+    attention = 3 * (2 * 5 * 2 * 4 + 2 * 5 * 2 * 4)
+    assert flops_per_token(cfg, seq_len=5) == 6 * n + attention
+
+
+@pytest.mark.parametrize("activation, tie", [("gelu", True), ("swiglu", False)])
+def test_matmul_weights_are_the_models_weight_matrices(activation, tie):
+    """N counted from a built model's parameters: every 2-D weight but the embedding tables, plus the output layer
+    (h x V, unpadded: the padding rows are not model FLOPs) whether tied or not."""
+    cfg = ModelConfig(**{**TINY, "num_layers": 3}, activation=activation, tie_embeddings=tie)
+    model = GPTModel(cfg)
+    matrices = sum(p.numel() for name, p in model.named_parameters()
+                   if p.dim() == 2 and not name.startswith(("embed_", "lm_head")))
+    assert matmul_weights(cfg) == matrices + cfg.hidden_size * cfg.vocab_size
+
+
+def test_peak_tflops():
+    assert peak_tflops(123.0, torch.device("cpu")) == 123.0  # logging.peak_tflops wins
+    assert gpu_table_peak("NVIDIA H100 80GB HBM3") == 989.0 and gpu_table_peak("NVIDIA H100 PCIe") == 756.0
+    assert gpu_table_peak("NVIDIA H200") == 989.0 and gpu_table_peak("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_table_peak("Some Future GPU") is None
+    assert measured_gemm_tflops(torch.device("cpu"), seconds=0.05) > 0
+    generator_state = torch.get_rng_state()
+    first = peak_tflops(None, torch.device("cpu"))
+    started = time.perf_counter()
+    assert peak_tflops(None, torch.device("cpu")) == first > 0  # measured once per process
+    assert time.perf_counter() - started < 0.01
+    assert torch.equal(torch.get_rng_state(), generator_state)  # the seeded stream is left alone
+
+
+def _one_step_record(data, run_dir) -> tuple[dict, dict]:
+    import parallel_attention as pa
+    from parallel_attention import load_config
+    from parallel_attention.training import trainer
+
+    args = tiny_args(data, run_dir, 1, 2, "--logging.peak_tflops=0.5")
+    cfg = load_config(args[1], args[2:])
+    pa.destroy_model_parallel()  # build() creates the groups itself
+    run = trainer.build(cfg)
+    trainer.resume_run(run, "none")
+    record = trainer.train_step(run)
+    run.logger.log(record)
+    run.logger.close()
+    return record, json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def test_a_training_step_logs_tflops_and_mfu(data_dir, tmp_path):  # noqa: F811
+    record, row = run_distributed(_one_step_record, 1, 1, data_dir, tmp_path)[0]
+    cfg = ModelConfig(hidden_size=32, num_layers=2, max_seq_len=32, vocab_size=256, num_heads=4)  # tiny_args' model
+    assert row == record and {"tflops", "mfu", "tokens_per_s"} <= row.keys()
+    # one rank: achieved model TFLOP/s = tokens/s x FLOPs per token; MFU against the configured 0.5 TFLOP/s
+    assert row["tflops"] == pytest.approx(row["tokens_per_s"] * flops_per_token(cfg, 32) / 1e12, rel=1e-9)
+    assert row["mfu"] == pytest.approx(row["tflops"] / 0.5, rel=1e-9)
