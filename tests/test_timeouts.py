@@ -35,3 +35,26 @@ def test_a_silent_rank_times_out_with_the_group_and_operation_named(which, name)
     message, waited = run_distributed(_silent_rank_worker, 2, 2, which, timeout=60, fresh=True)[0]
     assert "all_reduce" in message and name in message and "global ranks [0, 1]" in message, message
     assert waited < GROUP_TIMEOUT_S + 3  # the group's timeout, not the world's (60 s) nor torch's 30 min
+
+
+def _silent_rank_under_ddp_worker():
+    """Both ranks build DDP (collective), then rank 1 goes silent; rank 0's backward waits on DDP's all-reduce."""
+    from parallel_attention.training.data_parallel import reduce_gradients, wrap_data_parallel
+
+    pa.destroy_model_parallel()
+    pa.initialize_model_parallel(1, timeout=GROUP_TIMEOUT_S)
+    model = wrap_data_parallel(torch.nn.Linear(4, 4), pa.get_data_parallel_group())
+    if torch.distributed.get_rank() == 1:
+        time.sleep(GROUP_TIMEOUT_S + 4)
+        return None
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        with reduce_gradients(model, reduce=True):
+            model(torch.ones(2, 4)).sum().backward()
+    return str(info.value), time.monotonic() - started
+
+
+def test_a_silent_rank_under_ddp_times_out_naming_the_gradient_all_reduce():
+    message, waited = run_distributed(_silent_rank_under_ddp_worker, 2, 2, timeout=60, fresh=True)[0]
+    assert "DDP's gradient all-reduce" in message and "data-parallel group" in message, message
+    assert waited < GROUP_TIMEOUT_S + 3

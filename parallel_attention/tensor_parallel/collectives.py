@@ -13,7 +13,7 @@ and backward. Shapes: `s` sequence, `b` batch, `h` hidden, `p` tensor-parallel s
     gather_from_sequence_parallel_region   all-gather dim 0 (s)    reduce-scatter dim 0
     reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0  all-gather dim 0
 
-Every call goes through `_issue(op, tensor, group)`, chosen once: `_named` (timeouts named), or with
+Every call goes through `_issue(op, tensor, group)`, chosen once: `named_timeouts`, or with
 `enable_collective_log()` (`parallel.debug_collectives`) the guard of `collective_log`, which records the
 call and cross-checks it with the group's other ranks before it runs. An asynchronous call (async_op=True,
 for `overlap`'s fused layers) is issued the same way; its PendingCollective.wait() names timeouts too.
@@ -39,13 +39,13 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _named(op: str, group: ProcessGroup | None):
+def named_timeouts(op: str, group: ProcessGroup | None):
     """Re-raise a backend's timeout as CollectiveTimeoutError naming the operation and the group."""
     try:
         yield
     except RuntimeError as error:  # gloo and NCCL (DistBackendError) report timeouts as RuntimeErrors
-        if not _TIMEOUT_WORDS.search(str(error)):
-            raise
+        if isinstance(error, CollectiveTimeoutError) or not _TIMEOUT_WORDS.search(str(error)):
+            raise  # not a timeout, or one an inner collective already named
         raise CollectiveTimeoutError(
             f"{op} on the {describe_group(group)} did not complete within the timeout "
             f"({collective_timeout() or 'torch default'}): a rank stopped answering (hung, stopped or dead). "
@@ -57,11 +57,11 @@ _TIMEOUT_WORDS = re.compile(r"timed out|timeout|failed to pass monitoredBarrier"
 
 
 def _plain(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
-    return _named(op, group)
+    return named_timeouts(op, group)
 
 
 _issue = _plain  # (op, tensor or None, group) -> the context a collective runs in; the guard replaces it
-_await = _named  # (op, group) -> the context an asynchronous collective's wait() runs in; likewise
+_await = named_timeouts  # (op, group) -> the context an asynchronous collective's wait() runs in; likewise
 _LOG: CollectiveLog | None = None
 
 
@@ -98,9 +98,9 @@ def _guarded(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
 
 @contextlib.contextmanager
 def _listing_recent(op: str, group: ProcessGroup | None):
-    """_named, and a timeout lists this rank's recent calls (the guard's wait of an asynchronous collective)."""
+    """named_timeouts, and a timeout lists this rank's recent calls (the guard's wait of an asynchronous collective)."""
     try:
-        with _named(op, group):
+        with named_timeouts(op, group):
             yield
     except CollectiveTimeoutError as error:
         raise CollectiveTimeoutError(f"{error}\n{_LOG.recent(dist.get_rank())}") from error

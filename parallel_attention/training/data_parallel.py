@@ -26,6 +26,7 @@ import inspect
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..tensor_parallel.collectives import named_timeouts
 from ..tensor_parallel.parallel_state import ProcessGroup, group_size
 from .gradients import all_reduce_data_parallel
 
@@ -76,6 +77,9 @@ def reduce_gradients(module: nn.Module, reduce: bool) -> contextlib.AbstractCont
     micro-batch of a step), so that accumulation micro-batches issue no collective."""
     if reduce:  # DDP reduces from its hooks; ReducedAfterBackward when the backward is done
         sync = getattr(module, "sync", None)
-        return contextlib.nullcontext() if sync is None else sync()
+        if sync is not None:
+            return sync()
+        group = getattr(module, "process_group", None)  # DDP's: its reducer's timeouts name the group, like ours
+        return contextlib.nullcontext() if group is None else named_timeouts("DDP's gradient all-reduce", group)
     no_sync = getattr(module, "no_sync", None)  # only the wrappers have one: nothing to hold back at dp = 1
     return contextlib.nullcontext() if no_sync is None else no_sync()
