@@ -22,8 +22,8 @@ import os
 import torch
 
 import parallel_attention as pa
-from parallel_attention.training.activation_memory import layer_activation_bytes, saved_activation_bytes
-from parallel_attention.transformer import GPTModel, ModelConfig
+from parallel_attention.training.activation_memory import layer_activation_bytes, measured_layer_bytes
+from parallel_attention.transformer import ModelConfig
 
 STYLES = {
     "gpt2": dict(position_embedding="learned", activation="gelu", norm="layernorm"),
@@ -54,17 +54,6 @@ def korthikanti_fp32(s: int, b: int, h: int, p: int, sp: bool) -> int:
     return 16 * s * b * h + 48 * s * b * h // p
 
 
-def layer_bytes(cfg: ModelConfig, s: int, b: int, sp: bool) -> int:
-    """Saved bytes of one forward with 2 layers minus those with 1 layer."""
-    saved = []
-    for layers in (1, 2):
-        pa.manual_seed(0)
-        model = GPTModel(ModelConfig(**{**cfg.__dict__, "num_layers": layers}), sequence_parallel=sp)
-        tokens = torch.randint(0, cfg.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
-        saved.append(saved_activation_bytes(lambda: model(tokens[:, :-1], tokens[:, 1:])))
-    return saved[1] - saved[0]
-
-
 def rows(args, p: int) -> list[dict]:
     s, b, h = args.seq, args.batch, args.hidden
     out = []
@@ -74,7 +63,7 @@ def rows(args, p: int) -> list[dict]:
             for name, recompute in RECOMPUTE.items():
                 cfg = ModelConfig(vocab_size=256, hidden_size=h, num_heads=args.heads, num_kv_heads=kv,
                                   max_seq_len=s, attention_kernel=args.kernel, **spec, **recompute)
-                measured = layer_bytes(cfg, s, b, sp)
+                measured = measured_layer_bytes(cfg, s, b, sp)
                 formula = layer_activation_bytes(cfg, s, b, p, sp, name)
                 out.append({"style": style, "p": p, "sequence_parallel": sp, "recompute": name,
                             "measured_bytes": measured, "formula_bytes": formula,

@@ -15,10 +15,9 @@ import pytest
 import torch
 from distributed import run_distributed
 
-import parallel_attention as pa
 from parallel_attention.training.activation_memory import (layer_activation_bytes, layer_activation_terms,
-                                                           saved_activation_bytes)
-from parallel_attention.transformer import GPTModel, ModelConfig
+                                                           measured_layer_bytes, saved_activation_bytes)
+from parallel_attention.transformer import ModelConfig
 
 S, B = 16, 2
 STYLES = {
@@ -30,13 +29,7 @@ STYLES = {
 
 
 def _layer_bytes(cfg: ModelConfig, sequence_parallel: bool) -> int:
-    saved = []
-    for layers in (1, 2):
-        pa.manual_seed(0)
-        model = GPTModel(ModelConfig(**{**cfg.__dict__, "num_layers": layers}), sequence_parallel=sequence_parallel)
-        tokens = torch.randint(0, cfg.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(0))
-        saved.append(saved_activation_bytes(lambda: model(tokens[:, :-1], tokens[:, 1:])))
-    return saved[1] - saved[0]
+    return measured_layer_bytes(cfg, S, B, sequence_parallel)
 
 
 def sp_worker() -> dict[str, int]:
