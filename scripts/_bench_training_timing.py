@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from _bench_measure import sync  # the attention benchmark's: a CUDA sync, nothing on CPU
 from parallel_attention.tensor_parallel.collectives import all_gather_objects, barrier
 
 # the torch.distributed entry points that parallel_attention's collectives call (either spelling)
@@ -81,18 +82,13 @@ def parameters_restored(model: torch.nn.Module):
                 p.copy_(s)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_once(step, device: torch.device) -> float:
     """Seconds of one call of `step`, all ranks starting together; the slowest rank's time."""
-    _synchronize(device)
+    sync(device)
     barrier()
     start = time.perf_counter()
     step()
-    _synchronize(device)
+    sync(device)
     return max(all_gather_objects(time.perf_counter() - start))
 
 
