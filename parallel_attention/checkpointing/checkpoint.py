@@ -39,7 +39,7 @@ from ..tensor_parallel.parallel_state import (ProcessGroup, get_data_parallel_gr
 from .compatibility import check_config, check_layout
 from .format import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointCorruptError, CheckpointError, check_shard_shapes,
                      commit, latest_checkpoint, list_checkpoints, model_file, optim_file, prune, read_manifest,
-                     rng_file, step_dir_name, upgrade_shard, verify_file, write_manifest)
+                     read_shard, rng_file, step_dir_name, verify_file, write_manifest)
 from .state_encoding import full_optimizer_state, optim_state_dict, optim_tensors, rng_tensors, set_rng
 from .tensor_io import cpu_tensors, read_safetensors, write_safetensors
 
@@ -171,7 +171,7 @@ def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, exp
     manifest = read_manifest(path, config_sections=tuple(expected_config or ()))
     check_layout(manifest, at.world, at.tp_size)
     check_config(manifest, expected_config)
-    weights = upgrade_shard(manifest, read_safetensors(verify_file(path, manifest, model_file(at.tp_rank)))[0])
+    weights, _ = read_shard(path, manifest, model_file(at.tp_rank))
     check_shard_shapes(manifest, at.tp_rank, weights)
     current = model.state_dict()
     missing, unexpected = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
@@ -189,8 +189,7 @@ def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, exp
         if optim_file(at.tp_rank) not in manifest["files"]:
             raise CheckpointError(f"{path} holds no optimizer state (saved with optimizer=None): "
                                   "load it with optimizer=None.")
-        tensors, meta = read_safetensors(verify_file(path, manifest, optim_file(at.tp_rank)))
-        tensors = upgrade_shard(manifest, tensors)
+        tensors, meta = read_shard(path, manifest, optim_file(at.tp_rank))
         loaded["optim"] = optim_state_dict(model, optimizer, tensors, meta)
     loaded["rng"] = read_safetensors(verify_file(path, manifest, rng_file(at.rank)))
     return loaded

@@ -38,7 +38,7 @@ import torch
 
 from ..tensor_parallel.sharding import grouped_to_blocked_qkv
 from ..transformer.model_config import ModelConfig
-from .tensor_io import file_digest, fsync_dir, replace_directory, retire_directory, write_atomic
+from .tensor_io import file_digest, fsync_dir, read_safetensors, replace_directory, retire_directory, write_atomic
 
 FORMAT = "parallel_attention.checkpoint"
 FORMAT_VERSION = 2
@@ -203,6 +203,13 @@ def verify_file(directory: Path, manifest: dict, name: str) -> Path:
     if actual != expected["sha256"]:
         raise CheckpointCorruptError(f"{name}: sha256 {actual}, manifest expects {expected['sha256']} (corrupted).")
     return path
+
+
+def read_shard(directory: Path, manifest: dict, name: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """A model or optimizer file of the checkpoint, verified against the manifest, in today's row order
+    (`upgrade_shard`), and its metadata: the one way such a file is read, so no reader can skip a step."""
+    tensors, meta = read_safetensors(verify_file(directory, manifest, name))
+    return upgrade_shard(manifest, tensors), meta
 
 
 def commit(tmp: Path, final: Path, nonce: str) -> None:

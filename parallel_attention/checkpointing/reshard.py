@@ -26,9 +26,9 @@ from ..transformer.model_config import ModelConfig
 from ..transformer.model_layout import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
 from .checkpoint import raise_unless_all_passed
 from .format import (FORMAT, FORMAT_VERSION, CheckpointError, check_shard_shapes, commit, model_file, optim_file,
-                     read_manifest, step_dir_name, upgrade_shard, verify_file, write_manifest)
+                     read_manifest, read_shard, step_dir_name, write_manifest)
 from .state_encoding import optim_state_dict
-from .tensor_io import read_safetensors, write_safetensors
+from .tensor_io import write_safetensors
 
 _SCALAR_STATE = ("step",)  # per-parameter optimizer scalars: the same on every shard
 
@@ -40,8 +40,7 @@ def _source(step_dir: Path) -> tuple[dict, ModelConfig, int]:
 
 def _canonical_weights(step_dir: Path, manifest: dict, cfg: ModelConfig, p: int) -> dict[str, torch.Tensor]:
     """Every model shard of the checkpoint, verified, joined into the canonical state dict."""
-    shards = [upgrade_shard(manifest, read_safetensors(verify_file(step_dir, manifest, model_file(r)))[0])
-              for r in range(p)]
+    shards = [read_shard(step_dir, manifest, model_file(r))[0] for r in range(p)]
     for r, shard in enumerate(shards):
         check_shard_shapes(manifest, r, shard)
     return unshard_state_dict(cfg, shards)
@@ -58,8 +57,7 @@ def _canonical_optimizer(step_dir: Path, manifest: dict, cfg: ModelConfig, p: in
     """Optimizer state per state key as canonical dicts, plus rank 0's metadata (names, hyper-parameters)."""
     if optim_file(0) not in manifest["files"]:
         return None, None
-    per_rank = [read_safetensors(verify_file(step_dir, manifest, optim_file(r))) for r in range(p)]
-    per_rank = [(upgrade_shard(manifest, tensors), meta) for tensors, meta in per_rank]
+    per_rank = [read_shard(step_dir, manifest, optim_file(r)) for r in range(p)]
     by_key: dict[str, list[dict]] = {}
     for tensors, _ in per_rank:
         grouped: dict[str, dict] = {}
