@@ -13,6 +13,7 @@ from parallel_attention import load_config
 from parallel_attention.checkpointing.compatibility import model_shape_config
 from parallel_attention.training import ConfigError
 from parallel_attention.transformer.model_config import ModelConfig
+from test_data_parallel import build_run
 from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
 
 # float32 on CPU: inductor fuses elementwise ops and may reorder a reduction, which moves a loss by ~1e-7;
@@ -23,17 +24,10 @@ TOLERANCE = 1e-5
 def _steps(data: Path, run_dir: Path, tp: int, steps: int, compile_: bool, extra: tuple[str, ...],
            checkpoint_at: int = 0, resume: str = "none") -> list[float]:
     """Build a run the trainer's way (at tp, in this rank's process group), then take `steps` train steps."""
-    import torch
-
-    import parallel_attention as pa
-    from parallel_attention import load_config
     from parallel_attention.training import trainer
 
-    args = tiny_args(data, run_dir, tp, steps, f"--model.compile={compile_}", *extra)
-    cfg = load_config(args[1], args[2:])
-    cfg.validate(torch.distributed.get_world_size())
-    pa.destroy_model_parallel()  # build() creates the groups itself
-    run = trainer.build(cfg)
+    # tiny_args' --config is configs/gpt_tiny.yaml, which build_run reads: pass the overrides after it
+    run = build_run(tiny_args(data, run_dir, tp, steps, f"--model.compile={compile_}", *extra)[2:])
     trainer.resume_run(run, resume)
     losses = []
     while run.step < steps:

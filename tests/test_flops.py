@@ -14,6 +14,7 @@ from parallel_attention.training.flops import (flops_per_token, gpu_table_peak, 
                                                measured_gemm_tflops, peak_tflops)
 from parallel_attention.transformer.model import GPTModel
 from parallel_attention.transformer.model_config import ModelConfig
+from test_data_parallel import build_run
 from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
 
 # h 8, nh 2, nkv 1 (GQA), d 4, ffn 16, L 1, V 10: small enough to count by hand
@@ -58,14 +59,10 @@ def test_peak_tflops():
 
 
 def _one_step_record(data, run_dir) -> tuple[dict, dict]:
-    import parallel_attention as pa
-    from parallel_attention import load_config
     from parallel_attention.training import trainer
 
-    args = tiny_args(data, run_dir, 1, 2, "--logging.peak_tflops=0.5")
-    cfg = load_config(args[1], args[2:])
-    pa.destroy_model_parallel()  # build() creates the groups itself
-    run = trainer.build(cfg)
+    # tiny_args' --config is configs/gpt_tiny.yaml, which build_run reads: pass the overrides after it
+    run = build_run(tiny_args(data, run_dir, 1, 2, "--logging.peak_tflops=0.5")[2:])
     trainer.resume_run(run, "none")
     record = trainer.train_step(run)
     run.logger.log(record)
