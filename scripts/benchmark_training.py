@@ -40,7 +40,7 @@ from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.tensor_parallel.collectives import all_gather_objects
 from parallel_attention.training import trainer
 from parallel_attention.training.activation_memory import saved_activation_bytes
-from parallel_attention.training.flops import flops_per_token, peak_tflops
+from parallel_attention.training.flops import flops_per_token, peak_tflops, step_rates
 from parallel_attention.training.sharded_optimizer import optimizer_state_bytes
 
 
@@ -85,11 +85,7 @@ def _both(first, second):
 def report(run, times: dict, baseline_info: dict, memory: dict) -> dict:
     cfg = run.cfg
     steps = {name: summary_ms(seconds) for name, seconds in times.items()}
-    median_s = steps["ours"]["median"] / 1e3
-    world = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
-    per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-    tflops = per_token * run.tokens_per_step / median_s / world / 1e12
-    peak = peak_tflops(cfg.logging.peak_tflops, run.device)
+    rates = step_rates(cfg, run.device, run.tokens_per_step, steps["ours"]["median"] / 1e3)  # as metrics.jsonl
     exposed = {f"exposed_{kind}_comm_ms": steps["ours"]["median"] - steps[f"ours_{kind}_comm_off"]["median"]
                if f"ours_{kind}_comm_off" in steps else 0.0 for kind in ("tp", "dp")}
     if "transformers" in steps:
@@ -98,8 +94,8 @@ def report(run, times: dict, baseline_info: dict, memory: dict) -> dict:
     return {"tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
             "data_parallel_size": ps.get_data_parallel_world_size(), "device": str(run.device),
             "torch": torch.__version__, "host": platform.node(), "tokens_per_step": run.tokens_per_step,
-            "step_ms": steps["ours"], "tokens_per_s": run.tokens_per_step / median_s, "tflops": tflops,
-            "flops_per_token": per_token, "peak_tflops": peak, "mfu": tflops / peak, **exposed, **memory,
+            "step_ms": steps["ours"], **rates, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+            "peak_tflops": peak_tflops(cfg.logging.peak_tflops, run.device), **exposed, **memory,
             "variants_ms": steps, "baselines": {"transformers": baseline_info}, "config": cfg.to_dict()}
 
 
