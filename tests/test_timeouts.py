@@ -58,3 +58,28 @@ def test_a_silent_rank_under_ddp_times_out_naming_the_gradient_all_reduce():
     message, waited = run_distributed(_silent_rank_under_ddp_worker, 2, 2, timeout=60, fresh=True)[0]
     assert "DDP's gradient all-reduce" in message and "data-parallel group" in message, message
     assert waited < GROUP_TIMEOUT_S + 3
+
+
+def _silent_rank_under_zero_worker():
+    """Both ranks build the sharded AdamW, then rank 1 goes silent; rank 0's step waits on the broadcast of the
+    parameters rank 1 owns."""
+    from parallel_attention.training.sharded_optimizer import sharded_adamw
+
+    pa.destroy_model_parallel()
+    pa.initialize_model_parallel(1, timeout=GROUP_TIMEOUT_S)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    optimizer = sharded_adamw([{"params": list(model.parameters())}], pa.get_data_parallel_group(), lr=0.1)
+    if torch.distributed.get_rank() == 1:
+        time.sleep(GROUP_TIMEOUT_S + 4)
+        return None
+    model(torch.ones(2, 4)).sum().backward()
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        optimizer.step()
+    return str(info.value), time.monotonic() - started
+
+
+def test_a_silent_rank_under_zero_times_out_naming_the_parameter_broadcast():
+    message, waited = run_distributed(_silent_rank_under_zero_worker, 2, 2, timeout=60, fresh=True)[0]
+    assert "ZeRO's parameter broadcast" in message and "data-parallel group" in message, message
+    assert waited < GROUP_TIMEOUT_S + 3

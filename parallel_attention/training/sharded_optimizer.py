@@ -7,7 +7,7 @@
                  optimizer file as an unsharded run (nothing pickled touches the disk)
     load:        every rank is handed the full state dict and keeps its own partition
 
-Each parameter is updated by the same single-tensor AdamW float operations as without sharding (foreach=False),
+Each parameter is updated by the same fused AdamW kernel, with the same float operations, as without sharding,
 so the losses, the resumed runs and the checkpoints are those of zero_stage 0.
 """
 
@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from ..tensor_parallel.collectives import named_timeouts
 from ..tensor_parallel.parallel_state import ProcessGroup
 
 
@@ -35,6 +36,16 @@ def _sharded_adamw_class() -> type:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     class ShardedAdamW(ZeroRedundancyOptimizer):
+        def step(self, closure=None):
+            """A rank that stops answering during the broadcast of the updated parameters is named, as in every
+            other collective, instead of surfacing as the backend's bare timeout."""
+            with named_timeouts("ZeRO's parameter broadcast", self.process_group):
+                return super().step(closure)
+
+        def consolidate_state_dict(self, to: int = 0) -> None:
+            with named_timeouts("ZeRO's optimizer-state consolidation", self.process_group):
+                super().consolidate_state_dict(to)
+
         def state_dict(self) -> dict:
             """The full state, on the rank that consolidate_state_dict(to=) named (every rank calls that first).
 
