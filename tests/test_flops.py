@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from parallel_attention.training import flops
 from parallel_attention.training.flops import (flops_per_token, gpu_table_peak, matmul_weights,
                                                measured_gemm_tflops, peak_tflops)
 from parallel_attention.transformer.model import GPTModel
@@ -56,6 +57,22 @@ def test_peak_tflops():
     assert peak_tflops(None, torch.device("cpu")) == first > 0  # measured once per process
     assert time.perf_counter() - started < 0.01
     assert torch.equal(torch.get_rng_state(), generator_state)  # the seeded stream is left alone
+
+
+def _agreed_peaks() -> tuple[float, float, float]:
+    """Each rank "measures" its own rate (rank + 1), then the job agrees on one peak."""
+    rank = torch.distributed.get_rank()
+    cpu, saved = torch.device("cpu"), flops._auto_peak
+    flops._auto_peak = lambda device_type, index: float(rank + 1)
+    try:
+        return flops.agree_peak_tflops(None, cpu), peak_tflops(None, cpu), flops.agree_peak_tflops(7.0, cpu)
+    finally:
+        flops._auto_peak, _ = saved, flops._AGREED.pop(cpu, None)
+
+
+def test_every_rank_reports_mfu_against_the_highest_measured_peak():
+    """A rank whose probe ran at a noisy moment no longer gets its own, lower peak: all take the job's highest."""
+    assert run_distributed(_agreed_peaks, 2) == [(2.0, 2.0, 7.0)] * 2  # a configured peak still wins
 
 
 def _one_step_record(data, run_dir) -> tuple[dict, dict]:

@@ -22,8 +22,10 @@ import functools
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..tensor_parallel import parallel_state as ps
+from ..tensor_parallel.collectives import all_gather_objects
 from ..transformer.model_config import ModelConfig
 from .config import PretrainConfig
 
@@ -57,10 +59,14 @@ def gpu_table_peak(name: str) -> float | None:
     return next((peak for key, peak in GPU_BF16_PEAK_TFLOPS if key in name), None)
 
 
-def measured_gemm_tflops(device: torch.device, seconds: float = 0.2) -> float:
-    """The best rate of repeated square GEMMs over about `seconds` (float32 on CPU, bf16 on GPUs)."""
+def measured_gemm_tflops(device: torch.device, seconds: float = 0.5) -> float:
+    """The best rate of repeated square GEMMs over about `seconds` (float32 on CPU, bf16 on GPUs).
+
+    On CPU the matrices are 1024 wide (one GEMM is ~2 GFLOP, about the size of the step's largest) and the
+    best of many short trials is kept: a short probe at one noisy moment used to read well below the rate the
+    step sustains, which put MFU above 100 %."""
     cuda = device.type == "cuda"
-    n, dtype, reps = (4096, torch.bfloat16, 20) if cuda else (512, torch.float32, 4)
+    n, dtype, reps = (4096, torch.bfloat16, 20) if cuda else (1024, torch.float32, 2)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     torch.matmul(a, b)  # first call: library initialisation, not timed
@@ -75,6 +81,9 @@ def measured_gemm_tflops(device: torch.device, seconds: float = 0.2) -> float:
     return best
 
 
+_AGREED: dict[torch.device, float] = {}  # device -> the peak every rank of this job uses (agree_peak_tflops)
+
+
 @functools.lru_cache(maxsize=None)
 def _auto_peak(device_type: str, index: int | None) -> float:
     device = torch.device(device_type, index)
@@ -86,12 +95,25 @@ def _auto_peak(device_type: str, index: int | None) -> float:
         return measured_gemm_tflops(device)
 
 
-def peak_tflops(configured: float | None, device: torch.device) -> float:
-    """`logging.peak_tflops` if set; else the table's bf16 peak of a known GPU, or a GEMM rate measured
-    once per process (float32 on CPU, bf16 on an unknown GPU)."""
+def agree_peak_tflops(configured: float | None, device: torch.device) -> float:
+    """The peak every rank reports MFU against (a collective: call it on every rank, before training).
+
+    Unless configured or a known GPU, every rank measures at once, under the same load as the ranks' training,
+    and all take the highest rate: one rank's noisy probe no longer gives it its own, lower peak."""
     if configured is not None:
         return configured
-    return _auto_peak(device.type, device.index)
+    measured = _auto_peak(device.type, device.index)
+    _AGREED[device] = max(all_gather_objects(measured)) if dist.is_available() and dist.is_initialized() \
+        else measured
+    return _AGREED[device]
+
+
+def peak_tflops(configured: float | None, device: torch.device) -> float:
+    """`logging.peak_tflops` if set; else the job's agreed peak (agree_peak_tflops), or the table's bf16 peak of
+    a known GPU, or a GEMM rate measured once per process (float32 on CPU, bf16 on an unknown GPU)."""
+    if configured is not None:
+        return configured
+    return _AGREED.get(device) or _auto_peak(device.type, device.index)
 
 
 def step_rates(cfg: PretrainConfig, device: torch.device, tokens_per_step: int, seconds: float) -> dict:

@@ -33,7 +33,7 @@ from .config import PretrainConfig
 from .config_checks import check_resume
 from .compile import compile_layers
 from .divergence import DivergenceGuard, check_parameters_finite
-from .flops import step_rates
+from .flops import agree_peak_tflops, step_rates
 from .guards import check_config_agreement, check_replicas
 from .batches import GlobalBatchSampler, validation_batches
 from .data import TokenDataset, ensure_prepared
@@ -138,6 +138,7 @@ def build(cfg: PretrainConfig) -> Run:
     check_config_agreement(cfg)  # before anything is written or drawn: every rank must run this same config
     prepare_run_dir(cfg)  # rank 0 makes it and writes config.yaml; every rank refuses an unwritable one, now
     sampler, val_data = build_data(cfg)
+    agree_peak_tflops(cfg.logging.peak_tflops, device)  # every rank measures now, together: MFU's denominator
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     manual_seed(cfg.training.seed)
     model = GPTModel(cfg.model, cfg.parallel.sequence_parallel, device=device, overlap_comm=cfg.parallel.overlap_comm,
