@@ -29,11 +29,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if padding.any():
             logits = logits.masked_fill(padding, float("-inf"))
         logits_max = all_reduce_(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
         outside = (target < start) | (target >= start + per_rank)
         local_target = (target - start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()
+        # one [.., V/p] buffer for the shifted logits, their exponentials and the softmax, in place: each fresh
+        # buffer of that size costs a page-faulting allocation as large as the pass over it (CPU)
+        exp = logits - logits_max.unsqueeze(-1)
+        target_logit = exp.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp.exp_()
         stats = all_reduce_(torch.stack([exp.sum(dim=-1), target_logit]), group)
         sum_exp, target_logit = stats[0], stats[1]
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), outside, local_target)
