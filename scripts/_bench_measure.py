@@ -3,6 +3,7 @@ and their payload, and peak memory. A `step` is its Step: clear(), forward(), ba
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -73,27 +74,30 @@ def count_collectives(step, p: int) -> dict:
     return {"fwd": len(fwd), "bwd": len(bwd), "mb_per_step": mb, "calls": [list(c) for c in fwd + bwd]}
 
 
-def time_variants(steps: dict, warmup: int, iters: int, device: torch.device) -> dict:
-    """Per variant, ms per step of the slowest rank, one value per timed repetition.
+def time_variants(steps: dict, warmup: int, iters: int, device: torch.device,
+                  contexts: dict | None = None) -> dict[str, list[float]]:
+    """Per variant, ms per step of the slowest rank, one value per timed repetition (both benchmarks' loop).
 
-    Variants alternate within each repetition, rotating who goes first, so that drift in the
-    machine (clock, caches, the other rank) hits all of them alike.
+    Variants alternate within each repetition, rotating who goes first, so that drift in the machine (clock,
+    caches, the other rank) hits all of them alike. A step with clear() (benchmark_attention's Step) is
+    cleared first; `contexts` (name -> context factory) wraps a variant's step, untimed entry and exit.
     """
-    names = list(steps)
+    names, contexts = list(steps), contexts or {}
     times = {n: [] for n in names}
     gc.collect()
     for i in range(warmup + iters):
-        order = names[i % len(names):] + names[:i % len(names)]
-        for name in order:
-            steps[name].clear()
-            dist.barrier()
-            sync(device)
-            start = time.perf_counter()
-            steps[name]()
-            elapsed = (time.perf_counter() - start) * 1e3
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            with contexts.get(name, contextlib.nullcontext)():
+                getattr(steps[name], "clear", lambda: None)()
+                dist.barrier()
+                sync(device)
+                start = time.perf_counter()
+                steps[name]()
+                sync(device)
+                elapsed = (time.perf_counter() - start) * 1e3
             if i >= warmup:
                 times[name].append(elapsed)
-    for name in names:  # a tensor-parallel step takes as long as its slowest rank
+    for name in names:  # a step takes as long as its slowest rank
         t = torch.tensor(times[name], dtype=torch.float64, device=device)  # NCCL reduces device tensors
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times[name] = t.tolist()

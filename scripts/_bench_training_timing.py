@@ -1,5 +1,6 @@
-"""Timing for scripts/benchmark_training.py: alternating rounds, statistics over ranks, and the variants of our
-step whose tensor- or data-parallel communication is switched off (to measure what it costs).
+"""Timing for scripts/benchmark_training.py: statistics of the alternating rounds (_bench_measure.time_variants,
+the attention benchmark's loop), and the variants of our step whose tensor- or data-parallel communication is
+switched off (to measure what it costs).
 
 Exposed communication of a group = median step time of the real step minus that of the same step with that
 group's collectives made no-ops, both timed in the same alternating rounds. It is the time the step would
@@ -12,13 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from _bench_measure import sync  # the attention benchmark's: a CUDA sync, nothing on CPU
-from parallel_attention.tensor_parallel.collectives import all_gather_objects, barrier
 
 # the torch.distributed entry points that parallel_attention's collectives call (either spelling)
 _TENSOR_COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
@@ -82,33 +80,8 @@ def parameters_restored(model: torch.nn.Module):
                 p.copy_(s)
 
 
-def time_once(step, device: torch.device) -> float:
-    """Seconds of one call of `step`, all ranks starting together; the slowest rank's time."""
-    sync(device)
-    barrier()
-    start = time.perf_counter()
-    step()
-    sync(device)
-    return max(all_gather_objects(time.perf_counter() - start))
-
-
-def alternate(variants: dict, device: torch.device, iters: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per step of each variant (name -> (context factory, step)): `warmup` untimed rounds, then
-    `iters` timed ones; each round runs every variant once, starting one later each round."""
-    names = list(variants)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(warmup + iters):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            context, step = variants[name]
-            with context():
-                seconds = time_once(step, device)
-            if round_ >= warmup:
-                times[name].append(seconds)
-    return times
-
-
-def summary_ms(seconds: list[float]) -> dict:
+def summary_ms(times_ms: list[float]) -> dict:
     """Median and interquartile range of step times, in milliseconds."""
-    ms = sorted(1e3 * s for s in seconds)
+    ms = sorted(times_ms)
     q1, _, q3 = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else (ms[0],) * 3
     return {"median": statistics.median(ms), "q1": q1, "q3": q3, "iqr": q3 - q1, "n": len(ms)}

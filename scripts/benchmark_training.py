@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from _bench_training_hf import transformers_baseline
-from _bench_training_timing import alternate, collectives_off, data_parallel_off, parameters_restored, summary_ms
+from _bench_measure import time_variants
+from _bench_training_timing import collectives_off, data_parallel_off, parameters_restored, summary_ms
 from parallel_attention import load_config
 from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.tensor_parallel.collectives import all_gather_objects
@@ -84,7 +85,7 @@ def _both(first, second):
 
 def report(run, times: dict, baseline_info: dict, memory: dict) -> dict:
     cfg = run.cfg
-    steps = {name: summary_ms(seconds) for name, seconds in times.items()}
+    steps = {name: summary_ms(ms) for name, ms in times.items()}
     rates = step_rates(cfg, run.device, run.tokens_per_step, steps["ours"]["median"] / 1e3)  # as metrics.jsonl
     exposed = {f"exposed_{kind}_comm_ms": steps["ours"]["median"] - steps[f"ours_{kind}_comm_off"]["median"]
                if f"ours_{kind}_comm_off" in steps else 0.0 for kind in ("tp", "dp")}
@@ -106,7 +107,9 @@ def main(argv: list[str]) -> int:
     run = trainer.build(cfg)
     baseline, baseline_info = (None, {"status": "skipped", "reason": "--no-baselines"}) if args.no_baselines \
         else transformers_baseline(run, Path(cfg.logging.run_dir))  # before our first step: the same weights
-    times = alternate(variants(run, baseline), run.device, args.iters, args.warmup)
+    found = variants(run, baseline)
+    times = time_variants({name: step for name, (_, step) in found.items()}, args.warmup, args.iters, run.device,
+                          contexts={name: context for name, (context, _) in found.items()})
     memory = {"optimizer_state_bytes_per_rank": max(all_gather_objects(optimizer_state_bytes(run.optimizer))),
               "saved_activation_bytes": max(all_gather_objects(
                   saved_activation_bytes(lambda: trainer.train_step(run))))}
