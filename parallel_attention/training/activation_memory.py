@@ -104,8 +104,8 @@ def layer_activation_terms(cfg: ModelConfig, seq_len: int, batch: int, tp_size: 
     n = s // p if sequence_parallel else s
     rms = cfg.norm == "rmsnorm"
     terms = {
-        # each norm: its input; RMSNorm (plain torch) also its normalised input, before the weight
-        "norm inputs": 2 * e * n * b * h * (2 if rms else 1),
+        # each norm: LayerNorm its input, RMSNorm its normalised input (before the weight; norms.py)
+        "norm inputs": 2 * e * n * b * h,
         "norm statistics (float32)": 2 * 4 * n * b * (1 if rms else 2),  # rstd; LayerNorm: mean and rstd
         # the column-parallel GEMMs keep their input; under SP the all-gathered [s, b, h] one
         "qkv and fc_in inputs": 2 * e * s * b * h,
