@@ -26,7 +26,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, dp_group: ProcessGro
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # fused: one kernel per parameter, 3.5x faster than the single-tensor loop on CPU (docs/benchmarks.md); it
     # is elementwise per parameter, so its results do not depend on how parameters are grouped or sharded, nor
-    # on the thread count: resumed and ZeRO-sharded runs repeat the same float operations
+    # on the thread count: resumed and ZeRO-sharded runs repeat the same float operations. A checkpoint keeps
+    # these flags in its param groups: a run resumed from an older one (foreach=False) keeps its loop, bit-exactly
     adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
     if zero_stage == 1 and group_size(dp_group) > 1:
         return sharded_adamw(groups, dp_group, **adamw)
