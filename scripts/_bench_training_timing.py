@@ -17,7 +17,6 @@ import statistics
 import torch
 import torch.distributed as dist
 
-
 # the torch.distributed entry points that parallel_attention's collectives call (either spelling)
 _TENSOR_COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                        "reduce_scatter_tensor")

@@ -63,18 +63,20 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, [*overrides, "--logging.progress_bar=false", "--logging.tensorboard=false"]
 
 
-def variants(run, baseline) -> dict:
-    """name -> (context to run it in, one step)."""
+def variants(run, baseline) -> tuple[dict, dict]:
+    """(name -> one step, name -> the context it runs in, where it needs one)."""
     ours = lambda: trainer.train_step(run)  # noqa: E731
-    found = {"ours": (contextlib.nullcontext, ours)}
+    steps, contexts = {"ours": ours}, {}
     if ps.get_tensor_model_parallel_world_size() > 1:
         tp_group = ps.get_tensor_model_parallel_group()
-        found["ours_tp_comm_off"] = (lambda: _both(collectives_off(tp_group), parameters_restored(run.model)), ours)
+        steps["ours_tp_comm_off"] = ours
+        contexts["ours_tp_comm_off"] = lambda: _both(collectives_off(tp_group), parameters_restored(run.model))
     if ps.get_data_parallel_world_size() > 1:
-        found["ours_dp_comm_off"] = (lambda: _both(data_parallel_off(run), parameters_restored(run.model)), ours)
+        steps["ours_dp_comm_off"] = ours
+        contexts["ours_dp_comm_off"] = lambda: _both(data_parallel_off(run), parameters_restored(run.model))
     if baseline is not None:
-        found["transformers"] = (contextlib.nullcontext, baseline)
-    return found
+        steps["transformers"] = baseline
+    return steps, contexts
 
 
 @contextlib.contextmanager
@@ -107,9 +109,8 @@ def main(argv: list[str]) -> int:
     run = trainer.build(cfg)
     baseline, baseline_info = (None, {"status": "skipped", "reason": "--no-baselines"}) if args.no_baselines \
         else transformers_baseline(run, Path(cfg.logging.run_dir))  # before our first step: the same weights
-    found = variants(run, baseline)
-    times = time_variants({name: step for name, (_, step) in found.items()}, args.warmup, args.iters, run.device,
-                          contexts={name: context for name, (context, _) in found.items()})
+    steps, contexts = variants(run, baseline)
+    times = time_variants(steps, args.warmup, args.iters, run.device, contexts)
     memory = {"optimizer_state_bytes_per_rank": max(all_gather_objects(optimizer_state_bytes(run.optimizer))),
               "saved_activation_bytes": max(all_gather_objects(
                   saved_activation_bytes(lambda: trainer.train_step(run))))}

@@ -22,7 +22,6 @@ import functools
 import time
 
 import torch
-import torch.distributed as dist
 
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_gather_objects
@@ -103,8 +102,7 @@ def agree_peak_tflops(configured: float | None, device: torch.device) -> float:
     if configured is not None:
         return configured
     measured = _auto_peak(device.type, device.index)
-    _AGREED[device] = max(all_gather_objects(measured)) if dist.is_available() and dist.is_initialized() \
-        else measured
+    _AGREED[device] = max(all_gather_objects(measured))  # [measured] outside torch.distributed
     return _AGREED[device]
 
 
