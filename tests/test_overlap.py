@@ -22,6 +22,7 @@ from distributed import run_distributed
 from rank_pool import RankPool
 
 import parallel_attention as pa
+from parallel_attention.tensor_parallel.gemm import local_linear
 from parallel_attention.tensor_parallel.collectives import (CollectiveMismatchError, CollectiveTimeoutError,
                                                             all_reduce_, copy_to_tensor_parallel_region,
                                                             enable_collective_log, reduce_from_tensor_parallel_region)
@@ -121,12 +122,13 @@ def test_overlap_and_chunks_at_p4():
 
 
 def _public_regions(d, x):
-    """The block through the public region functions (a defensive clone on each all-reduce), float32."""
+    """The block through the public region functions (a defensive clone on each all-reduce), float32, on the
+    layers' own GEMM (`local_linear`: oneDNN on CPU, whose rounding differs from F.linear's in the last bit)."""
     group, p, r = pa.get_tensor_model_parallel_group(), dist.get_world_size(), dist.get_rank()
     w1 = d["w1"].chunk(p, 0)[r].clone().requires_grad_()
     w2 = d["w2"].chunk(p, 1)[r].clone().requires_grad_()
-    hidden = F.gelu(F.linear(copy_to_tensor_parallel_region(x, group), w1, d["b1"].chunk(p, 0)[r]))
-    return reduce_from_tensor_parallel_region(F.linear(hidden, w2), group) + d["b2"], (w1, w2)
+    hidden = F.gelu(local_linear(copy_to_tensor_parallel_region(x, group), w1, d["b1"].chunk(p, 0)[r]))
+    return reduce_from_tensor_parallel_region(local_linear(hidden, w2), group) + d["b2"], (w1, w2)
 
 
 def _no_clone_worker():

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import collectives
+from .gemm import local_linear
 from .overlap import OVERLAP_COMM, column_parallel_linear, row_parallel_linear
 from .param_kinds import Partial, Replicated, Sharded
 from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
@@ -142,7 +143,7 @@ class RowParallelLinear(_TensorParallelModule):
                        else self._region(collectives.scatter_to_tensor_parallel_region))
         # the GEMM and its exit collective fused (in place, optionally chunked); p = 1: no collective
         self._linear = (partial(row_parallel_linear, group=self.tp_group, sequence_parallel=sequence_parallel,
-                                chunks=comm_chunks) if self.tp_size > 1 else F.linear)
+                                chunks=comm_chunks) if self.tp_size > 1 else local_linear)
         self._add_bias = self._plus_bias if bias else _identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,7 +239,7 @@ def column_parallel_regions(layer: _TensorParallelModule, sequence_parallel: boo
     """(linear, exit) functions of a column-parallel layer, chosen once: the GEMM fused with its entry region
     (plain TP or sequence parallel, backward overlapped or not; p = 1: a plain GEMM), and the output gather."""
     linear = (partial(column_parallel_linear, group=layer.tp_group, sequence_parallel=sequence_parallel,
-                      overlap=overlap_comm) if layer.tp_size > 1 else F.linear)
+                      overlap=overlap_comm) if layer.tp_size > 1 else local_linear)
     leave = layer._region(collectives.gather_from_tensor_parallel_region) if gather_output else _identity
     return linear, leave
 

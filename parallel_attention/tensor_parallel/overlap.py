@@ -30,22 +30,13 @@ weight to the gradient's dtype and each gradient back to its tensor's dtype, as 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .gemm import linear, weight_grads
 from .collectives import _all_reduce, _gather_first_dim, _reduce_scatter_first_dim  # no autograd: used inside
 from .parallel_state import ProcessGroup, group_size
 
 # the default of every layer that takes overlap_comm (and of AttentionConfig, GPTModel, parallel.overlap_comm)
 OVERLAP_COMM = True
-
-
-def _weight_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, with_bias: bool, needs: bool):
-    """dW = dY^T X over every token, db = sum of dY (None where not wanted), in the parameters' dtypes."""
-    if not needs:
-        return None, None
-    flat = grad.reshape(-1, grad.shape[-1])
-    grad_weight = flat.t().mm(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype)
-    return grad_weight, flat.sum(0).to(weight.dtype) if with_bias else None
 
 
 class _ColumnParallelLinearFunction(torch.autograd.Function):
@@ -57,7 +48,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(total, weight)
         ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
         ctx.with_bias, ctx.input_dtype = bias is not None, x.dtype
-        return F.linear(total, weight, bias)
+        return linear(total, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -70,7 +61,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
             if not ctx.overlap:  # the same collective, waited for before dW
                 grad_input, pending = pending.wait(), None
         wants_weight = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        grad_weight, grad_bias = _weight_grads(grad, total, weight, ctx.with_bias, wants_weight)
+        grad_weight, grad_bias = weight_grads(grad, total, weight, ctx.with_bias, wants_weight)
         if pending is not None:
             grad_input = pending.wait()
         return grad_input, grad_weight, grad_bias, None, None, None
@@ -102,7 +93,7 @@ class _RowParallelLinearFunction(torch.autograd.Function):
             return _reduce_scatter_first_dim(x, group)  # raises its ValueError (s % p != 0)
         pending = []
         for piece in _chunks_of(x, blocks, chunks):  # the GEMM of piece i+1 runs while piece i is reduced
-            y = F.linear(piece, weight).flatten(0, 1)
+            y = linear(piece, weight).flatten(0, 1)
             pending.append(_reduce_scatter_first_dim(y, group, async_op=True) if sequence_parallel
                            else _all_reduce(y, group, async_op=True))
         done = [p.wait() for p in pending]
@@ -114,7 +105,7 @@ class _RowParallelLinearFunction(torch.autograd.Function):
         if ctx.sequence_parallel:  # the backward of the reduce-scatter: dY of every token, one collective
             grad = _gather_first_dim(grad, ctx.group)
         grad_input = grad.matmul(weight.to(grad.dtype)).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
-        grad_weight, _ = _weight_grads(grad, x, weight, False, ctx.needs_input_grad[1])
+        grad_weight, _ = weight_grads(grad, x, weight, False, ctx.needs_input_grad[1])
         return grad_input, grad_weight, None, None, None
 
 

@@ -1,0 +1,84 @@
+"""The forward GEMM of the linears, Y = X W^T + b: oneDNN's inner product on float32 CPU tensors, F.linear elsewhere.
+
+Why: torch routes a float32 CPU linear to MKL's sgemm. On the AMD EPYC hosts this project is tested on, that
+GEMM in its X W^T form runs at 54-58 GFLOP/s per core, while oneDNN's inner product on the same tensors reaches
+64-69 (the backward forms, dY W and dY^T X, are as fast or faster on MKL, so they stay there). Measured in
+docs/benchmarks.md ("Forward GEMMs through oneDNN"). torch's own inductor uses the same operator
+(`torch.ops.mkldnn._linear_pointwise`) for CPU linears.
+
+What stays the same:
+- every row of Y depends on its own row of X only, bitwise (a batch or sequence split gives the same rows),
+  and the result is bitwise the same at any thread count;
+- float64, half precision, autocast, CUDA and tracing by torch.compile take F.linear, as before;
+- the operator is probed once: where it is missing or disagrees with F.linear, F.linear is used throughout.
+
+Set PARALLEL_ATTENTION_ONEDNN_LINEAR=0 to keep MKL's GEMM (read once, at the first call).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def onednn_linear_active() -> bool:
+    """Whether float32 CPU linears go through oneDNN: available, not switched off, and agreeing with F.linear."""
+    if os.environ.get("PARALLEL_ATTENTION_ONEDNN_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w, b = torch.randn(5, 3, 24), torch.randn(7, 24), torch.randn(7)
+        y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    except (AttributeError, RuntimeError):  # an older or newer torch without the operator
+        return False
+    return y.shape == (5, 3, 7) and torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and onednn_linear_active())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Y = X W^T + b, no autograd of its own: for the forward of an autograd function."""
+    if _takes_onednn(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def weight_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, with_bias: bool, needs: bool):
+    """dW = dY^T X over every token, db = sum of dY (None where not wanted), in the parameters' dtypes."""
+    if not needs:
+        return None, None
+    flat = grad.reshape(-1, grad.shape[-1])
+    grad_weight = flat.t().mm(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype)
+    return grad_weight, flat.sum(0).to(weight.dtype) if with_bias else None
+
+
+class _LinearFunction(torch.autograd.Function):
+    """Y = X W^T + b through `linear`; backward: dX = dY W and dW = dY^T X on torch's own GEMM."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.with_bias = bias is not None
+        return linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_input = grad.matmul(weight.to(grad.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        wants_weight = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        grad_weight, grad_bias = weight_grads(grad, x, weight, ctx.with_bias, wants_weight)
+        return grad_input, grad_weight, grad_bias
+
+
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The linear of a layer without communication (p = 1), differentiable: `linear` where it applies."""
+    if _takes_onednn(x, weight):
+        return _LinearFunction.apply(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,75 @@
+"""The linears' forward GEMM (tensor_parallel/gemm.py): oneDNN's inner product on float32 CPU tensors, agreeing
+with F.linear, row by row independent of the batch, differentiable at p = 1; F.linear wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel_attention.tensor_parallel import gemm
+
+needs_onednn = pytest.mark.skipif(not gemm.onednn_linear_active(), reason="oneDNN's linear is not available")
+
+
+def _operands(dtype=torch.float32):
+    torch.manual_seed(0)  # awkward sizes: a swapped or mis-sliced dimension cannot pass
+    return torch.randn(37, 3, 29, dtype=dtype), torch.randn(23, 29, dtype=dtype), torch.randn(23, dtype=dtype)
+
+
+@needs_onednn
+def test_float32_cpu_runs_onednn_and_agrees_with_f_linear():
+    x, w, b = _operands()
+    y = gemm.linear(x, w, b)
+    assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
+    # another GEMM sums the 29 products in another order: float32 rounding, relative to the largest output
+    assert ((y - F.linear(x, w, b)).abs().max() / y.abs().max()).item() < 1e-6
+
+
+@needs_onednn
+def test_rows_do_not_depend_on_the_other_rows():
+    """A sequence or batch split (sequence parallelism, data parallelism) computes the same rows bit for bit."""
+    x, w, b = _operands()
+    full = gemm.linear(x, w, b)
+    assert torch.equal(gemm.linear(x[:5], w, b), full[:5])
+    assert torch.equal(gemm.linear(x[:, 1:2], w, b), full[:, 1:2])
+    assert torch.equal(gemm.linear(x.transpose(0, 1), w, b), full.transpose(0, 1))  # a strided input
+
+
+@needs_onednn
+def test_local_linear_gradients_match_f_linear():
+    x, w, b = (t.requires_grad_() for t in _operands())
+    grad = torch.randn(37, 3, 23)
+    gemm.local_linear(x, w, b).backward(grad)
+    ours = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    F.linear(x, w, b).backward(grad)
+    for got, want in zip(ours, (x.grad, w.grad, b.grad)):
+        assert ((got - want).norm() / want.norm()).item() < 1e-6  # float32 rounding of sums over 29 or 111 terms
+
+
+def test_float64_takes_f_linear_exactly():
+    x, w, b = _operands(torch.float64)
+    assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: gemm.local_linear(x, w, b), (xg[:4, :1], wg))
+
+
+def test_autocast_takes_f_linear():
+    x, w, b = _operands()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gemm.local_linear(x, w, b)
+        want = F.linear(x, w, b)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("PARALLEL_ATTENTION_ONEDNN_LINEAR", "0")
+    gemm.onednn_linear_active.cache_clear()
+    try:
+        x, w, b = _operands()
+        assert not gemm.onednn_linear_active()
+        assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+    finally:
+        gemm.onednn_linear_active.cache_clear()
