@@ -24,16 +24,23 @@ def test_float32_cpu_runs_onednn_and_agrees_with_f_linear():
     assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
     # another GEMM sums the 29 products in another order: float32 rounding, relative to the largest output
     assert ((y - F.linear(x, w, b)).abs().max() / y.abs().max()).item() < 1e-6
+    dx = gemm.input_grad(y, w)  # dY W: the same inner product with W^T
+    assert torch.equal(dx, torch.ops.mkldnn._linear_pointwise(y, w.t(), None, "none", [], ""))
+    assert ((dx - y.matmul(w)).abs().max() / dx.abs().max()).item() < 1e-6
 
 
 @needs_onednn
 def test_rows_do_not_depend_on_the_other_rows():
-    """A sequence or batch split (sequence parallelism, data parallelism) computes the same rows bit for bit."""
+    """A sequence or batch split (sequence parallelism, data parallelism) computes the same rows bit for bit,
+    forward and for the input gradient."""
     x, w, b = _operands()
     full = gemm.linear(x, w, b)
     assert torch.equal(gemm.linear(x[:5], w, b), full[:5])
     assert torch.equal(gemm.linear(x[:, 1:2], w, b), full[:, 1:2])
     assert torch.equal(gemm.linear(x.transpose(0, 1), w, b), full.transpose(0, 1))  # a strided input
+    grad_input = gemm.input_grad(full, w)
+    assert torch.equal(gemm.input_grad(full[:5], w), grad_input[:5])
+    assert torch.equal(gemm.input_grad(full[:, 1:2], w), grad_input[:, 1:2])
 
 
 @needs_onednn

@@ -222,6 +222,7 @@ def _timeout_worker():
 
 
 def test_a_timeout_in_the_async_wait_is_named():
-    message, waited = run_distributed(_timeout_worker, 2, 2, timeout=60)[0]
+    # fresh ranks: the worker makes 4 s groups and a timed-out gloo pair stays closed, which a reset cannot undo
+    message, waited = run_distributed(_timeout_worker, 2, 2, timeout=60, fresh=True)[0]
     assert "all_reduce on the tensor-parallel group (global ranks [0, 1]) did not complete" in message, message
     assert waited < GROUP_TIMEOUT_S + 3

@@ -2,7 +2,8 @@
 
 Why: torch routes a float32 CPU linear to MKL's sgemm. On the AMD EPYC hosts this project is tested on, that
 GEMM in its X W^T form runs at 54-58 GFLOP/s per core, while oneDNN's inner product on the same tensors reaches
-64-69 (the backward forms, dY W and dY^T X, are as fast or faster on MKL, so they stay there). Measured in
+64-69. The input gradient dY W is the same inner product with W^T, as fast or up to 15 % faster there; the weight
+gradient dY^T X is faster on MKL and stays there. Measured in
 docs/benchmarks.md ("Forward GEMMs through oneDNN"). torch's own inductor uses the same operator
 (`torch.ops.mkldnn._linear_pointwise`) for CPU linears.
 
@@ -50,6 +51,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dX = dY W in dY's dtype, no autograd: `linear` with W^T."""
+    weight = weight.to(grad.dtype)
+    if _takes_onednn(grad, weight):
+        return torch.ops.mkldnn._linear_pointwise(grad, weight.t(), None, "none", [], "")
+    return grad.matmul(weight)
+
+
 def weight_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, with_bias: bool, needs: bool):
     """dW = dY^T X over every token, db = sum of dY (None where not wanted), in the parameters' dtypes."""
     if not needs:
@@ -60,7 +69,7 @@ def weight_grads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, with
 
 
 class _LinearFunction(torch.autograd.Function):
-    """Y = X W^T + b through `linear`; backward: dX = dY W and dW = dY^T X on torch's own GEMM."""
+    """Y = X W^T + b through `linear`; backward: dX = dY W through `input_grad`, dW = dY^T X on torch's GEMM."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -71,7 +80,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_input = grad.matmul(weight.to(grad.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_input = input_grad(grad, weight).to(x.dtype) if ctx.needs_input_grad[0] else None
         wants_weight = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         grad_weight, grad_bias = weight_grads(grad, x, weight, ctx.with_bias, wants_weight)
         return grad_input, grad_weight, grad_bias

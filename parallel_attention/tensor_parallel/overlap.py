@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .gemm import linear, weight_grads
+from .gemm import input_grad, linear, weight_grads
 from .collectives import _all_reduce, _gather_first_dim, _reduce_scatter_first_dim  # no autograd: used inside
 from .parallel_state import ProcessGroup, group_size
 
@@ -55,7 +55,7 @@ class _ColumnParallelLinearFunction(torch.autograd.Function):
         total, weight = ctx.saved_tensors
         grad_input = pending = None
         if ctx.needs_input_grad[0]:  # dX is fresh: reduce it in place
-            grad_input = grad.matmul(weight.to(grad.dtype)).to(ctx.input_dtype)
+            grad_input = input_grad(grad, weight).to(ctx.input_dtype)
             pending = (_reduce_scatter_first_dim(grad_input, ctx.group, async_op=True) if ctx.sequence_parallel
                        else _all_reduce(grad_input, ctx.group, async_op=True))
             if not ctx.overlap:  # the same collective, waited for before dW
@@ -104,7 +104,7 @@ class _RowParallelLinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         if ctx.sequence_parallel:  # the backward of the reduce-scatter: dY of every token, one collective
             grad = _gather_first_dim(grad, ctx.group)
-        grad_input = grad.matmul(weight.to(grad.dtype)).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
+        grad_input = input_grad(grad, weight).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
         grad_weight, _ = weight_grads(grad, x, weight, False, ctx.needs_input_grad[1])
         return grad_input, grad_weight, None, None, None
 
