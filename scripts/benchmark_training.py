@@ -9,6 +9,8 @@ same alternating rounds (each round runs every variant once, rotating the order)
     ours                  the training step
     ours_tp_comm_off      the same step with the tensor-parallel group's collectives made no-ops (p > 1)
     ours_dp_comm_off      the same step without DDP's gradient all-reduce (dp > 1)
+    ours_torch_gemm       the same step with the linears on torch's GEMM instead of oneDNN's (where oneDNN is
+                          active: float32 on CPU, tensor_parallel/gemm.py)
     transformers          Hugging Face transformers on the same initial weights (_bench_training_hf.py):
                           single process at p = 1, tp_plan="auto" at p > 1; skipped, with the reason, when
                           transformers is missing, dp > 1, the config has no counterpart or the losses differ
@@ -37,6 +39,7 @@ from _bench_training_hf import transformers_baseline
 from _bench_measure import time_variants
 from _bench_training_timing import collectives_off, data_parallel_off, parameters_restored, summary_ms
 from parallel_attention import load_config
+from parallel_attention.tensor_parallel import gemm
 from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.tensor_parallel.collectives import all_gather_objects
 from parallel_attention.training import trainer
@@ -74,6 +77,9 @@ def variants(run, baseline) -> tuple[dict, dict]:
     if ps.get_data_parallel_world_size() > 1:
         steps["ours_dp_comm_off"] = ours
         contexts["ours_dp_comm_off"] = lambda: _both(data_parallel_off(run), parameters_restored(run.model))
+    if run.device.type == "cpu" and gemm.onednn_linear_active():
+        steps["ours_torch_gemm"] = ours
+        contexts["ours_torch_gemm"] = gemm.torch_gemm_only
     if baseline is not None:
         steps["transformers"] = baseline
     return steps, contexts

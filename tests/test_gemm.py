@@ -1,7 +1,13 @@
-"""The linears' forward GEMM (tensor_parallel/gemm.py): oneDNN's inner product on float32 CPU tensors, agreeing
-with F.linear, row by row independent of the batch, differentiable at p = 1; F.linear wherever it does not apply."""
+"""The linears' GEMMs (tensor_parallel/gemm.py): the forward and the input gradient through oneDNN's inner product
+on float32 CPU tensors, agreeing with F.linear and dY W, row by row independent of the batch, differentiable at
+p = 1; torch's GEMM wherever it does not apply or is switched off; scripts/benchmark_gemm.py times every form."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +77,15 @@ def test_autocast_takes_f_linear():
     assert y.dtype == torch.bfloat16 and torch.equal(y, want)
 
 
+@needs_onednn
+def test_torch_gemm_only_suspends_onednn_in_its_block():
+    x, w, b = _operands()
+    with gemm.torch_gemm_only():
+        assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+        assert torch.equal(gemm.input_grad(x[..., :23], w), x[..., :23].matmul(w))
+    assert torch.equal(gemm.linear(x, w, b), torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
+
+
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("PARALLEL_ATTENTION_ONEDNN_LINEAR", "0")
     gemm.onednn_linear_active.cache_clear()
@@ -80,3 +95,14 @@ def test_switched_off_by_the_environment(monkeypatch):
         assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
     finally:
         gemm.onednn_linear_active.cache_clear()
+
+
+def test_the_gemm_benchmark_writes_every_form(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_gemm.py"
+    out = tmp_path / "gemm.json"
+    subprocess.run([sys.executable, str(script), "--tokens", "4", "--shape", "8,16", "--reps", "2", "--out", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    result = json.loads(out.read_text())
+    forms = {"forward_mkl", "dX_mkl", "dW_mkl", "dW_mkl_other_order"}
+    forms |= {"forward_onednn", "dX_onednn"} if gemm.onednn_linear_active() else set()
+    assert set(result["shapes"][0]["ms"]) == forms and result["onednn_active"] == gemm.onednn_linear_active()

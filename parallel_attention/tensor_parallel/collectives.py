@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .collective_log import RECENT_CALLS, TORCH_DEBUG_ENV, CollectiveLog, CollectiveMismatchError, mismatch_report
 from .parallel_state import ProcessGroup, collective_timeout, describe_group, group_rank, group_size, is_distributed
+from .sharding import check_sequence_split
 
 __all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "enable_collective_log"]  # and the functions below
 
@@ -177,9 +178,7 @@ def _gather_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     p = group_size(group)
-    if x.shape[0] % p != 0:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tensor-parallel size {p}; "
-                         "sequence parallelism needs s % p == 0: pad the sequence.")
+    check_sequence_split(x.shape[0], p)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // p,) + x.shape[1:], dtype=x.dtype, device=x.device)
     work = _reduce_scatter_tensor(out, x, group, async_op)

@@ -1,23 +1,25 @@
-"""The forward GEMM of the linears, Y = X W^T + b: oneDNN's inner product on float32 CPU tensors, F.linear elsewhere.
+"""The linears' GEMMs: Y = X W^T + b and dX = dY W through oneDNN's inner product on float32 CPU tensors.
 
-Why: torch routes a float32 CPU linear to MKL's sgemm. On the AMD EPYC hosts this project is tested on, that
-GEMM in its X W^T form runs at 54-58 GFLOP/s per core, while oneDNN's inner product on the same tensors reaches
-64-69. The input gradient dY W is the same inner product with W^T, as fast or up to 15 % faster there; the weight
-gradient dY^T X is faster on MKL and stays there. Measured in
-docs/benchmarks.md ("Forward GEMMs through oneDNN"). torch's own inductor uses the same operator
-(`torch.ops.mkldnn._linear_pointwise`) for CPU linears.
+Why: torch routes a float32 CPU linear to MKL's sgemm. On the AMD EPYC hosts this project is tested on, X W^T is
+MKL's slowest form (the vocabulary projection: 45 GFLOP/s per core, against 62 for dY W), while oneDNN's inner
+product runs it at 66. Over the benchmark model's shapes the forward takes 26 % less time and the input gradient
+dY W (the same inner product with W^T) 4 % less; the weight gradient dY^T X is faster on MKL and stays there.
+Measured with scripts/benchmark_gemm.py, in docs/benchmarks.md ("third pass"). torch's own inductor uses the same
+operator (`torch.ops.mkldnn._linear_pointwise`) for CPU linears.
 
 What stays the same:
 - every row of Y depends on its own row of X only, bitwise (a batch or sequence split gives the same rows),
   and the result is bitwise the same at any thread count;
-- float64, half precision, autocast, CUDA and tracing by torch.compile take F.linear, as before;
+- float64, half precision, autocast, CUDA and tracing by torch.compile take torch's GEMM, as before;
 - the operator is probed once: where it is missing or disagrees with F.linear, F.linear is used throughout.
 
-Set PARALLEL_ATTENTION_ONEDNN_LINEAR=0 to keep MKL's GEMM (read once, at the first call).
+Set PARALLEL_ATTENTION_ONEDNN_LINEAR=0 to keep torch's GEMM (read once, at the first call); `torch_gemm_only()`
+keeps it inside a block (scripts/benchmark_training.py times the step both ways).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -38,9 +40,23 @@ def onednn_linear_active() -> bool:
     return y.shape == (5, 3, 7) and torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+_suspended = False  # set inside torch_gemm_only()
+
+
+@contextlib.contextmanager
+def torch_gemm_only():
+    """Inside this block every linear takes torch's GEMM: for timing the two side by side in one process."""
+    global _suspended
+    saved, _suspended = _suspended, True
+    try:
+        yield
+    finally:
+        _suspended = saved
+
+
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and not _suspended and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
             and onednn_linear_active())
 
 

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from .gemm import input_grad, linear, weight_grads
 from .collectives import _all_reduce, _gather_first_dim, _reduce_scatter_first_dim  # no autograd: used inside
+from .gemm import input_grad, linear, weight_grads
 from .parallel_state import ProcessGroup, group_size
+from .sharding import check_sequence_split
 
 # the default of every layer that takes overlap_comm (and of AttentionConfig, GPTModel, parallel.overlap_comm)
 OVERLAP_COMM = True
@@ -89,8 +90,7 @@ class _RowParallelLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.sequence_parallel, ctx.input_dtype = group, sequence_parallel, x.dtype
         blocks = group_size(group) if sequence_parallel else 1
-        if x.shape[0] % blocks != 0:
-            return _reduce_scatter_first_dim(x, group)  # raises its ValueError (s % p != 0)
+        check_sequence_split(x.shape[0], blocks)
         pending = []
         for piece in _chunks_of(x, blocks, chunks):  # the GEMM of piece i+1 runs while piece i is reduced
             y = linear(piece, weight).flatten(0, 1)

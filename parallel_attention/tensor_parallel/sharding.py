@@ -14,11 +14,19 @@ layout is written down once. Shapes: p tensor-parallel size, nh heads, nkv k/v h
                                       `grouped_to_blocked_qkv` converts)
     gated        gate, up [f, ...]    [gate rows of r | up rows of r]
     replicated   any                  the whole tensor on every rank
+    sequence     activations [s, ...]  chunk r of s/p along s (sequence parallelism: `check_sequence_split`)
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def check_sequence_split(length: int, p: int) -> None:
+    """Refuse a sequence that sequence parallelism cannot cut into p equal chunks, before any collective."""
+    if length % p != 0:
+        raise ValueError(f"sequence length {length} is not divisible by tensor-parallel size {p}; "
+                         "sequence parallelism needs s % p == 0: pad the sequence.")
 
 
 def column_shard(t: torch.Tensor, p: int, rank: int) -> torch.Tensor:

@@ -38,9 +38,13 @@ def active_paths() -> dict[str, str]:
     """Which implementation each kernel family uses in this environment (for logs and README)."""
     import torch
 
+    from ..tensor_parallel.gemm import onednn_linear_active
+
     sdpa = "torch SDPA (flash / memory-efficient kernels)" if torch.cuda.is_available() else "torch SDPA (CPU)"
     return {
         "attention (attention_kernel='auto'/'sdpa')": sdpa,
         "attention (attention_kernel='apex')": "apex fused scale-mask-softmax" if apex_available()
         else "unavailable: NVIDIA apex is not installed",
+        "linear GEMMs (float32 on CPU)": "oneDNN inner product (forward and input gradient), torch's for the weight "
+        "gradient" if onednn_linear_active() else "torch's (MKL / BLAS)",
     }
