@@ -7,7 +7,7 @@ Shape legend: s sequence, b batch, h hidden, p tensor-parallel size, nh heads, n
       | query_key_value: ColumnParallelLinear h -> (nh + 2 nkv) d, each rank the rows of its heads
       |   fwd identity / bwd all-reduce  (SP: fwd all-gather s / bwd reduce-scatter s)
     mixed [s, b, (nhl + 2 nkvl) * d]  [this rank's q heads | its k heads | its v heads]
-      | laid out batch-major in memory (one copy; shape unchanged)
+      | on CPU laid out batch-major in memory (one copy; shape unchanged)
       | split: q, k, v are views of mixed (no copy); rotary on q, k (optional)
     q [b, nhl, s, d], k, v [b, nkvl, s, d]
       | local attention (SDPA / math / apex), dropout from the tensor-parallel generator
@@ -46,9 +46,15 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t [s, b, ...], not a view of the buffer it lies in, in t's layout (batch-major stays so)."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1) if t.stride(1) > t.stride(0) else t.contiguous()
+
+
 def _batch_major(t: torch.Tensor) -> torch.Tensor:
-    """t [s, b, ...] with the same shape and values, laid out in memory as [b, s, ...] (one copy)."""
-    return t.transpose(0, 1).contiguous().transpose(0, 1)
+    """t [s, b, ...] with the same shape and values, laid out in memory as [b, s, ...] (one copy) on CPU, where
+    the attention kernel reads it faster; elsewhere t as it is (unmeasured there: the copy would be pure cost)."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1) if t.device.type == "cpu" else t
 
 
 class ParallelSelfAttention(nn.Module):
@@ -79,7 +85,7 @@ class ParallelSelfAttention(nn.Module):
                                                    recompute_core)
         self.position_embedding = build_position_embedding(config)
         # rotary makes q, k new tensors: a copy of v (batch-major, as mixed) then frees mixed after the forward
-        self._own_values = _batch_major if config.rotary else _as_is
+        self._own_values = _own_copy if config.rotary else _as_is
         self.load_canonical_state_dict(self._initial_canonical_weights(device))
 
     # ----------------------------------------------------------------------------- weights
