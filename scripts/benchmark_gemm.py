@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python scripts/benchmark_gemm.py [--tokens 1024] [--shape K,N ...] [--reps 15] [--out OUT.json]
 
 For each weight shape [N, K] and M tokens, one thread, float32, forms alternating within each repetition:
-    forward    Y = X W^T    F.linear (MKL)            oneDNN (tensor_parallel/gemm.py: `linear`)
-    dX         dY W         dY.matmul(W) (MKL)        oneDNN with W^T (`input_grad`)
+    forward    Y = X W^T    F.linear (MKL)            oneDNN's operator, as tensor_parallel/gemm.py's `linear` calls it
+    dX         dY W         dY.matmul(W) (MKL)        oneDNN's operator with W^T, as `input_grad` calls it
     dW         dY^T X       dY.t().mm(X) (MKL)        X.t().mm(dY).t() (MKL, the other order)
 The package takes oneDNN for the forward and dX where it is active (`gemm.onednn_linear_active()`), and MKL's
 first form for dW. Default shapes: the Llama-style benchmark model of docs/benchmarks.md at p = 1 (h 512, fused

@@ -135,3 +135,22 @@ def test_dropout_masks_per_rank_repeatable_and_unbiased():
         scale = r["expectation"].abs().max()
         assert (r["mean"] - r["expectation"]).abs().max() < 0.25 * scale
         assert (r["first"] - r["expectation"]).abs().max() > 0.05 * scale  # dropout really acted
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_cpu_layout_is_batch_major_and_saves_no_extra_buffer(rotary):
+    """On CPU q, k, v [b, heads, s, d] lie batch-major in memory (the kernel's faster layout). Without rotary they
+    are views of one fused buffer of exactly their size; with rotary, v is a copy of its own, so that nothing the
+    kernel saves keeps the fused buffer alive (the module docstring's memory claim)."""
+    config = pa.AttentionConfig(**{**GQA, "rotary": rotary})
+    module = pa.ParallelSelfAttention(config)
+    s, b = 5, 3
+    q, k, v = module._project(torch.randn(s, b, 24), s, None, 0)
+    for t in (q, k, v):
+        assert t.stride(0) > t.stride(2) > t.stride(3) == 1, t.stride()  # sample, then position, then channel
+    fused_bytes = (8 + 2 * 2) * 6 * s * b * 4
+    if rotary:
+        assert v.untyped_storage().nbytes() == v.numel() * 4
+    else:
+        assert {t.untyped_storage().data_ptr() for t in (q, k, v)} == {q.untyped_storage().data_ptr()}
+        assert q.untyped_storage().nbytes() == fused_bytes

@@ -65,8 +65,33 @@ def test_local_linear_gradients_match_f_linear():
 def test_float64_takes_f_linear_exactly():
     x, w, b = _operands(torch.float64)
     assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
-    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda x, w: gemm.local_linear(x, w, b), (xg[:4, :1], wg))
+
+
+@pytest.mark.parametrize("with_bias, needs", [(True, (True, True, True)), (False, (True, True, False)),
+                                               (True, (False, True, True)), (True, (True, False, False))])
+def test_linear_function_backward_is_exact(with_bias, needs):
+    """The p = 1 autograd function's own backward (float64 gradcheck: the same formulas run in float32), with and
+    without a bias, and with an input or a weight that needs no gradient (frozen)."""
+    x, w, b = _operands(torch.float64)
+    args = [x[:4, :2].clone(), w[:5].clone(), b[:5].clone() if with_bias else None]
+    for t, wants in zip(args, needs):
+        if t is not None:
+            t.requires_grad_(wants)
+    assert torch.autograd.gradcheck(gemm._LinearFunction.apply, tuple(args))
+
+
+@needs_onednn
+def test_p1_layers_run_the_function_in_float32():
+    x, w, b = (t.requires_grad_() for t in _operands())
+    assert type(gemm.local_linear(x, w, b).grad_fn).__name__ == "_LinearFunctionBackward"
+
+
+def test_the_probe_draws_no_random_numbers():
+    """It runs inside the first forward: a draw there would move dropout's generator (and break bit-exact resume)."""
+    gemm.onednn_linear_active.cache_clear()
+    before = torch.get_rng_state()
+    gemm.onednn_linear_active()
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_autocast_takes_f_linear():

@@ -237,7 +237,8 @@ class TiedOutputLayer(_TensorParallelModule):
 def column_parallel_regions(layer: _TensorParallelModule, sequence_parallel: bool, gather_output: bool,
                             overlap_comm: bool):
     """(linear, exit) functions of a column-parallel layer, chosen once: the GEMM fused with its entry region
-    (plain TP or sequence parallel, backward overlapped or not; p = 1: a plain GEMM), and the output gather."""
+    (plain TP or sequence parallel, backward overlapped or not; p = 1: `local_linear`, no collective), and the
+    output gather."""
     linear = (partial(column_parallel_linear, group=layer.tp_group, sequence_parallel=sequence_parallel,
                       overlap=overlap_comm) if layer.tp_size > 1 else local_linear)
     leave = layer._region(collectives.gather_from_tensor_parallel_region) if gather_output else _identity
