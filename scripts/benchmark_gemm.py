@@ -26,16 +26,12 @@ from parallel_attention.tensor_parallel import gemm
 DEFAULT_SHAPES = ("512,768", "512,512", "512,2816", "1408,512", "512,8192")
 
 
-def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
-
-
 def forms(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> dict:
     """name -> the GEMM, on the same operands."""
     out = {"forward_mkl": lambda: F.linear(x, w), "dX_mkl": lambda: g.matmul(w), "dW_mkl": lambda: g.t().mm(x),
            "dW_mkl_other_order": lambda: x.t().mm(g).t()}
     if gemm.onednn_linear_active():
-        out.update({"forward_onednn": lambda: _onednn(x, w), "dX_onednn": lambda: _onednn(g, w.t())})
+        out.update({"forward_onednn": lambda: gemm.onednn_inner_product(x, w), "dX_onednn": lambda: gemm.onednn_inner_product(g, w.t())})
     return out
 
 

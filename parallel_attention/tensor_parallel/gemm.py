@@ -29,6 +29,11 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 
+def onednn_inner_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """X W^T + b on oneDNN's operator, whatever the tensors (the dispatch below decides when it applies)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 @functools.cache
 def onednn_linear_active() -> bool:
     """Whether float32 CPU linears go through oneDNN: available, not switched off, and agreeing with F.linear."""
@@ -39,7 +44,7 @@ def onednn_linear_active() -> bool:
         # generators that dropout and resume depend on
         x = torch.linspace(-2.0, 2.0, 5 * 3 * 24).sin().view(5, 3, 24)
         w, b = torch.linspace(-1.0, 1.0, 7 * 24).cos().view(7, 24), torch.linspace(-0.5, 0.5, 7)
-        y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        y = onednn_inner_product(x, w, b)
     except (AttributeError, RuntimeError):  # an older or newer torch without the operator
         return False
     return y.shape == (5, 3, 7) and torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
@@ -68,7 +73,7 @@ def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Y = X W^T + b, no autograd of its own: for the forward of an autograd function."""
     if _takes_onednn(x, weight):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_inner_product(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -76,7 +81,7 @@ def input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dX = dY W in dY's dtype, no autograd: `linear` with W^T."""
     weight = weight.to(grad.dtype)
     if _takes_onednn(grad, weight):
-        return torch.ops.mkldnn._linear_pointwise(grad, weight.t(), None, "none", [], "")
+        return onednn_inner_product(grad, weight.t())
     return grad.matmul(weight)
 
 

@@ -46,15 +46,20 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _batch_major_copy(t: torch.Tensor) -> torch.Tensor:
+    """t [s, b, ...] copied, same shape and values, laid out in memory as [b, s, ...]."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
 def _own_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of t [s, b, ...], not a view of the buffer it lies in, in t's layout (batch-major stays so)."""
-    return t.transpose(0, 1).contiguous().transpose(0, 1) if t.stride(1) > t.stride(0) else t.contiguous()
+    return _batch_major_copy(t) if t.stride(1) > t.stride(0) else t.contiguous()
 
 
 def _batch_major(t: torch.Tensor) -> torch.Tensor:
-    """t [s, b, ...] with the same shape and values, laid out in memory as [b, s, ...] (one copy) on CPU, where
-    the attention kernel reads it faster; elsewhere t as it is (unmeasured there: the copy would be pure cost)."""
-    return t.transpose(0, 1).contiguous().transpose(0, 1) if t.device.type == "cpu" else t
+    """t laid out batch-major (one copy) on CPU, where the attention kernel reads it faster; elsewhere t as it is
+    (unmeasured there: the copy would be pure cost)."""
+    return _batch_major_copy(t) if t.device.type == "cpu" else t
 
 
 class ParallelSelfAttention(nn.Module):
