@@ -17,6 +17,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from parallel_attention.tensor_parallel import shm_all_reduce
+
 # the torch.distributed entry points that parallel_attention's collectives call (either spelling)
 _TENSOR_COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                        "reduce_scatter_tensor")
@@ -50,7 +52,8 @@ def collectives_off(group):
     try:
         for name, real in saved.items():
             setattr(dist, name, _no_op(real, group))
-        yield
+        with shm_all_reduce.gloo_only(group):  # the opt-in shared-memory all-reduce bypasses torch.distributed
+            yield
     finally:
         for name, real in saved.items():
             setattr(dist, name, real)

@@ -9,6 +9,8 @@ same alternating rounds (each round runs every variant once, rotating the order)
     ours                  the training step
     ours_tp_comm_off      the same step with the tensor-parallel group's collectives made no-ops (p > 1)
     ours_dp_comm_off      the same step without DDP's gradient all-reduce (dp > 1)
+    ours_gloo_all_reduce  the same step with the tensor-parallel all-reduces on gloo instead of shared memory
+                          (where PARALLEL_ATTENTION_SHM_ALL_REDUCE=1, tensor_parallel/shm_all_reduce.py)
     ours_torch_gemm       the same step with the linears on torch's GEMM instead of oneDNN's (where oneDNN is
                           active: float32 on CPU, tensor_parallel/gemm.py)
     transformers          Hugging Face transformers on the same initial weights (_bench_training_hf.py):
@@ -39,7 +41,7 @@ from _bench_training_hf import transformers_baseline
 from _bench_measure import time_variants
 from _bench_training_timing import collectives_off, data_parallel_off, parameters_restored, summary_ms
 from parallel_attention import load_config
-from parallel_attention.tensor_parallel import gemm
+from parallel_attention.tensor_parallel import gemm, shm_all_reduce
 from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.tensor_parallel.collectives import all_gather_objects
 from parallel_attention.training import trainer
@@ -74,6 +76,9 @@ def variants(run, baseline) -> tuple[dict, dict]:
         tp_group = ps.get_tensor_model_parallel_group()
         steps["ours_tp_comm_off"] = ours
         contexts["ours_tp_comm_off"] = lambda: _both(collectives_off(tp_group), parameters_restored(run.model))
+        if shm_all_reduce.requested():
+            steps["ours_gloo_all_reduce"] = ours
+            contexts["ours_gloo_all_reduce"] = lambda: shm_all_reduce.gloo_only(tp_group)
     if ps.get_data_parallel_world_size() > 1:
         steps["ours_dp_comm_off"] = ours
         contexts["ours_dp_comm_off"] = lambda: _both(data_parallel_off(run), parameters_restored(run.model))

@@ -22,39 +22,19 @@ for `overlap`'s fused layers) is issued the same way; its PendingCollective.wait
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import re
 
 import torch
 import torch.distributed as dist
 
+from . import shm_all_reduce as shm
 from .collective_log import RECENT_CALLS, TORCH_DEBUG_ENV, CollectiveLog, CollectiveMismatchError, mismatch_report
 from .parallel_state import ProcessGroup, collective_timeout, describe_group, group_rank, group_size, is_distributed
 from .sharding import check_sequence_split
+from .timeouts import CollectiveTimeoutError, named_timeouts
 
 __all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "enable_collective_log"]  # and the functions below
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete within the groups' timeout: some rank stopped answering."""
-
-
-@contextlib.contextmanager
-def named_timeouts(op: str, group: ProcessGroup | None):
-    """Re-raise a backend's timeout as CollectiveTimeoutError naming the operation and the group."""
-    try:
-        yield
-    except RuntimeError as error:  # gloo and NCCL (DistBackendError) report timeouts as RuntimeErrors
-        if isinstance(error, CollectiveTimeoutError) or not _TIMEOUT_WORDS.search(str(error)):
-            raise  # not a timeout, or one an inner collective already named
-        raise CollectiveTimeoutError(
-            f"{op} on the {describe_group(group)} did not complete within the timeout "
-            f"({collective_timeout() or 'torch default'}): a rank stopped answering (hung, stopped or dead). "
-            f"Backend said: {str(error).splitlines()[0]}") from error
-
-
-# TORCH_DISTRIBUTED_DEBUG=DETAIL puts a monitored barrier before each collective: a rank missing there times out too
-_TIMEOUT_WORDS = re.compile(r"timed out|timeout|failed to pass monitoredBarrier", re.IGNORECASE)
 
 
 def _plain(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
@@ -150,8 +130,28 @@ class PendingCollective:
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
     x = x.contiguous()
     with _issue("all_reduce", x, group):
-        work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
+        work = _run_all_reduce(x, op, group, async_op)
     return PendingCollective("all_reduce", work, group, x) if async_op else x
+
+
+def _run_all_reduce(x: torch.Tensor, op, group: ProcessGroup | None, async_op: bool = False):
+    """torch.distributed's all-reduce, or the opt-in shared-memory sum where it serves the group (every rank
+    takes the same path: the same environment, op and tensor signature)."""
+    buffer = _shared_memory(group) if op == dist.ReduceOp.SUM and shm.requested() and shm.accepts(x) else None
+    if buffer is None:
+        return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    buffer(x)
+    return shm.COMPLETED
+
+
+def _shared_memory(group: ProcessGroup | None) -> shm.SharedMemoryAllReduce | None:
+    """The group's shared buffer; its first use is a handshake over the group (shm_all_reduce.set_up)."""
+    done, buffer = shm.lookup(group)
+    if done or group is None:
+        return buffer
+    gloo = group_size(group) > 1 and dist.get_backend(group) == "gloo"
+    gather = functools.partial(all_gather_objects, group=group)
+    return shm.set_up(group, group_rank(group), group_size(group), gloo, gather, collective_timeout())
 
 
 def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -261,17 +261,18 @@ def all_reduce_(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SU
     """In-place all-reduce outside autograd (for statistics such as the loss's max and sums)."""
     if group_size(group) > 1:
         with _issue("all_reduce", x, group):
-            dist.all_reduce(x, op=op, group=group)
+            _run_all_reduce(x, op, group)
     return x
 
 
-def all_gather_objects(obj) -> list:
-    """Every global rank's `obj` (picklable), in rank order; [obj] outside torch.distributed."""
+def all_gather_objects(obj, group: ProcessGroup | None = None) -> list:
+    """Every rank's `obj` (picklable) in the group (default: the world), in rank order; [obj] outside
+    torch.distributed."""
     if not is_distributed():
         return [obj]
-    out = [None] * dist.get_world_size()
-    with _issue("all_gather_object", None, None):
-        dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    with _issue("all_gather_object", None, group):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 

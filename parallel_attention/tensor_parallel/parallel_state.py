@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import shm_all_reduce
+
 ProcessGroup = dist.ProcessGroup
 
 
@@ -118,9 +120,11 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the groups (the process group itself is left to `destroy_process_group`)."""
+    """Forget the groups and their shared-memory buffers (the process group itself is left to
+    `destroy_process_group`)."""
     global _GROUPS
     _GROUPS = None
+    shm_all_reduce.release_all()
 
 
 def get_tensor_model_parallel_group() -> ProcessGroup | None:

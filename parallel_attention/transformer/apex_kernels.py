@@ -38,6 +38,7 @@ def active_paths() -> dict[str, str]:
     """Which implementation each kernel family uses in this environment (for logs and README)."""
     import torch
 
+    from ..tensor_parallel import shm_all_reduce
     from ..tensor_parallel.gemm import onednn_linear_active
 
     sdpa = "torch SDPA (flash / memory-efficient kernels)" if torch.cuda.is_available() else "torch SDPA (CPU)"
@@ -47,4 +48,7 @@ def active_paths() -> dict[str, str]:
         else "unavailable: NVIDIA apex is not installed",
         "linear GEMMs (float32 on CPU)": "oneDNN inner product (forward and input gradient), torch's for the weight "
         "gradient" if onednn_linear_active() else "torch's (MKL / BLAS)",
+        "sum all-reduce (gloo groups on one host)": "shared memory (PARALLEL_ATTENTION_SHM_ALL_REDUCE=1)"
+        if shm_all_reduce.requested() and shm_all_reduce.machine_supported()
+        else "gloo's (set PARALLEL_ATTENTION_SHM_ALL_REDUCE=1 for shared memory)",
     }
