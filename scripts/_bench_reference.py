@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 
+from parallel_attention.tensor_parallel.shm_all_reduce import SharedMemoryAllReduce
+
 
 class PlainAttention(nn.Module):
     """x [s, b, h] -> q_proj/k_proj/v_proj -> causal SDPA (GQA) -> o_proj -> [s, b, h].
@@ -118,6 +120,7 @@ class CollectiveCounter:
     def counting(self):
         self.calls = []
         patches = [(dist, n, f) for n, f in _C10D.items()] + [(funcol, n, f) for n, f in _FUNCOL.items()]
+        patches.append((SharedMemoryAllReduce, "__call__", lambda a, p: _nbytes(a[1])))  # opt-in, bypasses dist
         saved = []
         try:
             for module, name, size in patches:
