@@ -178,8 +178,9 @@ def set_up(group, rank: int, size: int, eligible: bool, gather, timeout) -> Shar
     everyone = all(gather(buffer is not None))
     if rank == 0:
         unlink(offer)
-    register(group, buffer if everyone else None)
-    return _BY_GROUP[group]
+    buffer = buffer if everyone else None
+    register(group, buffer)
+    return buffer
 
 
 @contextlib.contextmanager
@@ -190,7 +191,10 @@ def gloo_only(group):
     try:
         yield
     finally:
-        register(group, buffer) if set_up else _BY_GROUP.pop(group, None)
+        if set_up:
+            register(group, buffer)
+        else:
+            _BY_GROUP.pop(group, None)  # not set up before: the handshake still happens at the next call
 
 
 def release_all() -> None:
