@@ -120,7 +120,7 @@ class CollectiveCounter:
     def counting(self):
         self.calls = []
         patches = [(dist, n, f) for n, f in _C10D.items()] + [(funcol, n, f) for n, f in _FUNCOL.items()]
-        patches.append((SharedMemoryAllReduce, "__call__", lambda a, p: _nbytes(a[1])))  # opt-in, bypasses dist
+        patches.append((SharedMemoryAllReduce, "start", lambda a, p: _nbytes(a[1])))  # opt-in, bypasses dist
         saved = []
         try:
             for module, name, size in patches:

@@ -31,11 +31,11 @@ def count_collectives():
 
     for name, fn in originals.items():
         setattr(dist, name, wrap(name, fn))
-    shared = SharedMemoryAllReduce.__call__
-    SharedMemoryAllReduce.__call__ = wrap("all_reduce", shared)
+    shared = SharedMemoryAllReduce.start
+    SharedMemoryAllReduce.start = wrap("all_reduce", shared)
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-        SharedMemoryAllReduce.__call__ = shared
+        SharedMemoryAllReduce.start = shared

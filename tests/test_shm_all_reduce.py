@@ -21,7 +21,7 @@ from test_overlap import _data, _reference, _run_block
 
 import parallel_attention as pa
 from parallel_attention.tensor_parallel import shm_all_reduce as shm
-from parallel_attention.tensor_parallel.collectives import CollectiveTimeoutError, all_reduce_
+from parallel_attention.tensor_parallel.collectives import CollectiveTimeoutError, _all_reduce, all_reduce_
 
 pytestmark = pytest.mark.skipif(not shm.machine_supported(), reason="the shared-memory all-reduce is x86-64 only")
 
@@ -70,19 +70,44 @@ def test_every_rank_holds_the_same_sum_as_the_reference(world):
                 assert torch.equal(ours[i], gloo[i])
 
 
-def _block_worker():
+def _block_worker(chunks):
     d = _data(torch.float64)
     with _requested():
-        ours = _run_block(d, sp=False, overlap=True, chunks=1)
-    return ours, _run_block(d, sp=False, overlap=True, chunks=1), _reference(d)
+        ours = _run_block(d, sp=False, overlap=True, chunks=chunks)
+    return ours, _run_block(d, sp=False, overlap=True, chunks=chunks), _reference(d)
 
 
-def test_the_parallel_block_is_unchanged_and_counts_the_same_collectives():
+@pytest.mark.parametrize("chunks", [1, 3])  # 3: three sums in flight at once (a third post finishes the first)
+def test_the_parallel_block_is_unchanged_and_counts_the_same_collectives(chunks):
     for (y, grads, forward, backward), (y_gloo, grads_gloo, forward_gloo, backward_gloo), (y_ref, grads_ref) in \
-            run_distributed(_block_worker, 2, 2):
+            run_distributed(_block_worker, 2, 2, chunks):
         assert torch.equal(y, y_gloo) and all(torch.equal(grads[k], grads_gloo[k]) for k in grads)
         torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
-        assert forward == forward_gloo == {"all_reduce": 1} and backward == backward_gloo == {"all_reduce": 1}
+        assert forward == forward_gloo == {"all_reduce": chunks} and backward == backward_gloo == {"all_reduce": 1}
+
+
+def _async_worker():
+    """Three async sums in flight (one of five chunks), a gloo MAX between post and wait, ranks out of step."""
+    group, rank = pa.get_tensor_model_parallel_group(), dist.get_rank()
+    xs = _inputs(rank)[:3]
+    with _requested():
+        all_reduce_(torch.ones(1), group)  # the handshake
+        time.sleep(0.2 * rank)  # the later ranks post late: the early ones wait at the first wait(), not the post
+        pending = [_all_reduce(x, group, async_op=True) for x in xs]
+        top = all_reduce_(torch.tensor([float(rank)]), group, dist.ReduceOp.MAX)
+        sums = [p.wait() for p in reversed(pending)][::-1]  # waiting for the last finishes the others, in order
+    return sums, top.item()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_sums_finish_in_order_beside_other_collectives(world):
+    results = run_distributed(_async_worker, world, world)
+    reference = [sum(_inputs(rank)[i].double() for rank in range(world)) for i in range(3)]
+    for sums, top in results:
+        assert top == world - 1
+        for ours, first, want in zip(sums, results[0][0], reference):
+            assert torch.equal(ours, first)
+            torch.testing.assert_close(ours.double(), want, rtol=0, atol=1e-4 if ours.dtype == torch.float32 else 0)
 
 
 def _one_rank_cannot_map_worker():

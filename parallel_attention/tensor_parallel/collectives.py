@@ -13,10 +13,9 @@ and backward. Shapes: `s` sequence, `b` batch, `h` hidden, `p` tensor-parallel s
     gather_from_sequence_parallel_region   all-gather dim 0 (s)    reduce-scatter dim 0
     reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0  all-gather dim 0
 
-Every call goes through `_issue(op, tensor, group)`, chosen once: `named_timeouts`, or with
-`enable_collective_log()` (`parallel.debug_collectives`) the guard of `collective_log`, which records the
-call and cross-checks it with the group's other ranks before it runs. An asynchronous call (async_op=True,
-for `overlap`'s fused layers) is issued the same way; its PendingCollective.wait() names timeouts too.
+Every call goes through `_issue(op, tensor, group)`: `named_timeouts`, or after `enable_collective_log()` the guard
+of `collective_log`, which records the call and cross-checks it with the group's other ranks before it runs. An
+async call (async_op=True, `overlap`'s fused layers) is issued alike; its PendingCollective.wait() names timeouts.
 """
 
 from __future__ import annotations
@@ -135,13 +134,14 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, asyn
 
 
 def _run_all_reduce(x: torch.Tensor, op, group: ProcessGroup | None, async_op: bool = False):
-    """torch.distributed's all-reduce, or the opt-in shared-memory sum where it serves the group (every rank
-    takes the same path: the same environment, op and tensor signature)."""
+    """torch.distributed's all-reduce, or the opt-in shared-memory sum where it serves the group (each rank
+    takes the same path: the same environment, op and tensor signature); async_op returns a work handle."""
     buffer = _shared_memory(group) if op == dist.ReduceOp.SUM and shm.requested() and shm.accepts(x) else None
     if buffer is None:
         return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    if async_op:
+        return buffer.start(x)  # posts x; the sum lands in x at wait(), after the caller's dW GEMM
     buffer(x)
-    return shm.COMPLETED
 
 
 def _shared_memory(group: ProcessGroup | None) -> shm.SharedMemoryAllReduce | None:

@@ -21,7 +21,8 @@ stream after an event wait on the current one (where dX was computed), keeps dX 
 done, and work.wait() makes the current stream wait for NCCL's (the CPU does not block); the dW GEMM
 enqueued in between runs meanwhile. (Megatron sets CUDA_DEVICE_MAX_CONNECTIONS=1 so that the collective's
 kernel is scheduled first: a launch-order hint, not a correctness need.) On gloo the collective runs on
-gloo's own thread while this one computes dW.
+gloo's own thread while this one computes dW. The opt-in shared-memory sum (shm_all_reduce) posts dX at
+launch and sums at wait(): a rank that runs ahead computes dW instead of waiting for the slower one.
 
 Autocast: the forward GEMM runs under the caller's autocast; the backward casts the saved input and
 weight to the gradient's dtype and each gradient back to its tensor's dtype, as autocast's casts would.

@@ -11,17 +11,18 @@ TORCH_DISTRIBUTED_DEBUG, counters that wrap `dist.all_reduce`). collectives.py s
 sum all-reduce (a handshake over the group) and falls back to gloo where the ranks do not share memory.
 
 Protocol, group rank r of n, call number k (two halves of the buffer, by k's parity):
-    wait until done[i] >= k - 2 for every i       nobody still reads the half this call writes
-    slot[k % 2][r] = x;  ready[r] = k
-    wait until ready[i] >= k for every i
-    x = slot[k % 2][0] + slot[k % 2][1] + ...     rank order: every rank holds bitwise the same sum
-    done[r] = k
+    post:    wait until done[i] >= k - 2 for every i       nobody still reads the half this call writes
+             slot[k % 2][r] = x;  ready[r] = k
+    finish:  wait until ready[i] >= k for every i           (async_op: at the handle's wait())
+             x = slot[k % 2][0] + slot[k % 2][1] + ...     rank order: every rank holds bitwise the same sum
+             done[r] = k
 A tensor larger than a slot goes through slot-sized chunks, one call number each. x86-64 only: there a store
 becomes visible to other cores in program order, which the flags rely on; other machines keep gloo.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import os
@@ -53,45 +54,56 @@ def accepts(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and x.is_contiguous() and x.numel() > 0
 
 
-class _Completed:
-    """The work handle of a call that has already finished (this all-reduce is synchronous)."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-
-COMPLETED = _Completed()
-
-
 class SharedMemoryAllReduce:
-    """One group's buffer, mapped by each of its ranks; `self(x)` sums x over the group in place."""
+    """One group's buffer, mapped by each of its ranks. `start(x)` posts x and returns a handle whose `wait()`
+    leaves the group's sum in x (the caller leaves x alone meanwhile); `self(x)` is start(x).wait().
+
+    Posting and summing are separate steps so that an async_op caller (overlap's dgrad) computes between them:
+    a rank that runs ahead posts and goes on, instead of spinning at the post until the slower rank arrives.
+    Calls finish in the order they were posted; at most two are in flight (one per half): a third post first
+    finishes this rank's oldest."""
 
     def __init__(self, mapping: mmap.mmap, rank: int, size: int, timeout_s: float) -> None:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self._mapping = mapping
         self._flags = memoryview(mapping)[:16 * size].cast("q")
         self._data = torch.frombuffer(mapping, dtype=torch.uint8, offset=_HEADER, count=2 * size * SLOT_BYTES)
-        self._calls = 0
+        self._posted = self._finished = 0  # call numbers
+        self._in_flight: collections.deque = collections.deque()  # (call, chunk, its slots), oldest first
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def start(self, x: torch.Tensor) -> _Pending:
         flat = x.view(-1)
         step = SLOT_BYTES // x.element_size()
-        for start in range(0, flat.numel(), step):
-            self._reduce_chunk(flat[start:start + step])
+        for begin in range(0, flat.numel(), step):
+            self._post(flat[begin:begin + step])
+        return _Pending(self, self._posted)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.start(x).wait()
         return x
 
-    def _reduce_chunk(self, chunk: torch.Tensor) -> None:
-        self._calls += 1
-        call, n = self._calls, self.size
+    def finish_through(self, call: int) -> None:
+        while self._finished < call:
+            self._finish_oldest()
+
+    def _post(self, chunk: torch.Tensor) -> None:
+        call, n = self._posted + 1, self.size
+        self.finish_through(call - 2)  # this rank's own read of the half this call writes
         slots = [self._slot(call % 2, i, chunk) for i in range(n)]
         self._wait_for(range(n, 2 * n), call - 2, "finish reading")
         slots[self.rank].copy_(chunk)
         self._flags[self.rank] = call
-        self._wait_for(range(n), call, "write its part")
+        self._in_flight.append((call, chunk, slots))
+        self._posted = call
+
+    def _finish_oldest(self) -> None:
+        call, chunk, slots = self._in_flight.popleft()
+        self._wait_for(range(self.size), call, "write its part")
         torch.add(slots[0], slots[1], out=chunk)
         for slot in slots[2:]:
             chunk.add_(slot)
-        self._flags[n + self.rank] = call
+        self._flags[self.size + self.rank] = call
+        self._finished = call
 
     def _slot(self, half: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         start = (half * self.size + rank) * SLOT_BYTES
@@ -112,6 +124,17 @@ class SharedMemoryAllReduce:
                 raise RuntimeError(f"shared-memory all-reduce timed out after {self.timeout_s:.0f} s waiting for "
                                    f"group ranks {late} to {what} call {target}")
             time.sleep(50e-6)
+
+
+class _Pending:
+    """The work handle of `start`: wait() finishes this rank's calls through the last chunk of its tensor."""
+
+    def __init__(self, buffer: SharedMemoryAllReduce, call: int) -> None:
+        self.buffer, self.call = buffer, call
+
+    def wait(self, timeout=None) -> bool:
+        self.buffer.finish_through(self.call)
+        return True
 
 
 def buffer_bytes(size: int) -> int:
