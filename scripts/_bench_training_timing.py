@@ -2,10 +2,11 @@
 the attention benchmark's loop), and the variants of our step whose tensor- or data-parallel communication is
 switched off (to measure what it costs).
 
-Exposed communication of a group = median step time of the real step minus that of the same step with that
-group's collectives made no-ops, both timed in the same alternating rounds. It is the time the step would
-save if the group's communication were free: what overlap has not hidden, including the compute thread's
-waits and the launch cost of each collective. The no-op variants compute wrong numbers (the collectives
+Exposed communication of a group = the median over rounds of (the real step - the same step with that group's
+collectives made no-ops), the two timed next to each other in each alternating round. It is the time the step
+would save if the group's communication were free: what overlap has not hidden, including the compute thread's
+waits and the launch cost of each collective. Pairing by round cancels the host's drift between rounds, which
+the difference of the two medians (variants_ms) does not: on the 2-core host that drift is 100-200 ms IQR. The no-op variants compute wrong numbers (the collectives
 return their input, or zeros where they would gather), so the parameters are restored after each of them.
 """
 
@@ -80,6 +81,11 @@ def parameters_restored(model: torch.nn.Module):
         with torch.no_grad():
             for p, s in zip(model.parameters(), saved):
                 p.copy_(s)
+
+
+def paired_difference_ms(times_ms: list[float], baseline_ms: list[float]) -> float:
+    """Median over rounds of times_ms[i] - baseline_ms[i] (the two variants timed in the same round i)."""
+    return statistics.median(a - b for a, b in zip(times_ms, baseline_ms, strict=True))
 
 
 def summary_ms(times_ms: list[float]) -> dict:

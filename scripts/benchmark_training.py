@@ -16,13 +16,15 @@ same alternating rounds (each round runs every variant once, rotating the order)
     transformers          Hugging Face transformers on the same initial weights (_bench_training_hf.py):
                           single process at p = 1, tp_plan="auto" at p > 1; skipped, with the reason, when
                           transformers is missing, dp > 1, the config has no counterpart or the losses differ
-Exposed communication (ms) = median(ours) - median(the variant with that group's collectives off): the time
-that communication adds to the step, what overlap has not hidden (_bench_training_timing.py).
+Exposed communication (ms) = the median over rounds of ours - the variant with that group's collectives off (the
+two timed in the same round): the time that communication adds to the step, what overlap has not hidden
+(_bench_training_timing.py).
 
 JSON (rank 0): step_ms {median, q1, q3, iqr, n} (slowest rank per step), tokens_per_s, tflops (model TFLOP/s
 per device; flops.py says what is counted), mfu, exposed_tp_comm_ms, exposed_dp_comm_ms,
 optimizer_state_bytes_per_rank (max over ranks, after the timed steps), saved_activation_bytes (peak of one
-step, max over ranks), baselines, and the resolved config. logging.run_dir defaults to OUT.json.run.
+step, max over ranks), variants_ms (each variant's summary), rounds_ms (each variant's step per round, in round
+order), baselines, and the resolved config. logging.run_dir defaults to OUT.json.run.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ import torch
 
 from _bench_training_hf import transformers_baseline
 from _bench_measure import time_variants
-from _bench_training_timing import collectives_off, data_parallel_off, parameters_restored, summary_ms
+from _bench_training_timing import (collectives_off, data_parallel_off, paired_difference_ms, parameters_restored,
+                                    summary_ms)
 from parallel_attention import load_config
 from parallel_attention.tensor_parallel import gemm, shm_all_reduce
 from parallel_attention.tensor_parallel import parallel_state as ps
@@ -100,8 +103,8 @@ def report(run, times: dict, baseline_info: dict, memory: dict) -> dict:
     cfg = run.cfg
     steps = {name: summary_ms(ms) for name, ms in times.items()}
     rates = step_rates(cfg, run.device, run.tokens_per_step, steps["ours"]["median"] / 1e3)  # as metrics.jsonl
-    exposed = {f"exposed_{kind}_comm_ms": steps["ours"]["median"] - steps[f"ours_{kind}_comm_off"]["median"]
-               if f"ours_{kind}_comm_off" in steps else 0.0 for kind in ("tp", "dp")}
+    exposed = {f"exposed_{kind}_comm_ms": paired_difference_ms(times["ours"], times[f"ours_{kind}_comm_off"])
+               if f"ours_{kind}_comm_off" in times else 0.0 for kind in ("tp", "dp")}
     if "transformers" in steps:
         baseline_info = {**baseline_info, "step_ms": steps["transformers"],
                          "ours_over_transformers": steps["ours"]["median"] / steps["transformers"]["median"]}
@@ -110,7 +113,7 @@ def report(run, times: dict, baseline_info: dict, memory: dict) -> dict:
             "torch": torch.__version__, "host": platform.node(), "tokens_per_step": run.tokens_per_step,
             "step_ms": steps["ours"], **rates, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
             "peak_tflops": peak_tflops(cfg.logging.peak_tflops, run.device), **exposed, **memory,
-            "variants_ms": steps, "baselines": {"transformers": baseline_info}, "config": cfg.to_dict()}
+            "variants_ms": steps, "rounds_ms": times, "baselines": {"transformers": baseline_info}, "config": cfg.to_dict()}
 
 
 def main(argv: list[str]) -> int:

@@ -5,6 +5,7 @@ sane values, the baselines agree with our loss before timing, or say why they we
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -16,7 +17,8 @@ from parallel_attention.tensor_parallel import gemm
 LLAMA = ["--model.activation=swiglu", "--model.norm=rmsnorm", "--model.position_embedding=rotary",
          "--model.qkv_bias=false", "--model.out_bias=false", "--model.mlp_bias=false", "--model.num_kv_heads=2"]
 FIELDS = {"step_ms", "tokens_per_s", "tflops", "mfu", "exposed_tp_comm_ms", "exposed_dp_comm_ms",
-          "optimizer_state_bytes_per_rank", "saved_activation_bytes", "baselines", "config", "variants_ms"}
+          "optimizer_state_bytes_per_rank", "saved_activation_bytes", "baselines", "config", "variants_ms",
+          "rounds_ms"}
 # the step on torch's GEMM, beside oneDNN's, where oneDNN takes the linears (float32 on CPU)
 TORCH_GEMM = {"ours_torch_gemm"} if gemm.onednn_linear_active() else set()
 
@@ -36,6 +38,13 @@ def _check_common(result: dict, variants: set[str]) -> None:
     assert result["tokens_per_s"] == pytest.approx(result["tokens_per_step"] / (step["median"] / 1e3))
     assert result["tflops"] > 0 and result["mfu"] == pytest.approx(result["tflops"] / result["peak_tflops"])
     assert result["optimizer_state_bytes_per_rank"] > 0 and result["saved_activation_bytes"] > 0
+    rounds = result["rounds_ms"]
+    assert rounds.keys() == result["variants_ms"].keys() and all(len(ms) == 2 for ms in rounds.values())
+    assert statistics.median(rounds["ours"]) == pytest.approx(step["median"])
+    for kind in ("tp", "dp"):  # the median of the paired per-round differences
+        off = rounds.get(f"ours_{kind}_comm_off")
+        want = statistics.median(a - b for a, b in zip(rounds["ours"], off)) if off else 0.0
+        assert result[f"exposed_{kind}_comm_ms"] == pytest.approx(want)
 
 
 def test_p1_against_gpt2_in_process(data_dir, tmp_path):  # noqa: F811
