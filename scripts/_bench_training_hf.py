@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from parallel_attention.hf import canonical_to_hf
 from parallel_attention.hf.config import infer_architecture
@@ -117,8 +118,12 @@ def _clip_by_global_norm(hf_model, max_norm: float) -> None:
 def _step_function(run, hf_model):
     """One training step of the transformers model on the micro-batches our step of the same index uses."""
     o, t = run.cfg.optimizer, run.cfg.training
-    optimizer = torch.optim.AdamW(hf_model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay)
+    # fused: what transformers' Trainer picks on torch >= 2.8 (optim="adamw_torch_fused"), and what ours runs;
+    # one kernel call per group, and a call may not mix DTensors (tp_plan's shards) with plain tensors
+    params = list(hf_model.parameters())
+    groups = [{"params": [p for p in params if isinstance(p, DTensor) is sharded]} for sharded in (True, False)]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, fused=True)
     state = {"step": 0}
 
     def step() -> float:
