@@ -5,7 +5,8 @@ GPT2LMHeadModel for a GPT-2-style one) and loaded by transformers: in this singl
 `tp_plan="auto"` (transformers' own tensor parallelism over every launched rank) at p > 1. Before anything
 is timed, both models' losses on the first micro-batch must agree within 1e-5 (float32), else the baseline
 is skipped with the difference as its reason. Its training step mirrors ours: the same micro-batches, forward,
-cross entropy, backward, global-norm clipping and AdamW with the same hyperparameters.
+cross entropy, backward, global-norm clipping and AdamW with the same hyperparameters (fused, as ours and as
+transformers' Trainer on torch >= 2.8).
 """
 
 from __future__ import annotations

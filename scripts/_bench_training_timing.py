@@ -6,8 +6,9 @@ Exposed communication of a group = the median over rounds of (the real step - th
 collectives made no-ops), the two timed next to each other in each alternating round. It is the time the step
 would save if the group's communication were free: what overlap has not hidden, including the compute thread's
 waits and the launch cost of each collective. Pairing by round cancels the host's drift between rounds, which
-the difference of the two medians (variants_ms) does not: on the 2-core host that drift is 100-200 ms IQR. The no-op variants compute wrong numbers (the collectives
-return their input, or zeros where they would gather), so the parameters are restored after each of them.
+the difference of the two medians (variants_ms) does not: on the 2-core host that drift is 100-200 ms IQR.
+The no-op variants compute wrong numbers (the collectives return their input, or zeros where they would
+gather), so the parameters are restored after each of them.
 """
 
 from __future__ import annotations

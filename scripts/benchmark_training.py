@@ -113,7 +113,8 @@ def report(run, times: dict, baseline_info: dict, memory: dict) -> dict:
             "torch": torch.__version__, "host": platform.node(), "tokens_per_step": run.tokens_per_step,
             "step_ms": steps["ours"], **rates, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
             "peak_tflops": peak_tflops(cfg.logging.peak_tflops, run.device), **exposed, **memory,
-            "variants_ms": steps, "rounds_ms": times, "baselines": {"transformers": baseline_info}, "config": cfg.to_dict()}
+            "variants_ms": steps, "rounds_ms": times, "baselines": {"transformers": baseline_info},
+            "config": cfg.to_dict()}
 
 
 def main(argv: list[str]) -> int:
