@@ -29,6 +29,7 @@ from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_
 from parallel_attention.hf import missing_tokenizer_message, tokenizer_is_missing
 from parallel_attention.training import PretrainConfig, TokenizerUnavailableError, config_from_dict, get_tokenizer
 from parallel_attention.tensor_parallel.agreement import disagreements
+from parallel_attention.tensor_parallel.report_once import report_from_rank_0
 from parallel_attention.transformer import GPTModel, generate_batch
 
 
@@ -133,14 +134,12 @@ def main(argv: list[str]) -> int:
     try:
         args, step_dir, cfg, canonical, tokenizer, prompts = prepare(argv, tp)
     except (ValueError, OSError, TokenizerUnavailableError) as error:  # CheckpointError is a ValueError
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
+        report_from_rank_0(f"error: {error}")
         return 2
     device = pa.init_distributed(tensor_model_parallel_size=tp, timeout=args.timeout_s or cfg.parallel.timeout_s)
     differing = disagreements({**vars(args), "checkpoint": str(step_dir.resolve()), "version": pa.__version__})
     if differing:  # a rank launched with other arguments would sample other tokens, or hang
-        if rank == 0:
-            print("error: arguments differ across ranks:\n" + "\n".join(differing), file=sys.stderr)
+        report_from_rank_0("error: arguments differ across ranks:\n" + "\n".join(differing))
         return 2
     model = GPTModel(cfg.model, sequence_parallel=False, device=device)  # decoding runs without SP
     model.load_canonical_state_dict(canonical)

@@ -16,6 +16,7 @@ import sys
 import torch
 
 from parallel_attention import load_config
+from parallel_attention.tensor_parallel.report_once import report_from_rank_0
 from parallel_attention.training import ConfigError, train
 from parallel_attention.training.guards import ConfigMismatchError, GuardError
 
@@ -42,15 +43,13 @@ def main(argv: list[str]) -> int:
     try:
         result = train(cfg, resume=args.resume)  # validates the config before any process group exists
     except ConfigMismatchError as error:  # the same on every rank: said once
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"config error: {error}", file=sys.stderr)
+        report_from_rank_0(f"config error: {error}")
         return 2
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     except GuardError as error:  # agreed on every rank (divergence, replica mismatch): said once
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"run stopped: {type(error).__name__}: {error}", file=sys.stderr)
+        report_from_rank_0(f"run stopped: {type(error).__name__}: {error}")
         return 1
     torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:

@@ -161,8 +161,21 @@ def test_bad_arguments_give_one_line_from_rank_0(run_dir, args, message):
             assert result.stderr == ""
 
 
-def test_bad_checkpoint_under_torchrun(tmp_path):
-    result = torchrun("generate.py", 2, ["--checkpoint", str(tmp_path / "nothing")], timeout=240, check=False)
+_SLOW_RANK_0 = """import os, runpy, sys, time
+if os.environ["RANK"] == "0":
+    time.sleep(3)  # rank 0 still busy when rank 1 has found the error: torchrun must not stop it unheard
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("slow_rank_0", [False, True])
+def test_bad_checkpoint_under_torchrun(tmp_path, slow_rank_0):
+    script = "generate.py"
+    if slow_rank_0:
+        script = str(tmp_path / "slow_rank_0.py")
+        Path(script).write_text(_SLOW_RANK_0.format(script=str(ROOT / "scripts" / "generate.py")))
+    result = torchrun(script, 2, ["--checkpoint", str(tmp_path / "nothing")], timeout=240, check=False)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "no complete checkpoint" in errors[0]
