@@ -6,8 +6,9 @@ For each weight shape [N, K] and M tokens, one thread, float32, forms alternatin
     forward    Y = X W^T    F.linear (MKL)            oneDNN's operator, as tensor_parallel/gemm.py's `linear` calls it
     dX         dY W         dY.matmul(W) (MKL)        oneDNN's operator with W^T, as `input_grad` calls it
     dW         dY^T X       dY.t().mm(X) (MKL)        X.t().mm(dY).t() (MKL, the other order)
-The package takes oneDNN for the forward and dX where it is active (`gemm.onednn_linear_active()`), and MKL's
-first form for dW. Default shapes: the Llama-style benchmark model of docs/benchmarks.md at p = 1 (h 512, fused
+The package takes MKL's first forms by default, and oneDNN for the forward and dX with
+PARALLEL_ATTENTION_ONEDNN_LINEAR=1 (`gemm.onednn_linear_active()`); the oneDNN forms are timed wherever the
+operator is available. Default shapes: the Llama-style benchmark model of docs/benchmarks.md at p = 1 (h 512, fused
 QKV 768, gate+up 2816, down 1408, vocabulary 8192).
 """
 
@@ -30,8 +31,9 @@ def forms(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> dict:
     """name -> the GEMM, on the same operands."""
     out = {"forward_mkl": lambda: F.linear(x, w), "dX_mkl": lambda: g.matmul(w), "dW_mkl": lambda: g.t().mm(x),
            "dW_mkl_other_order": lambda: x.t().mm(g).t()}
-    if gemm.onednn_linear_active():
-        out.update({"forward_onednn": lambda: gemm.onednn_inner_product(x, w), "dX_onednn": lambda: gemm.onednn_inner_product(g, w.t())})
+    if gemm.onednn_available():
+        out.update({"forward_onednn": lambda: gemm.onednn_inner_product(x, w),
+                    "dX_onednn": lambda: gemm.onednn_inner_product(g, w.t())})
     return out
 
 

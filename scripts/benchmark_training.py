@@ -11,8 +11,10 @@ same alternating rounds (each round runs every variant once, rotating the order)
     ours_dp_comm_off      the same step without DDP's gradient all-reduce (dp > 1)
     ours_gloo_all_reduce  the same step with the tensor-parallel all-reduces on gloo instead of shared memory
                           (where PARALLEL_ATTENTION_SHM_ALL_REDUCE=1, tensor_parallel/shm_all_reduce.py)
-    ours_torch_gemm       the same step with the linears on torch's GEMM instead of oneDNN's (where oneDNN is
-                          active: float32 on CPU, tensor_parallel/gemm.py)
+    ours_onednn_gemm      the same step with the float32 CPU linears on oneDNN's inner product instead of
+                          torch's GEMM (on CPU where oneDNN is available, tensor_parallel/gemm.py)
+    ours_torch_gemm       instead of ours_onednn_gemm where PARALLEL_ATTENTION_ONEDNN_LINEAR=1: the step on
+                          torch's GEMM beside oneDNN's
     transformers          Hugging Face transformers on the same initial weights (_bench_training_hf.py):
                           single process at p = 1, tp_plan="auto" at p > 1; skipped, with the reason, when
                           transformers is missing, dp > 1, the config has no counterpart or the losses differ
@@ -85,9 +87,10 @@ def variants(run, baseline) -> tuple[dict, dict]:
     if ps.get_data_parallel_world_size() > 1:
         steps["ours_dp_comm_off"] = ours
         contexts["ours_dp_comm_off"] = lambda: _both(data_parallel_off(run), parameters_restored(run.model))
-    if run.device.type == "cpu" and gemm.onednn_linear_active():
-        steps["ours_torch_gemm"] = ours
-        contexts["ours_torch_gemm"] = gemm.torch_gemm_only
+    if run.device.type == "cpu" and gemm.onednn_available():  # the GEMM not chosen, timed beside the one chosen
+        other = "ours_torch_gemm" if gemm.onednn_linear_active() else "ours_onednn_gemm"
+        steps[other] = ours
+        contexts[other] = gemm.torch_gemm_only if gemm.onednn_linear_active() else gemm.onednn_gemm
     if baseline is not None:
         steps["transformers"] = baseline
     return steps, contexts

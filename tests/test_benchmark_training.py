@@ -19,8 +19,9 @@ LLAMA = ["--model.activation=swiglu", "--model.norm=rmsnorm", "--model.position_
 FIELDS = {"step_ms", "tokens_per_s", "tflops", "mfu", "exposed_tp_comm_ms", "exposed_dp_comm_ms",
           "optimizer_state_bytes_per_rank", "saved_activation_bytes", "baselines", "config", "variants_ms",
           "rounds_ms"}
-# the step on torch's GEMM, beside oneDNN's, where oneDNN takes the linears (float32 on CPU)
-TORCH_GEMM = {"ours_torch_gemm"} if gemm.onednn_linear_active() else set()
+# the GEMM not chosen for the float32 CPU linears, timed beside the one chosen (where oneDNN's is available)
+TORCH_GEMM = set() if not gemm.onednn_available() else \
+    {"ours_torch_gemm"} if gemm.onednn_linear_active() else {"ours_onednn_gemm"}
 
 
 def _benchmark(data_dir, tmp_path, world: int, tp: int, *extra: str) -> dict:  # noqa: F811

@@ -1,6 +1,7 @@
-"""The linears' GEMMs (tensor_parallel/gemm.py): the forward and the input gradient through oneDNN's inner product
-on float32 CPU tensors, agreeing with F.linear and dY W, row by row independent of the batch, differentiable at
-p = 1; torch's GEMM wherever it does not apply or is switched off; scripts/benchmark_gemm.py times every form."""
+"""The linears' GEMMs (tensor_parallel/gemm.py): torch's by default; with PARALLEL_ATTENTION_ONEDNN_LINEAR=1 the
+forward and the input gradient through oneDNN's inner product on float32 CPU tensors, agreeing with F.linear and
+dY W, row by row independent of the batch, differentiable at p = 1; torch's GEMM wherever it does not apply or is
+not asked for; scripts/benchmark_gemm.py times every form."""
 
 from __future__ import annotations
 
@@ -15,7 +16,17 @@ import torch.nn.functional as F
 
 from parallel_attention.tensor_parallel import gemm
 
-needs_onednn = pytest.mark.skipif(not gemm.onednn_linear_active(), reason="oneDNN's linear is not available")
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    """oneDNN switched on for the test (PARALLEL_ATTENTION_ONEDNN_LINEAR=1), and off again after it."""
+    if not gemm.onednn_available():
+        pytest.skip("oneDNN's linear is not available")
+    monkeypatch.setenv("PARALLEL_ATTENTION_ONEDNN_LINEAR", "1")
+    gemm.onednn_linear_active.cache_clear()
+    yield
+    gemm.onednn_linear_active.cache_clear()
 
 
 def _operands(dtype=torch.float32):
@@ -23,8 +34,7 @@ def _operands(dtype=torch.float32):
     return torch.randn(37, 3, 29, dtype=dtype), torch.randn(23, 29, dtype=dtype), torch.randn(23, dtype=dtype)
 
 
-@needs_onednn
-def test_float32_cpu_runs_onednn_and_agrees_with_f_linear():
+def test_float32_cpu_runs_onednn_and_agrees_with_f_linear(onednn):
     x, w, b = _operands()
     y = gemm.linear(x, w, b)
     assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
@@ -35,8 +45,7 @@ def test_float32_cpu_runs_onednn_and_agrees_with_f_linear():
     assert ((dx - y.matmul(w)).abs().max() / dx.abs().max()).item() < 1e-6
 
 
-@needs_onednn
-def test_rows_do_not_depend_on_the_other_rows():
+def test_rows_do_not_depend_on_the_other_rows(onednn):
     """A sequence or batch split (sequence parallelism, data parallelism) computes the same rows bit for bit,
     forward and for the input gradient."""
     x, w, b = _operands()
@@ -49,8 +58,7 @@ def test_rows_do_not_depend_on_the_other_rows():
     assert torch.equal(gemm.input_grad(full[:, 1:2], w), grad_input[:, 1:2])
 
 
-@needs_onednn
-def test_local_linear_gradients_match_f_linear():
+def test_local_linear_gradients_match_f_linear(onednn):
     x, w, b = (t.requires_grad_() for t in _operands())
     grad = torch.randn(37, 3, 23)
     gemm.local_linear(x, w, b).backward(grad)
@@ -80,17 +88,16 @@ def test_linear_function_backward_is_exact(with_bias, needs):
     assert torch.autograd.gradcheck(gemm._LinearFunction.apply, tuple(args))
 
 
-@needs_onednn
-def test_p1_layers_run_the_function_in_float32():
+def test_p1_layers_run_the_function_in_float32(onednn):
     x, w, b = (t.requires_grad_() for t in _operands())
     assert type(gemm.local_linear(x, w, b).grad_fn).__name__ == "_LinearFunctionBackward"
 
 
-def test_the_probe_draws_no_random_numbers():
+def test_the_probe_draws_no_random_numbers(onednn):
     """It runs inside the first forward: a draw there would move dropout's generator (and break bit-exact resume)."""
-    gemm.onednn_linear_active.cache_clear()
+    gemm.onednn_available.cache_clear()
     before = torch.get_rng_state()
-    gemm.onednn_linear_active()
+    assert gemm.onednn_linear_active()
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -102,8 +109,7 @@ def test_autocast_takes_f_linear():
     assert y.dtype == torch.bfloat16 and torch.equal(y, want)
 
 
-@needs_onednn
-def test_torch_gemm_only_suspends_onednn_in_its_block():
+def test_torch_gemm_only_suspends_onednn_in_its_block(onednn):
     x, w, b = _operands()
     with gemm.torch_gemm_only():
         assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
@@ -111,15 +117,33 @@ def test_torch_gemm_only_suspends_onednn_in_its_block():
     assert torch.equal(gemm.linear(x, w, b), torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
 
 
-def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("PARALLEL_ATTENTION_ONEDNN_LINEAR", "0")
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_torch_gemm_by_default_and_when_switched_off(monkeypatch, setting):
+    if setting is None:
+        monkeypatch.delenv("PARALLEL_ATTENTION_ONEDNN_LINEAR", raising=False)
+    else:
+        monkeypatch.setenv("PARALLEL_ATTENTION_ONEDNN_LINEAR", setting)
     gemm.onednn_linear_active.cache_clear()
     try:
-        x, w, b = _operands()
+        x, w, b = (t.requires_grad_() for t in _operands())
         assert not gemm.onednn_linear_active()
         assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+        assert torch.equal(gemm.input_grad(x[..., :23], w), x[..., :23].matmul(w))
+        assert type(gemm.local_linear(x, w, b).grad_fn).__name__ != "_LinearFunctionBackward"
     finally:
         gemm.onednn_linear_active.cache_clear()
+
+
+def test_onednn_gemm_turns_it_on_in_its_block_only():
+    if not gemm.onednn_available():
+        pytest.skip("oneDNN's linear is not available")
+    x, w, b = _operands()
+    onednn = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    with gemm.onednn_gemm():
+        assert torch.equal(gemm.linear(x, w, b), onednn)
+        with gemm.torch_gemm_only():  # the innermost block decides
+            assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(gemm.linear(x, w, b), F.linear(x, w, b) if not gemm.onednn_linear_active() else onednn)
 
 
 def test_the_gemm_benchmark_writes_every_form(tmp_path):
@@ -129,5 +153,5 @@ def test_the_gemm_benchmark_writes_every_form(tmp_path):
                    check=True, capture_output=True, timeout=120)
     result = json.loads(out.read_text())
     forms = {"forward_mkl", "dX_mkl", "dW_mkl", "dW_mkl_other_order"}
-    forms |= {"forward_onednn", "dX_onednn"} if gemm.onednn_linear_active() else set()
+    forms |= {"forward_onednn", "dX_onednn"} if gemm.onednn_available() else set()
     assert set(result["shapes"][0]["ms"]) == forms and result["onednn_active"] == gemm.onednn_linear_active()

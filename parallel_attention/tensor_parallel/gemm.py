@@ -1,21 +1,22 @@
-"""The linears' GEMMs: Y = X W^T + b and dX = dY W through oneDNN's inner product on float32 CPU tensors.
+"""The linears' GEMMs: torch's (MKL on CPU) by default; oneDNN's inner product for Y = X W^T + b and dX = dY W
+on float32 CPU tensors where PARALLEL_ATTENTION_ONEDNN_LINEAR=1.
 
-Why: torch routes a float32 CPU linear to MKL's sgemm. On the AMD EPYC hosts this project is tested on, X W^T is
-MKL's slowest form (the vocabulary projection: 45 GFLOP/s per core, against 62 for dY W), while oneDNN's inner
-product runs it at 66. Over the benchmark model's shapes the forward takes 26 % less time and the input gradient
-dY W (the same inner product with W^T) 4 % less; the weight gradient dY^T X is faster on MKL and stays there.
-Measured with scripts/benchmark_gemm.py, in docs/benchmarks.md ("third pass"). torch's own inductor uses the same
-operator (`torch.ops.mkldnn._linear_pointwise`) for CPU linears.
+Which is faster depends on the host, so the default is the one every peer uses and the other is kept one switch
+away, timed beside it by scripts/benchmark_training.py (`ours_onednn_gemm`, or `ours_torch_gemm` when oneDNN is
+on) and per shape by scripts/benchmark_gemm.py. On the AMD EPYC host of 2026-11-30 oneDNN took 5 % off the p = 1
+training step (X W^T was MKL's slowest form there: 45 GFLOP/s for the vocabulary projection against oneDNN's 66);
+on the host of 2026-12-01 it added 6 % at p = 1 and at p = 2 (its dY W 20 % slower than MKL's, its forward 3 % slower
+in the step). docs/benchmarks.md has both. torch's inductor uses the same operator
+(`torch.ops.mkldnn._linear_pointwise`) for CPU linears.
 
-What stays the same:
+What oneDNN keeps when on:
 - every row of Y depends on its own row of X only, bitwise (a batch or sequence split gives the same rows),
   and the result was bitwise the same at 1 and 2 threads here;
-- float64, half precision, autocast, CUDA and tracing by torch.compile take torch's GEMM, as before;
+- float64, half precision, autocast, CUDA and tracing by torch.compile take torch's GEMM;
 - the operator is probed once, on fixed operands (no random draw): where it is missing or disagrees with
   F.linear, torch's GEMM is used throughout.
-
-Set PARALLEL_ATTENTION_ONEDNN_LINEAR=0 to keep torch's GEMM (read once, at the first call); `torch_gemm_only()`
-keeps it inside a block (scripts/benchmark_training.py times the step both ways).
+The switch is read once, at the first call; a run resumed bit-exactly must keep the setting it began with (the
+two round the last bit differently). `torch_gemm_only()` and `onednn_gemm()` pick one inside a block.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ def onednn_inner_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 @functools.cache
-def onednn_linear_active() -> bool:
-    """Whether float32 CPU linears go through oneDNN: available, not switched off, and agreeing with F.linear."""
-    if os.environ.get("PARALLEL_ATTENTION_ONEDNN_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
+def onednn_available() -> bool:
+    """Whether oneDNN's inner product runs here and agrees with F.linear (probed once)."""
+    if not torch.backends.mkldnn.is_available():
         return False
     try:
         # fixed operands, no random draw: the probe runs inside the first forward, and must not move the
@@ -50,24 +51,42 @@ def onednn_linear_active() -> bool:
     return y.shape == (5, 3, 7) and torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-_suspended = False  # set inside torch_gemm_only()
+@functools.cache
+def onednn_linear_active() -> bool:
+    """Whether float32 CPU linears go through oneDNN: asked for (PARALLEL_ATTENTION_ONEDNN_LINEAR=1) and available."""
+    return os.environ.get("PARALLEL_ATTENTION_ONEDNN_LINEAR", "0") == "1" and onednn_available()
+
+
+_forced: str | None = None  # "torch" inside torch_gemm_only(), "onednn" inside onednn_gemm()
 
 
 @contextlib.contextmanager
-def torch_gemm_only():
-    """Inside this block every linear takes torch's GEMM: for timing the two side by side in one process."""
-    global _suspended
-    saved, _suspended = _suspended, True
+def _forcing(kind: str):
+    global _forced
+    saved, _forced = _forced, kind
     try:
         yield
     finally:
-        _suspended = saved
+        _forced = saved
+
+
+def torch_gemm_only():
+    """Inside this block every linear takes torch's GEMM: for timing the two side by side in one process."""
+    return _forcing("torch")
+
+
+def onednn_gemm():
+    """Inside this block float32 CPU linears take oneDNN's inner product where it is available, whatever the
+    switch says: for timing the two side by side in one process."""
+    return _forcing("onednn")
 
 
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not _suspended and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and onednn_linear_active())
+    if _forced == "torch" or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+        return False
+    return onednn_available() if _forced == "onednn" else onednn_linear_active()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

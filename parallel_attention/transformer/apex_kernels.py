@@ -47,7 +47,7 @@ def active_paths() -> dict[str, str]:
         "attention (attention_kernel='apex')": "apex fused scale-mask-softmax" if apex_available()
         else "unavailable: NVIDIA apex is not installed",
         "linear GEMMs (float32 on CPU)": "oneDNN inner product (forward and input gradient), torch's for the weight "
-        "gradient" if onednn_linear_active() else "torch's (MKL / BLAS)",
+        "gradient" if onednn_linear_active() else "torch's (MKL / BLAS; PARALLEL_ATTENTION_ONEDNN_LINEAR=1 for oneDNN's)",
         "sum all-reduce (gloo groups on one host)": "shared memory (PARALLEL_ATTENTION_SHM_ALL_REDUCE=1)"
         if shm_all_reduce.requested() and shm_all_reduce.machine_supported()
         else "gloo's (set PARALLEL_ATTENTION_SHM_ALL_REDUCE=1 for shared memory)",
