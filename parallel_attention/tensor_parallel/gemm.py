@@ -81,10 +81,15 @@ def onednn_gemm():
     return _forcing("onednn")
 
 
+def _plain_float32_cpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """float32 operands on CPU, outside autocast and compilation: where oneDNN may apply, and where the p = 1
+    linear runs its own autograd function."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+
+
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if _forced == "torch" or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return False
-    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling():
+    if _forced == "torch" or not _plain_float32_cpu(x, weight):
         return False
     return onednn_available() if _forced == "onednn" else onednn_linear_active()
 
@@ -134,7 +139,9 @@ class _LinearFunction(torch.autograd.Function):
 
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The linear of a layer without communication (p = 1), differentiable: `linear` where it applies."""
-    if _takes_onednn(x, weight):
+    """The linear of a layer without communication (p = 1), differentiable. On float32 CPU tensors its own function
+    (`linear`, whichever GEMM that takes), which keeps the input for backward as it is given: F.linear would keep a
+    contiguous copy of a strided 3-D input (the attention's context), an [s, b, h] more per layer than at p > 1."""
+    if _plain_float32_cpu(x, weight):
         return _LinearFunction.apply(x, weight, bias)
     return F.linear(x, weight, bias)
