@@ -20,20 +20,22 @@ IGNORE_INDEX = -100  # the label torch and Hugging Face leave out of the loss
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_size, group):
+    def forward(ctx, logits, target, vocab_size, group, owns_logits: bool):
         per_rank = logits.shape[-1]
         start = group_rank(group) * per_rank
         if logits.dtype in (torch.float16, torch.bfloat16):  # softmax statistics in float32
-            logits = logits.float()
+            logits, owns_logits = logits.float(), True
         padding = torch.arange(start, start + per_rank, device=logits.device) >= vocab_size
         if padding.any():
-            logits = logits.masked_fill(padding, float("-inf"))
+            fill = logits.masked_fill_ if owns_logits else logits.masked_fill
+            logits, owns_logits = fill(padding, float("-inf")), True
         logits_max = all_reduce_(logits.amax(dim=-1), group, dist.ReduceOp.MAX)  # amax: no indices, 5x faster
         outside = (target < start) | (target >= start + per_rank)
         local_target = (target - start).masked_fill(outside, 0)
         # one [.., V/p] buffer for the shifted logits, their exponentials and the softmax, in place: each fresh
-        # buffer of that size costs a page-faulting allocation as large as the pass over it (CPU)
-        exp = logits - logits_max.unsqueeze(-1)
+        # buffer of that size costs a page-faulting allocation as large as the pass over it (CPU). Where the
+        # caller hands the logits over (owns_logits), that buffer is theirs: no [.., V/p] allocation at all.
+        exp = logits.sub_(logits_max.unsqueeze(-1)) if owns_logits else logits - logits_max.unsqueeze(-1)
         target_logit = exp.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp.exp_()
         stats = all_reduce_(torch.stack([exp.sum(dim=-1), target_logit]), group)
@@ -46,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, outside, local_target = ctx.saved_tensors
         grad = softmax  # d loss / d logits = softmax - onehot(target), this rank's columns only
         grad.scatter_add_(-1, local_target.unsqueeze(-1), (~outside).to(grad.dtype).neg().unsqueeze(-1))
-        return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None
+        return grad.mul_(grad_loss.unsqueeze(-1)), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -58,13 +60,27 @@ def vocab_parallel_cross_entropy(
     Targets equal to `ignore_index` get loss 0 and no gradient (as F.cross_entropy(reduction="none")
     does); any other target outside [0, vocab_size) is refused, at every p.
     """
+    return _cross_entropy(logits, target, vocab_size, group, ignore_index, owns_logits=False)
+
+
+def vocab_parallel_cross_entropy_(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, group: ProcessGroup | None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """vocab_parallel_cross_entropy that overwrites `logits` with its softmax (and, in backward, with their
+    gradient): for a caller that made the logits for this loss alone and keeps no other use of them. What
+    produced them must not need them for its own backward (a linear keeps its input and weight, not its output)."""
+    return _cross_entropy(logits, target, vocab_size, group, ignore_index, owns_logits=True)
+
+
+def _cross_entropy(logits, target, vocab_size: int, group, ignore_index: int, owns_logits: bool) -> torch.Tensor:
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)}[:-1].")
     if vocab_size > logits.shape[-1] * group_size(group):
         raise ValueError(f"vocab_size={vocab_size} exceeds the padded vocabulary {logits.shape[-1] * group_size(group)}.")
     ignored = target == ignore_index
     check_ids(target.masked_fill(ignored, 0), vocab_size, "label")
-    loss = _VocabParallelCrossEntropy.apply(logits, target.masked_fill(ignored, 0), vocab_size, group)
+    loss = _VocabParallelCrossEntropy.apply(logits, target.masked_fill(ignored, 0), vocab_size, group, owns_logits)
     return loss.masked_fill(ignored, 0.0)
 
 

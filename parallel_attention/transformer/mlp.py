@@ -12,7 +12,6 @@ Canonical (p-independent) names: `fc_in`, `fc_out` (GELU); `gate_proj`, `up_proj
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..tensor_parallel import sharding
@@ -20,6 +19,7 @@ from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.collectives import all_gather_along_dim
 from ..tensor_parallel.overlap import OVERLAP_COMM
 from ..tensor_parallel.parallel_state import ProcessGroup
+from .activations import gelu_tanh, swiglu
 
 
 class ParallelMLP(nn.Module):
@@ -39,7 +39,7 @@ class ParallelMLP(nn.Module):
         self.fc_out = RowParallelLinear(ffn_hidden_size, hidden_size, bias=bias, input_is_parallel=True,
                                         comm_chunks=comm_chunks, **common)
         self.tp_size, self.tp_rank = self.fc_in.tp_size, self.fc_in.tp_rank
-        self._activation = _swiglu if self.gated else _gelu_tanh
+        self._activation = swiglu if self.gated else gelu_tanh
         self.load_canonical_state_dict(self._initial_canonical_weights())
 
     def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -93,12 +93,3 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc_out(self._activation(self.fc_in(x)))
 
-
-def _gelu_tanh(y: torch.Tensor) -> torch.Tensor:
-    return F.gelu(y, approximate="tanh")
-
-
-def _swiglu(y: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up on this rank's fused [gate_r | up_r] columns."""
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up

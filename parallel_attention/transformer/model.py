@@ -26,7 +26,7 @@ from ..tensor_parallel.param_kinds import Partial, Replicated, Sharded, paramete
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 from ..tensor_parallel.rng import checkpoint_with_tp_rng
 from .attention import ParallelSelfAttention
-from .cross_entropy import IGNORE_INDEX, check_ids, vocab_parallel_cross_entropy
+from .cross_entropy import IGNORE_INDEX, check_ids, vocab_parallel_cross_entropy_
 from .dropout import DropoutSite, build_hidden_dropout
 from .kv_cache import KVCache
 from .mlp import ParallelMLP
@@ -164,7 +164,8 @@ class GPTModel(nn.Module):
         logits = self.lm_head(self.final_norm(x))
         if labels is None:
             return logits
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size, self.tp_group, ignore_index)
+        # the logits exist for this loss alone: the loss overwrites them with their softmax (no second buffer)
+        losses = vocab_parallel_cross_entropy_(logits, labels.t(), self.vocab_size, self.tp_group, ignore_index)
         return losses.sum() / (labels != ignore_index).sum()  # == mean() when nothing is ignored
 
     # ------------------------------------------------------------------------------ decoding
