@@ -31,8 +31,13 @@ from torch.autograd.function import once_differentiable
 
 
 def onednn_inner_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """X W^T + b on oneDNN's operator, whatever the tensors (the dispatch below decides when it applies)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """X W^T + b on oneDNN's operator, whatever the tensors (the dispatch below decides when it applies).
+
+    The operator returns an N-D result as a view of its 2-D one; it is returned as a tensor of its own (the
+    reshape torch's matmul uses, `_unsafe_view`), so that autograd lets a caller overwrite a linear's output
+    in place (the model's loss overwrites the logits), as it does F.linear's."""
+    y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return y if y._base is None else torch.ops.aten._unsafe_view(y._base, y.shape)
 
 
 @functools.cache
