@@ -39,3 +39,16 @@ def test_keeps_the_input_and_the_activation_only():
     saved = out.grad_fn.saved_tensors
     assert len(saved) == 2 and saved[0].shape == (5, 2, 12) and saved[1].shape == (5, 2, 6)
     assert torch.equal(saved[1], F.silu(y.detach()[..., :6]))
+
+
+def test_compiles_as_one_graph_forward_and_backward():
+    """model.compile: dynamo cannot trace `out=` into a strided half, so compiled code takes the plain expression."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    y = torch.randn(5, 2, 12, requires_grad=True)
+    compiled = torch.compile(swiglu, backend="aot_eager", fullgraph=True)  # fullgraph: a break raises
+    out = compiled(y * 1.0)
+    (grad,) = torch.autograd.grad(out.sum(), y)
+    (want,) = torch.autograd.grad(_plain(y * 1.0).sum(), y)
+    assert torch.equal(out, _plain(y * 1.0)) and torch.equal(grad, want)

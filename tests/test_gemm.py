@@ -18,7 +18,6 @@ from parallel_attention.tensor_parallel import gemm
 from parallel_attention.transformer.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_
 
 
-
 @pytest.fixture
 def onednn(monkeypatch):
     """oneDNN switched on for the test (PARALLEL_ATTENTION_ONEDNN_LINEAR=1), and off again after it."""
@@ -71,15 +70,25 @@ def test_local_linear_gradients_match_f_linear(onednn):
         assert ((got - want).norm() / want.norm()).item() < 1e-6  # float32 rounding of sums over 29 or 111 terms
 
 
-def test_a_onednn_linear_output_may_be_overwritten_by_the_loss(onednn):
-    """The model's loss overwrites the logits in place: autograd forbids that on a custom function's view output."""
-    x, w, _ = (t.requires_grad_() for t in _operands())
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("kernel", ["torch", "onednn"])
+def test_a_linear_output_may_be_overwritten_by_the_loss(kernel, with_bias):
+    """The model's loss overwrites the logits in place: autograd forbids that on a custom function's view output
+    (oneDNN's N-D result; F.linear's with a bias)."""
+    if kernel == "onednn" and not gemm.onednn_available():
+        pytest.skip("oneDNN's linear is not available")
+    x, w, b = (t.requires_grad_() for t in _operands())
+    b = b if with_bias else None
     target = torch.randint(0, 23, (37, 3))
-    vocab_parallel_cross_entropy_(gemm.local_linear(x, w), target, 23, None).sum().backward()
-    ours = (x.grad.clone(), w.grad.clone())
-    x.grad = w.grad = None
-    vocab_parallel_cross_entropy(gemm.local_linear(x, w), target, 23, None).sum().backward()
-    assert torch.equal(ours[0], x.grad) and torch.equal(ours[1], w.grad)
+    grads = []
+    for loss in (vocab_parallel_cross_entropy_, vocab_parallel_cross_entropy):
+        with gemm.onednn_gemm() if kernel == "onednn" else gemm.torch_gemm_only():
+            loss(gemm.local_linear(x, w, b), target, 23, None).sum().backward()
+        grads.append([t.grad.clone() for t in (x, w, b) if t is not None])
+        for t in (x, w, b):
+            if t is not None:
+                t.grad = None
+    assert all(torch.equal(ours, plain) for ours, plain in zip(*grads))
 
 
 def test_float64_takes_f_linear_exactly():

@@ -123,7 +123,8 @@ def test_overlap_and_chunks_at_p4():
 
 def _public_regions(d, x):
     """The block through the public region functions (a defensive clone on each all-reduce), float32, on the
-    layers' own GEMM (`local_linear`: oneDNN on CPU, whose rounding differs from F.linear's in the last bit)."""
+    layers' own GEMM (`local_linear`: torch's, or oneDNN's with PARALLEL_ATTENTION_ONEDNN_LINEAR=1, whose rounding
+    differs from F.linear's in the last bit)."""
     group, p, r = pa.get_tensor_model_parallel_group(), dist.get_world_size(), dist.get_rank()
     w1 = d["w1"].chunk(p, 0)[r].clone().requires_grad_()
     w2 = d["w2"].chunk(p, 1)[r].clone().requires_grad_()

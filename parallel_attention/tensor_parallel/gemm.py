@@ -31,12 +31,14 @@ from torch.autograd.function import once_differentiable
 
 
 def onednn_inner_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """X W^T + b on oneDNN's operator, whatever the tensors (the dispatch below decides when it applies).
+    """X W^T + b on oneDNN's operator, whatever the tensors (the dispatch below decides when it applies)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
-    The operator returns an N-D result as a view of its 2-D one; it is returned as a tensor of its own (the
-    reshape torch's matmul uses, `_unsafe_view`), so that autograd lets a caller overwrite a linear's output
-    in place (the model's loss overwrites the logits), as it does F.linear's."""
-    y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+def _own_tensor(y: torch.Tensor) -> torch.Tensor:
+    """y, or where y is a reshape of a GEMM's 2-D result (oneDNN's N-D output; F.linear's with a bias), the same
+    memory as a tensor of its own (`_unsafe_view`, the reshape torch's matmul uses): autograd forbids overwriting
+    a custom function's view output in place, and the model's loss overwrites the logits."""
     return y if y._base is None else torch.ops.aten._unsafe_view(y._base, y.shape)
 
 
@@ -102,8 +104,8 @@ def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Y = X W^T + b, no autograd of its own: for the forward of an autograd function."""
     if _takes_onednn(x, weight):
-        return onednn_inner_product(x, weight, bias)
-    return F.linear(x, weight, bias)
+        return _own_tensor(onednn_inner_product(x, weight, bias))
+    return _own_tensor(F.linear(x, weight, bias))
 
 
 def input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -18,33 +18,49 @@ from datetime import timedelta
 import torch.distributed as dist
 
 _KEY = "parallel_attention/reported"
+_CONNECT_TIMEOUT_S = 10.0
 
 
-def _launcher_store(timeout_s: float) -> dist.Store | None:
-    """A client of torchrun's store, or None where there is none (or it cannot be reached)."""
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def _launcher_store() -> dist.Store | None:
+    """A client of the store torchrun's agent serves to its workers, or None where it serves none
+    (TORCHELASTIC_USE_AGENT_STORE unset: another rendezvous backend, or the shared store switched off) or it
+    cannot be reached."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in os.environ:
         return None
     try:
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        return dist.TCPStore(os.environ.get("MASTER_ADDR", "localhost"), int(os.environ["MASTER_PORT"]),
+                             is_master=False, timeout=timedelta(seconds=_CONNECT_TIMEOUT_S), wait_for_workers=False)
     except (RuntimeError, ValueError):  # DistStoreError is a RuntimeError
         return None
 
 
 def report_from_rank_0(message: str, timeout_s: float = 30.0) -> None:
     """Rank 0 prints `message` to stderr; every other rank returns once it has (or says it itself after
-    `timeout_s`). Call it on every rank just before exiting with an error that all ranks share."""
+    `timeout_s`, or at once where there is no store to wait on). Call it on every rank just before exiting with
+    an error that all ranks share. Outside torchrun (a rank started by hand) only rank 0 says anything."""
     rank = int(os.environ.get("RANK", "0"))
+    # each agent counts its own restarts: a node that joined later waits out timeout_s, then speaks (harmless)
     key = f"{_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store = _launcher_store(timeout_s)
     if rank == 0:
-        print(message, file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, flush=True)  # first: nothing may delay the only report
+        store = _launcher_store() if _under_torchrun() else None
         if store is not None:
             store.set(key, "1")
         return
-    if store is None:
+    if not _under_torchrun():
         return
+    store = _launcher_store()
+    if store is None or not _reported(store, key, timeout_s):  # rank 0 found no error, died, or cannot be heard
+        print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
+def _reported(store: dist.Store, key: str, timeout_s: float) -> bool:
     try:
         store.wait([key], timedelta(seconds=timeout_s))
-    except RuntimeError:  # rank 0 did not report in time: it found no error, or died; say ours
-        print(f"rank {rank}: {message}", file=sys.stderr, flush=True)
+    except RuntimeError:  # DistStoreError: the wait timed out
+        return False
+    return True

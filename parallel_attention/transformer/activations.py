@@ -1,10 +1,12 @@
 """The MLP's activations on this rank's fc_in output: GELU (tanh form, as GPT-2) and SwiGLU.
 
-SwiGLU has its own backward. Autograd's graph of SiLU(gate) * up keeps SiLU(gate) for backward (an [s, b, f/p]
-tensor per layer on top of fc_in's output) and assembles the gradient of the fused [gate | up] columns with one
-more copy (the backward of chunk). Here only the fused input is kept; SiLU(gate) is recomputed in backward, and
-both halves of the gradient are written straight into one buffer. Its forward computes what the plain expression
-does, bit for bit; the gradients are those of torch's own silu_backward and mul.
+SwiGLU has its own backward. It keeps what autograd's graph of SiLU(gate) * up keeps (the fused input and
+SiLU(gate); recomputing SiLU(gate) in backward measured slower, its exp costing more than the pass it saves),
+and writes both halves of the gradient of the fused [gate | up] columns straight into one buffer, where
+autograd assembles them with one more copy (the backward of chunk). Its forward computes what the plain
+expression does, bit for bit; the gradients are those of torch's own silu_backward and mul. Under
+torch.compile the plain expression is traced instead: dynamo cannot trace `out=` into a strided half, and
+inductor fuses the expression itself.
 """
 
 from __future__ import annotations
@@ -40,4 +42,7 @@ class _SwiGLUFunction(torch.autograd.Function):
 
 def swiglu(y: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up on this rank's fused [gate_r | up_r] columns (y [..., 2 f/p] -> [..., f/p])."""
+    if torch.compiler.is_compiling():
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
     return _SwiGLUFunction.apply(y)

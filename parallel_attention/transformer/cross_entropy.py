@@ -19,6 +19,9 @@ IGNORE_INDEX = -100  # the label torch and Hugging Face leave out of the loss
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """owns_logits: whether the forward may overwrite the logits (vocab_parallel_cross_entropy_). A flag here
+    rather than two functions: the two differ in which buffer the first pass writes, nothing else."""
+
     @staticmethod
     def forward(ctx, logits, target, vocab_size, group, owns_logits: bool):
         per_rank = logits.shape[-1]
@@ -69,7 +72,9 @@ def vocab_parallel_cross_entropy_(
 ) -> torch.Tensor:
     """vocab_parallel_cross_entropy that overwrites `logits` with its softmax (and, in backward, with their
     gradient): for a caller that made the logits for this loss alone and keeps no other use of them. What
-    produced them must not need them for its own backward (a linear keeps its input and weight, not its output)."""
+    produced them must not need them for its own backward (a linear keeps its input and weight, not its output);
+    one that did would fail loudly at its backward (autograd's version check), not compute wrong gradients.
+    Half-precision logits are upcast into a buffer of the loss's own, and the caller's are left alone."""
     return _cross_entropy(logits, target, vocab_size, group, ignore_index, owns_logits=True)
 
 
