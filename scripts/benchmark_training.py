@@ -88,9 +88,9 @@ def variants(run, baseline) -> tuple[dict, dict]:
         steps["ours_dp_comm_off"] = ours
         contexts["ours_dp_comm_off"] = lambda: _both(data_parallel_off(run), parameters_restored(run.model))
     if run.device.type == "cpu" and gemm.onednn_available():  # the GEMM not chosen, timed beside the one chosen
-        other = "ours_torch_gemm" if gemm.onednn_linear_active() else "ours_onednn_gemm"
-        steps[other] = ours
-        contexts[other] = gemm.torch_gemm_only if gemm.onednn_linear_active() else gemm.onednn_gemm
+        other, context = (("ours_torch_gemm", gemm.torch_gemm_only) if gemm.onednn_linear_active()
+                          else ("ours_onednn_gemm", gemm.onednn_gemm))
+        steps[other], contexts[other] = ours, context
     if baseline is not None:
         steps["transformers"] = baseline
     return steps, contexts

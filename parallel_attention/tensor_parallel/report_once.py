@@ -4,9 +4,9 @@ torchrun stops every worker the moment one exits non-zero. A rank that finds the
 at once can therefore take rank 0, still importing or reading, down with it before rank 0 has printed the
 only report: the user then sees a SIGTERM and nothing else. So the other ranks wait for rank 0's word on
 the launcher's store (torchrun's agent serves one at MASTER_ADDR:MASTER_PORT, before and after any
-process group exists) and only then exit. A rank whose wait runs out says its own error, so that no
-failure is silent even when rank 0 found none. Without a launcher store (a rank started by hand) rank 0
-prints and the others return at once.
+process group exists) and only then exit. A rank whose wait runs out, or that has no store to wait on (a
+rendezvous backend whose agent serves none), says its own error, so that no failure is silent even when rank 0
+found none. Outside torchrun (a rank started by hand) rank 0 prints and the others return at once.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def report_from_rank_0(message: str, timeout_s: float = 30.0) -> None:
     key = f"{_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
         print(message, file=sys.stderr, flush=True)  # first: nothing may delay the only report
-        store = _launcher_store() if _under_torchrun() else None
+        store = _launcher_store()  # None outside torchrun: only its agent sets TORCHELASTIC_USE_AGENT_STORE
         if store is not None:
             store.set(key, "1")
         return
