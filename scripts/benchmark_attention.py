@@ -11,6 +11,8 @@ same canonical weights and input:
     fairscale       fairscale 0.4.13's Column/RowParallelLinear, fused qkv (per-group layout), batch-first
     ours            parallel_attention.ParallelSelfAttention, with its defaults (--comm-chunks to change one)
     ours_no_overlap the same with overlap_comm=False (only with --compare-overlap)
+    ours_single_causal_call  ours with causal attention as one kernel call, not in chunks of query rows
+                    (on CPU: transformer/causal_chunks.py)
 A baseline whose package is missing (fairscale: pip install -e '.[bench]') or that cannot split the
 case's k/v heads is skipped with the reason. Reported per variant: median ms per step (slowest rank),
 ratio ours / variant, collectives and payload MB per step per rank, and peak memory per rank. Outputs
@@ -32,11 +34,13 @@ import torch
 import torch.distributed as dist
 
 import parallel_attention as pa
+from parallel_attention.transformer import causal_chunks
 from _bench_fused import FusedPlainAttention, fairscale_attention, torch_tp_fused
 from _bench_measure import count_collectives, memory_method, peak_memory_mb, sync, time_variants
 from _bench_reference import PlainAttention, torch_tp
 
-VARIANTS = ("unsharded", "torch_tp", "torch_tp_fused", "fairscale", "ours", "ours_no_overlap")
+VARIANTS = ("unsharded", "torch_tp", "torch_tp_fused", "fairscale", "ours", "ours_no_overlap",
+            "ours_single_causal_call")
 BATCH_FIRST = {"fairscale"}  # fed [b, s, h]; compared with the others after a transpose
 FUSED_PEERS = ("fairscale", "torch_tp_fused")  # issue 9's target: ours <= 0.95x the faster of them
 
@@ -106,6 +110,8 @@ def build_variants(case: Case, args, p: int, device: torch.device, dtype) -> tup
     if args.compare_overlap:
         modules["ours_no_overlap"] = pa.ParallelSelfAttention(replace(config, overlap_comm=False), device=device)
         modules["ours_no_overlap"].load_canonical_state_dict(weights)
+    if device.type == "cpu":
+        modules["ours_single_causal_call"] = SingleCausalCall(ours)
     if case.nkv % p == 0:
         plain = PlainAttention(*dims)
         plain.load_state_dict(weights)
@@ -121,6 +127,18 @@ def build_variants(case: Case, args, p: int, device: torch.device, dtype) -> tup
                   "(ours replicates them)")
         skipped.update({v: reason for v in ("torch_tp", "torch_tp_fused", "fairscale")})
     return {v: modules[v] for v in VARIANTS if v in modules}, skipped
+
+
+class SingleCausalCall(torch.nn.Module):
+    """A module whose causal attention runs as one kernel call (the graph built in forward keeps it in backward)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with causal_chunks.single_causal_call():
+            return self.module(x)
 
 
 class Step:

@@ -15,6 +15,8 @@ same alternating rounds (each round runs every variant once, rotating the order)
                           torch's GEMM (on CPU where oneDNN is available, tensor_parallel/gemm.py)
     ours_torch_gemm       instead of ours_onednn_gemm where PARALLEL_ATTENTION_ONEDNN_LINEAR=1: the step on
                           torch's GEMM beside oneDNN's
+    ours_single_causal_call  the same step with causal attention as one kernel call, not in chunks of query
+                          rows (on CPU, transformer/causal_chunks.py)
     transformers          Hugging Face transformers on the same initial weights (_bench_training_hf.py):
                           single process at p = 1, tp_plan="auto" at p > 1; skipped, with the reason, when
                           transformers is missing, dp > 1, the config has no counterpart or the losses differ
@@ -53,6 +55,7 @@ from parallel_attention.training import trainer
 from parallel_attention.training.activation_memory import saved_activation_bytes
 from parallel_attention.training.flops import flops_per_token, peak_tflops, step_rates
 from parallel_attention.training.sharded_optimizer import optimizer_state_bytes
+from parallel_attention.transformer import causal_chunks
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -91,6 +94,9 @@ def variants(run, baseline) -> tuple[dict, dict]:
         other, context = (("ours_torch_gemm", gemm.torch_gemm_only) if gemm.onednn_linear_active()
                           else ("ours_onednn_gemm", gemm.onednn_gemm))
         steps[other], contexts[other] = ours, context
+    if run.device.type == "cpu":
+        steps["ours_single_causal_call"] = ours
+        contexts["ours_single_causal_call"] = causal_chunks.single_causal_call
     if baseline is not None:
         steps["transformers"] = baseline
     return steps, contexts

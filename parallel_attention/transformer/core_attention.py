@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tensor_parallel.rng import checkpoint_with_tp_rng, current_dropout_coordinates, tensor_parallel_rng
+from . import causal_chunks
 from .apex_kernels import fused_softmax_module
 from .attention_config import AttentionConfig
 from .dropout import DropoutSite, hashed_dropout
@@ -36,11 +37,14 @@ def combine_masks(mask: torch.Tensor | None, causal: bool, s: int, device) -> to
 
 
 class SdpaAttention(nn.Module):
-    """torch.nn.functional.scaled_dot_product_attention: flash / memory-efficient on CUDA."""
+    """torch.nn.functional.scaled_dot_product_attention: flash / memory-efficient on CUDA; on CPU, causal
+    self-attention of up to 512 tokens runs in chunks of query rows (causal_chunks.py)."""
 
     def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         if mask is None:  # the is_causal fast path keeps flash attention eligible
+            if causal and causal_chunks.applies(q, k, v, dropout_p):
+                return causal_chunks.chunked_causal_attention(q, k, v)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
         mask = combine_masks(mask, causal, q.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)

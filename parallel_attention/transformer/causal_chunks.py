@@ -1,0 +1,117 @@
+"""Causal attention on CPU in chunks of query rows, so that keys the causal mask hides are never computed.
+
+torch's CPU flash kernel (torch 2.13) walks the keys in blocks of up to 512 and skips a block only when the
+causal mask hides all of it. At s <= 512 there is one block, so `is_causal=True` costs as much as full
+attention: half the work of QK^T, softmax and PV, forward and backward, is spent on masked-out keys.
+Split into chunks of `CHUNK_ROWS` queries, chunk i attends keys [0, end_i) only, with a lower-right causal
+mask on its last CHUNK_ROWS keys: about (n + 1) / 2n of the work for n chunks.
+
+Measured (one thread, b 2, s 512, d 64, fwd + bwd into the fused QKV gradient; docs/benchmarks.md, seventh
+pass): 8 / 8 heads 0.77-0.82 of the single call, 8 / 2 heads 0.68-0.72, 4 / 1 heads 0.68-0.70. At s 2048,
+where the kernel already skips whole blocks, chunks were slower (94 against 73 ms), so they stop at 512 keys.
+
+Every row sees the same keys with the same scale, so the values equal the single call's to float rounding
+(the kernel sums in other blocks). The chunking depends on s alone, not on the heads a rank holds, so
+every tensor-parallel layout computes each head the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+CHUNK_ROWS = 64  # 32-128 measured; 64 was best or tied at s 128-512 (docs/benchmarks.md)
+MAX_KEYS = 512  # the CPU kernel's key block: beyond it the kernel skips masked blocks itself
+
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_enabled = True
+
+
+@contextlib.contextmanager
+def single_causal_call():
+    """Run causal attention as one kernel call inside this block (benchmarks time both forms)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Chunks pay on CPU, for self-attention of 2 * CHUNK_ROWS .. MAX_KEYS tokens, without dropout (the
+    kernel's dropout draws its masks per call: chunks would draw other ones), outside torch.compile, for the
+    inputs the CPU flash kernel takes (floating point, the head dimension contiguous)."""
+    s = q.shape[2]
+    return (_enabled and q.device.type == "cpu" and dropout_p == 0.0 and s == k.shape[2]
+            and 2 * CHUNK_ROWS <= s <= MAX_KEYS and q.dtype in _KERNEL_DTYPES
+            and all(t.stride(-1) == 1 for t in (q, k, v)) and not torch.compiler.is_compiling())
+
+
+@functools.lru_cache(maxsize=64)
+def _lower_right_causal(rows: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [rows, keys]: query row r (global position keys - rows + r) sees keys <= its position."""
+    visible = torch.ones(rows, keys, dtype=torch.bool).tril_(diagonal=keys - rows)
+    return torch.zeros(rows, keys, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
+def _chunks(s: int) -> list[tuple[int, int]]:
+    """(first row, end) of each chunk of query rows; chunk i sees keys [0, end)."""
+    return [(start, min(start + CHUNK_ROWS, s)) for start in range(0, s, CHUNK_ROWS)]
+
+
+def _mask(start: int, end: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """None for the first chunk, a square block where the kernel's own (top-left) causal mask is the right one."""
+    return None if start == 0 else _lower_right_causal(end - start, end, dtype)
+
+
+class _ChunkedCausalAttention(torch.autograd.Function):
+    """Each chunk through torch's CPU flash kernel and its backward (the operators F.scaled_dot_product_attention
+    calls on CPU), written into one output: what is kept for backward is what the single call keeps (q, k, v,
+    the output, the log-sum-exp rows). Composed from autograd's pieces instead, each chunk would keep its own
+    output beside their concatenation, an [s, b, h / p] more per layer, and the slices of k and v would each
+    add a zero-filled gradient of k's size in backward."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, nh, s, d = q.shape
+        out = q.new_empty(b, s, nh, d).transpose(1, 2)  # [b, s, nh, d] in memory, as the single call's
+        lse = []
+        for start, end in _chunks(s):
+            o, rows_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, start:end], k[:, :, :end], v[:, :, :end], 0.0, start == 0,
+                attn_mask=_mask(start, end, q.dtype))
+            out[:, :, start:end].copy_(o)
+            lse.append(rows_lse)
+            del o
+        ctx.save_for_backward(q, k, v, out, *lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, *lse = ctx.saved_tensors
+        b, nh, s, d = q.shape
+        dq = q.new_empty(b, s, nh, d).transpose(1, 2)
+        dk = dv = None
+        for (start, end), rows_lse in reversed(list(zip(_chunks(s), lse))):  # the last chunk sees every key
+            dq_chunk, dk_chunk, dv_chunk = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out[:, :, start:end], q[:, :, start:end], k[:, :, :end], v[:, :, :end],
+                out[:, :, start:end], rows_lse, 0.0, start == 0, attn_mask=_mask(start, end, q.dtype))
+            dq[:, :, start:end].copy_(dq_chunk)
+            if dk is None:
+                dk, dv = dk_chunk, dv_chunk
+            else:
+                dk[:, :, :end] += dk_chunk
+                dv[:, :, :end] += dv_chunk
+            del dq_chunk, dk_chunk, dv_chunk  # before the next chunk's are allocated: a lower peak
+        return dq, dk, dv
+
+
+def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(d)) v for q [b, nh, s, d], k and v [b, nkv, s, d] (nh a multiple of nkv:
+    the kernel maps query head i to k/v head i // (nh / nkv)); returns [b, nh, s, d], laid out [b, s, nh, d]
+    in memory as the single kernel call returns it for the attention module's inputs."""
+    return _ChunkedCausalAttention.apply(q, k, v)
