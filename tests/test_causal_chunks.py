@@ -87,6 +87,18 @@ def test_applies_only_where_it_pays():
     assert causal_chunks.applies(q, k, q, 0.0)
 
 
+def test_switched_off_by_its_environment_variable(monkeypatch):
+    _, q, k, v = _inputs(4, 4, 256, torch.float32)
+    monkeypatch.setenv(causal_chunks.ENV, "0")
+    causal_chunks.requested.cache_clear()
+    try:
+        assert not causal_chunks.applies(q, k, v, 0.0)
+    finally:
+        monkeypatch.delenv(causal_chunks.ENV)
+        causal_chunks.requested.cache_clear()
+    assert causal_chunks.applies(q, k, v, 0.0)
+
+
 def test_sdpa_module_takes_the_chunks_for_causal_attention_only(monkeypatch):
     calls = []
     original = causal_chunks.chunked_causal_attention

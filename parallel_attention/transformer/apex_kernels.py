@@ -40,8 +40,11 @@ def active_paths() -> dict[str, str]:
 
     from ..tensor_parallel import shm_all_reduce
     from ..tensor_parallel.gemm import onednn_linear_active
+    from . import causal_chunks
 
     sdpa = "torch SDPA (flash / memory-efficient kernels)" if torch.cuda.is_available() else "torch SDPA (CPU)"
+    if causal_chunks.requested():
+        sdpa += "; on CPU, causal self-attention of 128-512 tokens in chunks of 64 query rows"
     return {
         "attention (attention_kernel='auto'/'sdpa')": sdpa,
         "attention (attention_kernel='apex')": "apex fused scale-mask-softmax" if apex_available()

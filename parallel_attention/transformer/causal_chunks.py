@@ -6,9 +6,10 @@ attention: half the work of QK^T, softmax and PV, forward and backward, is spent
 Split into chunks of `CHUNK_ROWS` queries, chunk i attends keys [0, end_i) only, with a lower-right causal
 mask on its last CHUNK_ROWS keys: about (n + 1) / 2n of the work for n chunks.
 
-Measured (one thread, b 2, s 512, d 64, fwd + bwd into the fused QKV gradient; docs/benchmarks.md, seventh
-pass): 8 / 8 heads 0.77-0.82 of the single call, 8 / 2 heads 0.68-0.72, 4 / 1 heads 0.68-0.70. At s 2048,
-where the kernel already skips whole blocks, chunks were slower (94 against 73 ms), so they stop at 512 keys.
+Measured (one thread, b 2, s 512, d 64, fwd + bwd into the fused QKV gradient, 20 paired rounds;
+docs/benchmarks.md, seventh pass): 8 / 8 heads 0.74 of the single call, 8 / 2 heads 0.67, 4 / 1 heads 0.66.
+At s 2048, where the kernel already skips whole blocks, chunks were slower (94 against 73 ms), so they stop
+at 512 keys. PARALLEL_ATTENTION_CAUSAL_CHUNKS=0 switches them off.
 
 Every row sees the same keys with the same scale, so the values equal the single call's to float rounding
 (the kernel sums in other blocks). The chunking depends on s alone, not on the heads a rank holds, so
@@ -19,14 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
 CHUNK_ROWS = 64  # 32-128 measured; 64 was best or tied at s 128-512 (docs/benchmarks.md)
 MAX_KEYS = 512  # the CPU kernel's key block: beyond it the kernel skips masked blocks itself
 
+ENV = "PARALLEL_ATTENTION_CAUSAL_CHUNKS"  # =0: one kernel call, as before the chunks (bitwise continuation
+# of a run begun on an older version; the chunks round the last bit differently)
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _enabled = True
+
+
+@functools.cache
+def requested() -> bool:
+    """On unless PARALLEL_ATTENTION_CAUSAL_CHUNKS=0 (read once)."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 @contextlib.contextmanager
@@ -45,7 +55,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float)
     kernel's dropout draws its masks per call: chunks would draw other ones), outside torch.compile, for the
     inputs the CPU flash kernel takes (floating point, the head dimension contiguous)."""
     s = q.shape[2]
-    return (_enabled and q.device.type == "cpu" and dropout_p == 0.0 and s == k.shape[2]
+    return (_enabled and requested() and q.device.type == "cpu" and dropout_p == 0.0 and s == k.shape[2]
             and 2 * CHUNK_ROWS <= s <= MAX_KEYS and q.dtype in _KERNEL_DTYPES
             and all(t.stride(-1) == 1 for t in (q, k, v)) and not torch.compiler.is_compiling())
 
