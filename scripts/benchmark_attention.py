@@ -130,7 +130,8 @@ def build_variants(case: Case, args, p: int, device: torch.device, dtype) -> tup
 
 
 class SingleCausalCall(torch.nn.Module):
-    """A module whose causal attention runs as one kernel call (the graph built in forward keeps it in backward)."""
+    """A module whose causal attention runs as one kernel call. The graph built in forward keeps that kernel for
+    backward, since nothing here recomputes attention (with recompute the backward would need the block too)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()

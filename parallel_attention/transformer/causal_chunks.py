@@ -35,13 +35,21 @@ _enabled = True
 
 @functools.cache
 def requested() -> bool:
-    """On unless PARALLEL_ATTENTION_CAUSAL_CHUNKS=0 (read once)."""
+    """On unless PARALLEL_ATTENTION_CAUSAL_CHUNKS=0 (read once), and where this torch has the CPU flash
+    kernel's forward and backward operators (private to torch: another version may rename them)."""
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    except (AttributeError, RuntimeError):
+        return False
     return os.environ.get(ENV, "1") != "0"
 
 
 @contextlib.contextmanager
 def single_causal_call():
-    """Run causal attention as one kernel call inside this block (benchmarks time both forms)."""
+    """Run causal attention as one kernel call inside this block (benchmarks time both forms). Run the backward
+    inside it too where attention is recomputed (selective or full recompute): the recomputation must take
+    the path the forward took."""
     global _enabled
     before, _enabled = _enabled, False
     try:
@@ -53,11 +61,16 @@ def single_causal_call():
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
     """Chunks pay on CPU, for self-attention of 2 * CHUNK_ROWS .. MAX_KEYS tokens, without dropout (the
     kernel's dropout draws its masks per call: chunks would draw other ones), outside torch.compile, for the
-    inputs the CPU flash kernel takes (floating point, the head dimension contiguous)."""
-    s = q.shape[2]
-    return (_enabled and requested() and q.device.type == "cpu" and dropout_p == 0.0 and s == k.shape[2]
-            and 2 * CHUNK_ROWS <= s <= MAX_KEYS and q.dtype in _KERNEL_DTYPES
-            and all(t.stride(-1) == 1 for t in (q, k, v)) and not torch.compiler.is_compiling())
+    inputs the CPU flash kernel takes (one floating dtype, the head dimension contiguous, nh a multiple of nkv).
+    torch.func's transforms cannot differentiate through the chunks (the autograd function keeps the old
+    forward-with-ctx form): set PARALLEL_ATTENTION_CAUSAL_CHUNKS=0 for them."""
+    if torch.compiler.is_compiling() or not (_enabled and requested()):
+        return False
+    s, heads, kv_heads = q.shape[2], q.shape[1], k.shape[1]
+    return (q.device.type == "cpu" and dropout_p == 0.0 and s == k.shape[2] and 2 * CHUNK_ROWS <= s <= MAX_KEYS
+            and q.dtype in _KERNEL_DTYPES and q.dtype == k.dtype == v.dtype
+            and v.shape[1] == kv_heads and heads % kv_heads == 0  # the operator does not check the grouping
+            and all(t.stride(-1) == 1 for t in (q, k, v)))
 
 
 @functools.lru_cache(maxsize=64)
