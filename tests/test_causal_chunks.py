@@ -72,22 +72,22 @@ def test_keeps_for_backward_what_the_single_call_keeps():
 
 
 def test_applies_only_where_it_pays():
-    _, q, k, _ = _inputs(4, 4, 256, torch.float32)
-    assert causal_chunks.applies(q, k, q, 0.0)
-    assert not causal_chunks.applies(q, k, q, 0.1)  # the kernel's own dropout draws per call
+    _, q, k, v = _inputs(4, 4, 256, torch.float32)
+    assert causal_chunks.applies(q, k, v, 0.0)
+    assert not causal_chunks.applies(q, k, v, 0.1)  # the kernel's own dropout draws per call
     assert not causal_chunks.applies(q[:, :, :100], k, k, 0.0)  # not self-attention
     _, short_q, short_k, _ = _inputs(4, 4, 2 * causal_chunks.CHUNK_ROWS - 1, torch.float32)
     assert not causal_chunks.applies(short_q, short_k, short_k, 0.0)  # one chunk: nothing to skip
     _, long_q, long_k, _ = _inputs(1, 1, causal_chunks.MAX_KEYS + 1, torch.float32)
     assert not causal_chunks.applies(long_q, long_k, long_k, 0.0)  # the kernel skips masked key blocks itself
-    assert not causal_chunks.applies(q.to(torch.int32), k, k, 0.0)  # no flash kernel for it
-    assert not causal_chunks.applies(q.double(), k, k, 0.0)  # mixed dtypes
+    assert not causal_chunks.applies(q.to(torch.int32), k, v, 0.0)  # no flash kernel for it
+    assert not causal_chunks.applies(q.double(), k, v, 0.0)  # mixed dtypes
     _, q6, k4, v4 = _inputs(6, 4, 256, torch.float32)
     assert not causal_chunks.applies(q6, k4, v4, 0.0)  # 6 query heads cannot share 4 k/v heads evenly
     assert not causal_chunks.applies(q, k, k.transpose(2, 3).contiguous().transpose(2, 3), 0.0)
     with causal_chunks.single_causal_call():
-        assert not causal_chunks.applies(q, k, q, 0.0)
-    assert causal_chunks.applies(q, k, q, 0.0)
+        assert not causal_chunks.applies(q, k, v, 0.0)
+    assert causal_chunks.applies(q, k, v, 0.0)
 
 
 def test_switched_off_by_its_environment_variable(monkeypatch):

@@ -44,7 +44,9 @@ def active_paths() -> dict[str, str]:
 
     sdpa = "torch SDPA (flash / memory-efficient kernels)" if torch.cuda.is_available() else "torch SDPA (CPU)"
     if causal_chunks.requested():
-        sdpa += "; on CPU, causal self-attention of 128-512 tokens in chunks of 64 query rows"
+        rows = causal_chunks.CHUNK_ROWS
+        sdpa += (f"; on CPU, causal self-attention of {2 * rows}-{causal_chunks.MAX_KEYS} tokens in chunks of "
+                 f"{rows} query rows")
     return {
         "attention (attention_kernel='auto'/'sdpa')": sdpa,
         "attention (attention_kernel='apex')": "apex fused scale-mask-softmax" if apex_available()
