@@ -41,7 +41,15 @@ def main(argv: list[str]) -> int:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     try:
-        result = train(cfg, resume=args.resume)  # validates the config before any process group exists
+        return _train(cfg, args.resume)
+    finally:
+        _leave_process_group()
+
+
+def _train(cfg, resume: str | None) -> int:
+    """Train, report, and return the exit status: 2 for a config error, 1 for a stop all ranks agreed on."""
+    try:
+        result = train(cfg, resume=resume)  # validates the config before any process group exists
     except ConfigMismatchError as error:  # the same on every rank: said once
         report_from_rank_0(f"config error: {error}")
         return 2
@@ -51,13 +59,20 @@ def main(argv: list[str]) -> int:
     except GuardError as error:  # agreed on every rank (divergence, replica mismatch): said once
         report_from_rank_0(f"run stopped: {type(error).__name__}: {error}")
         return 1
-    torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         final = result.val_losses.get(result.last_step)
         print(f"finished at step {result.last_step}" + (f", validation loss {final:.4f}" if final else "")
               + (" (stopped by SIGTERM; resume with --resume)" if result.stopped_by_signal else "")
               + f"; outputs in {result.run_dir}")
     return 0
+
+
+def _leave_process_group() -> None:
+    """Tear the process group down on every way out, errors included: a gloo group left to the interpreter's
+    exit can abort the process ("terminate called without an active exception", SIGABRT) instead of letting it
+    exit with the status chosen above (seen for an unwritable run directory, refused after the group is up)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
