@@ -1,7 +1,8 @@
 """Time one full training step (forward, backward, reductions, optimizer) as pretrain.py runs it.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node N scripts/benchmark_training.py \
-        --config FILE [--section.key=value ...] [--iters 10] [--warmup 3] [--no-baselines] --out OUT.json
+        --config FILE [--section.key=value ...] [--iters 10] [--warmup 3] [--no-baselines] [--no-variants] \
+        --out OUT.json
 
 The config and overrides are read as pretrain.py reads them, at any (p, dp) the launch allows; the step is the
 trainer's own (training/trainer.py: build, then train_step), so what is timed is what training runs. In the
@@ -20,6 +21,7 @@ same alternating rounds (each round runs every variant once, rotating the order)
     transformers          Hugging Face transformers on the same initial weights (_bench_training_hf.py):
                           single process at p = 1, tp_plan="auto" at p > 1; skipped, with the reason, when
                           transformers is missing, dp > 1, the config has no counterpart or the losses differ
+--no-variants times ours alone (with the baseline unless --no-baselines): benchmark_scaling.py's runs.
 Exposed communication (ms) = the median over rounds of ours - the variant with that group's collectives off (the
 two timed in the same round): the time that communication adds to the step, what overlap has not hidden
 (_bench_training_timing.py).
@@ -65,6 +67,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--iters", type=int, default=10, help="timed rounds (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default: %(default)s)")
     parser.add_argument("--no-baselines", action="store_true", help="time only our step and its variants")
+    parser.add_argument("--no-variants", action="store_true", help="time our step without its variants")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
     if bad:
@@ -76,10 +79,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, [*overrides, "--logging.progress_bar=false", "--logging.tensorboard=false"]
 
 
-def variants(run, baseline) -> tuple[dict, dict]:
+def variants(run, baseline, with_variants: bool = True) -> tuple[dict, dict]:
     """(name -> one step, name -> the context it runs in, where it needs one)."""
     ours = lambda: trainer.train_step(run)  # noqa: E731
     steps, contexts = {"ours": ours}, {}
+    if not with_variants:
+        return ({**steps, "transformers": baseline} if baseline is not None else steps), contexts
     if ps.get_tensor_model_parallel_world_size() > 1:
         tp_group = ps.get_tensor_model_parallel_group()
         steps["ours_tp_comm_off"] = ours
@@ -133,7 +138,7 @@ def main(argv: list[str]) -> int:
     run = trainer.build(cfg)
     baseline, baseline_info = (None, {"status": "skipped", "reason": "--no-baselines"}) if args.no_baselines \
         else transformers_baseline(run, Path(cfg.logging.run_dir))  # before our first step: the same weights
-    steps, contexts = variants(run, baseline)
+    steps, contexts = variants(run, baseline, not args.no_variants)
     times = time_variants(steps, args.warmup, args.iters, run.device, contexts)
     memory = {"optimizer_state_bytes_per_rank": max(all_gather_objects(optimizer_state_bytes(run.optimizer))),
               "saved_activation_bytes": max(all_gather_objects(
