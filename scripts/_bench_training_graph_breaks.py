@@ -44,7 +44,7 @@ def main() -> None:
                                                    for f in b.user_stack[-2:])) for b in out.break_reasons)
         for (reason, stack), n in where.items():
             print(f"  {n}x {reason}  [{stack}]")
-    torch.distributed.destroy_process_group()
+    ps.shutdown_distributed()  # the groups, then the process group: none of gloo's threads outlives the exit
 
 
 if __name__ == "__main__":

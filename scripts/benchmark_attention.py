@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_attention as pa
+from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
 from parallel_attention.transformer import causal_chunks
 from _bench_fused import FusedPlainAttention, fairscale_attention, torch_tp_fused
 from _bench_measure import count_collectives, memory_method, peak_memory_mb, sync, time_variants
@@ -288,7 +289,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"env": env, "results": results}, f, indent=1)
             print(f"wrote {args.out}")
-    dist.destroy_process_group()
+    shutdown_distributed()  # the groups, then the process group: none of gloo's threads outlives the exit
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
               f"{result['tokens_per_s']:.0f} tok/s, MFU {result['mfu']:.1%}; exposed TP "
               f"{result['exposed_tp_comm_ms']:.1f} ms, DP {result['exposed_dp_comm_ms']:.1f} ms; transformers: "
               + (f"{hf['step_ms']['median']:.1f} ms" if "step_ms" in hf else hf["reason"]), file=sys.stderr)
-    torch.distributed.destroy_process_group()
+    ps.shutdown_distributed()  # the groups, then the process group: none of gloo's threads outlives the exit
     return 0
 
 

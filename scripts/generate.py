@@ -22,13 +22,12 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 import parallel_attention as pa
 from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_step_dir
 from parallel_attention.hf import missing_tokenizer_message, tokenizer_is_missing
 from parallel_attention.training import PretrainConfig, TokenizerUnavailableError, config_from_dict, get_tokenizer
 from parallel_attention.tensor_parallel.agreement import disagreements
+from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
 from parallel_attention.tensor_parallel.report_once import report_from_rank_0
 from parallel_attention.transformer import GPTModel, generate_batch
 
@@ -136,6 +135,14 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError, TokenizerUnavailableError) as error:  # CheckpointError is a ValueError
         report_from_rank_0(f"error: {error}")
         return 2
+    try:
+        return _generate(args, step_dir, cfg, canonical, tokenizer, prompts, rank, tp)
+    finally:
+        shutdown_distributed()  # on every way out: a live gloo group at exit can abort with SIGABRT
+
+
+def _generate(args, step_dir, cfg, canonical, tokenizer, prompts, rank: int, tp: int) -> int:
+    """Join the process group, check that every rank has the same arguments, decode, print on rank 0."""
     device = pa.init_distributed(tensor_model_parallel_size=tp, timeout=args.timeout_s or cfg.parallel.timeout_s)
     differing = disagreements({**vars(args), "checkpoint": str(step_dir.resolve()), "version": pa.__version__})
     if differing:  # a rank launched with other arguments would sample other tokens, or hang
@@ -154,7 +161,6 @@ def main(argv: list[str]) -> int:
             if args.print_tokens:
                 print("tokens:", " ".join(map(str, out)))
             print(decode(tokenizer, out))
-    torch.distributed.destroy_process_group()
     return 0
 
 

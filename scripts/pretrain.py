@@ -13,9 +13,8 @@ import argparse
 import os
 import sys
 
-import torch
-
 from parallel_attention import load_config
+from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.tensor_parallel.report_once import report_from_rank_0
 from parallel_attention.training import ConfigError, train
 from parallel_attention.training.guards import ConfigMismatchError, GuardError
@@ -43,7 +42,7 @@ def main(argv: list[str]) -> int:
     try:
         return _train(cfg, args.resume)
     finally:
-        _leave_process_group()
+        ps.shutdown_distributed()  # on every way out: a live gloo group at exit can abort with SIGABRT
 
 
 def _train(cfg, resume: str | None) -> int:
@@ -65,14 +64,6 @@ def _train(cfg, resume: str | None) -> int:
               + (" (stopped by SIGTERM; resume with --resume)" if result.stopped_by_signal else "")
               + f"; outputs in {result.run_dir}")
     return 0
-
-
-def _leave_process_group() -> None:
-    """Tear the process group down on every way out, errors included: a gloo group left to the interpreter's
-    exit can abort the process ("terminate called without an active exception", SIGABRT) instead of letting it
-    exit with the status chosen above (seen for an unwritable run directory, refused after the group is up)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

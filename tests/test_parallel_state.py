@@ -194,3 +194,22 @@ def test_init_distributed_from_torchrun_env():
     for rank in range(world):
         assert got[rank] == {"device": torch.device("cpu"), "backend": "gloo", "world": world, "tp": (2, rank),
                              "dp": (1, 0), "tp_reduced": (0, 1)}, f"rank {rank}"
+
+
+def _gloo_threads_after_shutdown() -> tuple[list[str], bool, bool]:
+    from parallel_attention.tensor_parallel import parallel_state as ps
+
+    x = torch.ones(4)
+    dist.all_reduce(x, group=pa.get_tensor_model_parallel_group())  # the groups' threads are up
+    dist.all_reduce(x, group=pa.get_data_parallel_group())
+    ps.shutdown_distributed()
+    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    return [n for n in names if "gloo" in n], dist.is_initialized(), pa.model_parallel_is_initialized()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
+def test_shutdown_distributed_leaves_no_gloo_thread_running():
+    """torch's destroy_process_group alone leaves the groups that parallel_state holds, and their gloo threads,
+    alive; such a process can abort at exit (SIGABRT, 'terminate called without an active exception')."""
+    for threads, initialized, groups in run_distributed(_gloo_threads_after_shutdown, 4, 2, fresh=True):
+        assert threads == [] and not initialized and not groups

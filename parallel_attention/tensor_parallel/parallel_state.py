@@ -121,7 +121,8 @@ def model_parallel_is_initialized() -> bool:
 
 def destroy_model_parallel() -> None:
     """Forget the groups and their shared-memory buffers (the process group itself is left to
-    `destroy_process_group`)."""
+    `destroy_process_group`, to be called after this: while the groups are held here, their gloo threads outlive
+    it; shutdown_distributed does both)."""
     global _GROUPS
     _GROUPS = None
     shm_all_reduce.release_all()
@@ -221,3 +222,15 @@ def init_distributed(
             dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
     initialize_model_parallel(tensor_model_parallel_size, timeout=timeout)
     return device
+
+
+def shutdown_distributed() -> None:
+    """Undo init_distributed: forget the groups, then destroy the process group where one is up.
+
+    Scripts call it on every way out, errors included (a `finally`): a gloo group left to the interpreter's exit
+    can abort the process ("terminate called without an active exception", SIGABRT) instead of letting it exit
+    with the status it chose. Local on every rank: no collective, so a rank may call it alone.
+    """
+    destroy_model_parallel()
+    if _is_distributed():
+        dist.destroy_process_group()
