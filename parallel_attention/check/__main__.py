@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .. import __version__
 from ..tensor_parallel.agreement import disagreements
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
-from ..tensor_parallel.parallel_state import destroy_model_parallel, group_rank
+from ..tensor_parallel.parallel_state import group_rank, shutdown_distributed
 from ..transformer import active_paths
 from ..transformer.dropout import dropout_paths
 from .collectives_check import check_collectives
@@ -92,6 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     tp = args.tp if args.tp is not None else int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        return _check(args, tp, start)
+    finally:
+        shutdown_distributed()  # on every way out: a live gloo group at exit can abort with SIGABRT
+
+
+def _check(args: argparse.Namespace, tp: int, start: float) -> int:
+    """Join the groups, agree on the arguments, run the checks, report on rank 0; the exit status."""
+    try:
         device = init_distributed(tp, timeout=args.timeout)
     except ValueError as error:  # a --tp that does not fit the world: say so in the report format
         return _setup_failure(error)
@@ -104,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     if ctx.global_rank == 0:
         lines = _header(ctx, args) + [f"# done in {time.perf_counter() - start:.1f} s"] + report_lines(results)
         print("\n".join(lines), flush=True)
-    destroy_model_parallel()
-    dist.destroy_process_group()
     return 0 if all(r.ok for r in results) else 1
 
 
