@@ -54,14 +54,14 @@ def test_end_to_end_one_median_per_size_and_round(data_dir, tmp_path):  # noqa: 
     out = tmp_path / "scaling.json"
     overrides = [a for a in tiny_args(data_dir, tmp_path / "unused", 1, 1)
                  if not a.startswith(benchmark_scaling.RESERVED)]
-    command = [sys.executable, str(ROOT / "scripts" / "benchmark_scaling.py"), *overrides, "--rounds", "2",
+    command = [sys.executable, str(ROOT / "scripts" / "benchmark_scaling.py"), *overrides, "--rounds", "1",
                "--iters", "1", "--warmup", "0", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-6000:]
     result = json.loads(out.read_text(encoding="utf-8"))
-    assert result["sizes"] == [1, 2] and result["order"] == [[1, 2], [2, 1]]
-    assert len(result["commands"]) == 4 and all("--no-variants" in c for c in result["commands"])
-    for round_index in range(2):
+    assert result["sizes"] == [1, 2] and result["order"] == [[1, 2]]  # one round: two launches keep CI short
+    assert len(result["commands"]) == 2 and all("--no-variants" in c for c in result["commands"])
+    for round_index in range(1):
         for size in (1, 2):
             run = json.loads((tmp_path / f"scaling.json.runs/round{round_index}_p{size}.json").read_text())
             assert run["tensor_parallel_size"] == size and run["data_parallel_size"] == 1
