@@ -22,6 +22,7 @@ import os
 import torch
 
 import parallel_attention as pa
+from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
 from parallel_attention.training.activation_memory import layer_activation_bytes, measured_layer_bytes
 from parallel_attention.transformer import ModelConfig
 
@@ -90,8 +91,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"args": vars(args), "rows": result}, f, indent=1)
-    pa.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()  # the groups, then the process group: none of gloo's threads outlives the exit
 
 
 if __name__ == "__main__":

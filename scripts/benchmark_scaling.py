@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _bench_training_timing import summary_ms
+
 SCRIPT = Path(__file__).resolve().parent / "benchmark_training.py"
 RESERVED = ("--parallel.tensor_parallel_size=", "--logging.run_dir=")  # set per launch by this script
 
@@ -83,8 +85,8 @@ def scaling(step_ms: dict[int, list[float]], reference: int) -> dict[int, dict]:
         if size == reference:
             continue
         ratios = [ref / ms for ref, ms in zip(step_ms[reference], times, strict=True)]
-        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratios[0],) * 3
-        result[size] = {"per_round": ratios, "median": statistics.median(ratios), "q1": q1, "q3": q3,
+        spread = summary_ms(ratios)  # the step times' statistics (median, quartiles), here of ratios
+        result[size] = {"per_round": ratios, **{key: spread[key] for key in ("median", "q1", "q3")},
                         "ratio_of_medians": statistics.median(step_ms[reference]) / statistics.median(times)}
     return result
 

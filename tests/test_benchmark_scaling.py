@@ -15,6 +15,7 @@ import pytest
 from launch import ROOT, environment
 from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
 
+sys.path.insert(0, str(ROOT / "scripts"))  # where the script finds its helpers (_bench_training_timing)
 _SPEC = importlib.util.spec_from_file_location("benchmark_scaling", ROOT / "scripts" / "benchmark_scaling.py")
 benchmark_scaling = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(benchmark_scaling)
