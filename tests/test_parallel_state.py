@@ -10,6 +10,8 @@ import datetime
 import os
 import queue
 import socket
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -213,3 +215,42 @@ def test_shutdown_distributed_leaves_no_gloo_thread_running():
     alive; such a process can abort at exit (SIGABRT, 'terminate called without an active exception')."""
     for threads, initialized, groups in run_distributed(_gloo_threads_after_shutdown, 4, 2, fresh=True):
         assert threads == [] and not initialized and not groups
+
+
+_EXIT_SCRIPT = """
+import atexit, os
+
+def gloo_threads():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return [n for n in names if "gloo" in n]
+
+def report():  # registered before parallel_attention's import: runs after its exit handler
+    from parallel_attention.tensor_parallel import parallel_state as ps
+    print("at exit:", ps.model_parallel_is_initialized(), gloo_threads(), flush=True)
+
+atexit.register(report)
+import torch
+import torch.distributed as dist
+from parallel_attention.tensor_parallel import parallel_state as ps
+
+ps.init_distributed(1)  # a world of one, its groups on gloo
+x = torch.ones(2)
+dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
+dist.all_reduce(x, group=ps.get_data_parallel_group())
+dist.destroy_process_group()  # torch's alone, without destroy_model_parallel
+print("after destroy_process_group:", len(gloo_threads()), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
+def test_groups_left_held_are_released_at_exit():
+    """A caller that destroys only the process group still exits with no gloo thread of ours left for the C++
+    teardown (where such threads can abort the process)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert int(lines[0].split(":")[1]) > 0, "the groups' threads were expected alive after destroy_process_group"
+    assert lines[1] == "at exit: False []", done.stdout

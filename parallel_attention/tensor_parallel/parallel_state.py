@@ -9,6 +9,7 @@ rank: sizes are 1, ranks are 0 and groups are None.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -126,6 +127,19 @@ def destroy_model_parallel() -> None:
     global _GROUPS
     _GROUPS = None
     shm_all_reduce.release_all()
+
+
+def _release_groups_at_exit() -> None:
+    """At the interpreter's exit, forget the groups still held here (a caller that destroyed the process group
+    without destroy_model_parallel first). A gloo group that nothing else holds is then freed, and its threads
+    joined, while the interpreter is whole; left to the C++ teardown, those threads can abort the process
+    (SIGABRT, "terminate called without an active exception"). Registered at import, so it runs after the exit
+    handlers registered later, which may still use the groups."""
+    if _GROUPS is not None:
+        destroy_model_parallel()
+
+
+atexit.register(_release_groups_at_exit)
 
 
 def get_tensor_model_parallel_group() -> ProcessGroup | None:
