@@ -83,8 +83,16 @@ def variants(run, baseline, with_variants: bool = True) -> tuple[dict, dict]:
     """(name -> one step, name -> the context it runs in, where it needs one)."""
     ours = lambda: trainer.train_step(run)  # noqa: E731
     steps, contexts = {"ours": ours}, {}
-    if not with_variants:
-        return ({**steps, "transformers": baseline} if baseline is not None else steps), contexts
+    if with_variants:
+        _add_variants(run, ours, steps, contexts)
+    if baseline is not None:
+        steps["transformers"] = baseline
+    return steps, contexts
+
+
+def _add_variants(run, ours, steps: dict, contexts: dict) -> None:
+    """Our step again with one thing switched (a group's collectives, the shared-memory sum, the GEMM, the causal
+    chunks), each in its context: the variants whose difference from ours the report reads."""
     if ps.get_tensor_model_parallel_world_size() > 1:
         tp_group = ps.get_tensor_model_parallel_group()
         steps["ours_tp_comm_off"] = ours
@@ -102,9 +110,6 @@ def variants(run, baseline, with_variants: bool = True) -> tuple[dict, dict]:
     if run.device.type == "cpu":
         steps["ours_single_causal_call"] = ours
         contexts["ours_single_causal_call"] = causal_chunks.single_causal_call
-    if baseline is not None:
-        steps["transformers"] = baseline
-    return steps, contexts
 
 
 @contextlib.contextmanager

@@ -62,12 +62,11 @@ def test_end_to_end_one_median_per_size_and_round(data_dir, tmp_path):  # noqa: 
     result = json.loads(out.read_text(encoding="utf-8"))
     assert result["sizes"] == [1, 2] and result["order"] == [[1, 2]]  # one round: two launches keep CI short
     assert len(result["commands"]) == 2 and all("--no-variants" in c for c in result["commands"])
-    for round_index in range(1):
-        for size in (1, 2):
-            run = json.loads((tmp_path / f"scaling.json.runs/round{round_index}_p{size}.json").read_text())
-            assert run["tensor_parallel_size"] == size and run["data_parallel_size"] == 1
-            assert set(run["variants_ms"]) == {"ours"}  # --no-variants --no-baselines: our step alone
-            assert result["step_ms"][str(size)][round_index] == run["step_ms"]["median"]
+    for size in (1, 2):
+        run = json.loads((tmp_path / f"scaling.json.runs/round0_p{size}.json").read_text())
+        assert run["tensor_parallel_size"] == size and run["data_parallel_size"] == 1
+        assert set(run["variants_ms"]) == {"ours"}  # --no-variants --no-baselines: our step alone
+        assert result["step_ms"][str(size)] == [run["step_ms"]["median"]]
     ratios = [a / b for a, b in zip(result["step_ms"]["1"], result["step_ms"]["2"])]
     assert result["scaling"]["2"]["per_round"] == pytest.approx(ratios)
     assert result["scaling"]["2"]["median"] == pytest.approx(statistics.median(ratios))

@@ -129,17 +129,12 @@ def destroy_model_parallel() -> None:
     shm_all_reduce.release_all()
 
 
-def _release_groups_at_exit() -> None:
-    """At the interpreter's exit, forget the groups still held here (a caller that destroyed the process group
-    without destroy_model_parallel first). A gloo group that nothing else holds is then freed, and its threads
-    joined, while the interpreter is whole; left to the C++ teardown, those threads can abort the process
-    (SIGABRT, "terminate called without an active exception"). Registered at import, so it runs after the exit
-    handlers registered later, which may still use the groups."""
-    if _GROUPS is not None:
-        destroy_model_parallel()
-
-
-atexit.register(_release_groups_at_exit)
+# At the interpreter's exit, forget the groups still held here (a caller that destroyed the process group without
+# destroy_model_parallel first). A gloo group that nothing else holds is then freed, and its threads joined, while
+# the interpreter is whole; left to the C++ teardown, those threads can abort the process (SIGABRT, "terminate
+# called without an active exception"). Registered at import, so it runs after the exit handlers registered
+# later, which may still use the groups; destroy_model_parallel is a no-op where the groups are already gone.
+atexit.register(destroy_model_parallel)
 
 
 def get_tensor_model_parallel_group() -> ProcessGroup | None:
