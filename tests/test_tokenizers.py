@@ -96,7 +96,8 @@ def test_a_tokenizer_without_eos_is_refused_with_the_fix(jsonl_corpus, tmp_path)
 @pytest.mark.parametrize("overrides,needles", [
     (["--data.tokenizer=bpe"], ["model.vocab_size=256", "'bpe'", "8192"]),
     (["--data.tokenizer=bpe", "--data.bpe_vocab_size=100"], ["data.bpe_vocab_size=100", "257"]),
-    (["--data.tokenizer=sentencepiece"], ["'sentencepiece'", "byte", "bpe", "tokenizer.json"]),
+    (["--data.tokenizer=sentencepiece"], ["data.tokenizer", "'sentencepiece'", "byte", "bpe", "tokenizer.json"]),
+    (["--data.tokenizer=:byte"], ["data.tokenizer", "':byte'"]),  # a YAML slip found by test_properties
     (["--data.num_workers=-1"], ["data.num_workers=-1"]),
 ])
 def test_tokenizer_settings_are_checked_in_validate(overrides, needles):

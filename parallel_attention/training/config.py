@@ -168,7 +168,10 @@ class PretrainConfig:
 
 def _check_vocab(data: DataConfig, model_vocab_size: int) -> None:
     """The tokenizer's vocabulary against model.vocab_size (read from its file for a path)."""
-    tokenizer_vocab = tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size)  # ValueError naming a bad spec
+    try:
+        tokenizer_vocab = tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size)
+    except ValueError as error:  # the tokenizer module names the spec and the choices; this names the key
+        raise ValueError(f"data.tokenizer: {error}") from None
     if model_vocab_size < tokenizer_vocab:
         raise ValueError(f"model.vocab_size={model_vocab_size} is smaller than the {data.tokenizer!r} tokenizer's "
                          f"{tokenizer_vocab} tokens: set model.vocab_size >= {tokenizer_vocab}.")
