@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from test_overlap import _data, _reference, _run_block
+from test_overlap import _block, _data, _reference, _run_block
 
 import parallel_attention as pa
 from parallel_attention.tensor_parallel import shm_all_reduce as shm
@@ -84,6 +84,32 @@ def test_the_parallel_block_is_unchanged_and_counts_the_same_collectives(chunks)
         assert torch.equal(y, y_gloo) and all(torch.equal(grads[k], grads_gloo[k]) for k in grads)
         torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
         assert forward == forward_gloo == {"all_reduce": chunks} and backward == backward_gloo == {"all_reduce": 1}
+
+
+def _compiled_block_worker():
+    """The column -> row block compiled with inductor, the shared-memory sums between its graphs."""
+    d = _data(torch.float64)
+    with _requested():
+        all_reduce_(torch.ones(1), pa.get_tensor_model_parallel_group())  # the handshake, eager as in training
+        col, row = _block(d, sp=False, overlap=True, chunks=1)
+        block = torch.compile(lambda t: row(torch.nn.functional.gelu(col(t))), backend="inductor")
+        for _ in range(3):  # the buffer's call number changes with every call: dynamo would recompile on it
+            col.zero_grad(), row.zero_grad()
+            x = d["x"].clone().requires_grad_()
+            y = block(x)
+            y.backward(d["dy"])
+        shared = shm.lookup(pa.get_tensor_model_parallel_group())[1] is not None
+    return dist.get_rank(), y.detach(), x.grad, col.weight.grad, row.weight.grad, shared, _reference(d)
+
+
+def test_a_compiled_block_sums_through_shared_memory_like_eager():
+    """torch.compile must not trace into the shared-memory sum (dynamo would run its buffer copies on fake
+    tensors of symbolic size and fail): it runs eagerly between the compiled pieces, with the same results."""
+    for rank, y, dx, dw1, dw2, shared, (y_ref, grads_ref) in run_distributed(_compiled_block_worker, 2, 2):
+        assert shared
+        for ours, want in ((y, y_ref), (dx, grads_ref["x"]), (dw1, grads_ref["w1"].chunk(2, 0)[rank]),
+                           (dw2, grads_ref["w2"].chunk(2, 1)[rank])):
+            torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-10)
 
 
 def _async_worker():

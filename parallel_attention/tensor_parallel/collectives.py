@@ -133,6 +133,7 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, asyn
     return PendingCollective("all_reduce", work, group, x) if async_op else x
 
 
+@torch.compiler.disable  # eager under torch.compile, like dist.all_reduce: dynamo can't trace the shared buffer
 def _run_all_reduce(x: torch.Tensor, op, group: ProcessGroup | None, async_op: bool = False):
     """torch.distributed's all-reduce, or the opt-in shared-memory sum where it serves the group (each rank
     takes the same path: the same environment, op and tensor signature); async_op returns a work handle."""
@@ -251,9 +252,8 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGr
 @torch.no_grad()
 def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Plain (no autograd) all-gather of the ranks' shards along `dim`, in rank order: for full weights."""
-    if group_size(group) == 1:
-        return x.clone()
-    return _gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
+    one = group_size(group) == 1
+    return x.clone() if one else _gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
 
 
 @torch.no_grad()
