@@ -96,6 +96,7 @@ def _compiled_block_worker():
         for _ in range(3):  # the buffer's call number changes with every call: dynamo would recompile on it
             col.zero_grad(), row.zero_grad()
             x = d["x"].clone().requires_grad_()
+            time.sleep(0.3 * dist.get_rank())  # rank 1 posts late: rank 0's sum must wait for its part
             y = block(x)
             y.backward(d["dy"])
         shared = shm.lookup(pa.get_tensor_model_parallel_group())[1] is not None

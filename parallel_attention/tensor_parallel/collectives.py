@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import shm_all_reduce as shm
 from .collective_log import RECENT_CALLS, TORCH_DEBUG_ENV, CollectiveLog, CollectiveMismatchError, mismatch_report
-from .parallel_state import ProcessGroup, collective_timeout, describe_group, group_rank, group_size, is_distributed
+from .parallel_state import ProcessGroup, describe_group, group_rank, group_size, is_distributed
 from .sharding import check_sequence_split
 from .timeouts import CollectiveTimeoutError, named_timeouts
 
@@ -114,12 +114,13 @@ def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGro
 
 
 class PendingCollective:
-    """A collective launched with async_op=True. `wait()` returns its result; a timeout there is named as the
-    collective's own. On NCCL, wait() makes the current CUDA stream wait for NCCL's stream (no CPU block)."""
+    """An async_op=True collective: wait() returns its result, names a timeout as the collective's own, and on
+    NCCL makes the current CUDA stream wait for NCCL's (no CPU block). Eager under torch.compile, as the launch."""
 
     def __init__(self, op: str, work, group: ProcessGroup, result: torch.Tensor) -> None:
         self.op, self.work, self.group, self.result = op, work, group, result
 
+    @torch.compiler.disable
     def wait(self) -> torch.Tensor:
         with _await(self.op, self.group):
             self.work.wait()
@@ -137,22 +138,13 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, asyn
 def _run_all_reduce(x: torch.Tensor, op, group: ProcessGroup | None, async_op: bool = False):
     """torch.distributed's all-reduce, or the opt-in shared-memory sum where it serves the group (each rank
     takes the same path: the same environment, op and tensor signature); async_op returns a work handle."""
-    buffer = _shared_memory(group) if op == dist.ReduceOp.SUM and shm.requested() and shm.accepts(x) else None
+    wanted = op == dist.ReduceOp.SUM and group is not None and shm.requested() and shm.accepts(x)
+    buffer = shm.group_buffer(group, functools.partial(all_gather_objects, group=group)) if wanted else None
     if buffer is None:
         return dist.all_reduce(x, op=op, group=group, async_op=async_op)
     if async_op:
         return buffer.start(x)  # posts x; the sum lands in x at wait(), after the caller's dW GEMM
     buffer(x)
-
-
-def _shared_memory(group: ProcessGroup | None) -> shm.SharedMemoryAllReduce | None:
-    """The group's shared buffer; its first use is a handshake over the group (shm_all_reduce.set_up)."""
-    done, buffer = shm.lookup(group)
-    if done or group is None:
-        return buffer
-    gloo = group_size(group) > 1 and dist.get_backend(group) == "gloo"
-    gather = functools.partial(all_gather_objects, group=group)
-    return shm.set_up(group, group_rank(group), group_size(group), gloo, gather, collective_timeout())
 
 
 def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -252,8 +244,9 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGr
 @torch.no_grad()
 def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Plain (no autograd) all-gather of the ranks' shards along `dim`, in rank order: for full weights."""
-    one = group_size(group) == 1
-    return x.clone() if one else _gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
+    if group_size(group) == 1:
+        return x.clone()
+    return _gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
 
 
 @torch.no_grad()
