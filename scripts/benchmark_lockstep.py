@@ -12,8 +12,9 @@ forces. Each pass is timed as its slowest process (a step ends when every rank i
 
 lockstep/free per round near 1.00 means the cores keep pace; above it, that factor comes off any lockstep job's
 scaling: with identical, perfectly divided work and no communication at all, p ranks scale by at most
-p / (lockstep/free). JSON: the free and lockstep times per round, their per-round ratios (median, quartiles)
-and that ceiling.
+p / (lockstep/free). An upper bound: the free processes share the host, where a p = 1 run has it alone.
+JSON: each pass per rank, the free and lockstep times per round (their slowest rank), the per-round ratios
+(median, quartiles) and that ceiling.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import queue
+import statistics
 import sys
 import time
 from pathlib import Path
-
-from _bench_training_timing import summary_ms
 
 SHAPES = ((1024, 512), (512, 768))  # a p = 2 QKV projection of the Llama benchmark config: h 512, s 512, b 2
 
@@ -39,53 +40,73 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gemms", type=int, default=5, help="GEMMs per segment (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole run (default: %(default)s)")
     args = parser.parse_args(argv)
-    for name in ("ranks", "rounds", "segments", "gemms"):
+    for name in ("ranks", "rounds", "segments", "gemms", "timeout"):
         if getattr(args, name) < (2 if name == "ranks" else 1):
             parser.error(f"--{name}={getattr(args, name)}: give at least {2 if name == 'ranks' else 1}")
     return args
 
 
+def quartiles(values: list[float]) -> dict:
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"median": median, "q1": q1, "q3": q3}
+
+
 def _rank(rank: int, args: argparse.Namespace, start, barrier, results) -> None:
-    """One process: per round, a free and a lockstep pass (the order alternating), each started together."""
-    import torch  # in the child: spawn imports this module afresh
+    """One process: per round, a free and a lockstep pass (the order alternating), each started together. A
+    barrier that another rank never reaches raises here after --timeout, and the process exits non-zero."""
+    import torch  # torch only where the work is: the parent merely counts
 
     torch.set_num_threads(1)
     a, b = (torch.randn(*shape) for shape in SHAPES)
     for round_index in range(args.rounds):
         for lockstep in (False, True) if round_index % 2 == 0 else (True, False):
-            start.wait()
+            start.wait(args.timeout)
             began = time.perf_counter()
             for _ in range(args.segments):
                 for _ in range(args.gemms):
                     torch.mm(a, b)
                 if lockstep:
-                    barrier.wait()
+                    barrier.wait(args.timeout)
             results.put((round_index, lockstep, rank, time.perf_counter() - began))
 
 
 def measure(args: argparse.Namespace) -> dict:
     context = mp.get_context("spawn")
     start, barrier, results = context.Barrier(args.ranks), context.Barrier(args.ranks), context.Queue()
-    workers = [context.Process(target=_rank, args=(r, args, start, barrier, results)) for r in range(args.ranks)]
+    workers = [context.Process(target=_rank, args=(r, args, start, barrier, results), daemon=True)
+               for r in range(args.ranks)]
     for worker in workers:
         worker.start()
-    deadline, passes = time.monotonic() + args.timeout, {}
     try:
-        for _ in range(2 * args.rounds * args.ranks):
-            round_index, lockstep, _, seconds = results.get(timeout=max(deadline - time.monotonic(), 1))
-            passes.setdefault((round_index, lockstep), []).append(seconds * 1e3)
+        passes = _collect(workers, results, 2 * args.rounds * args.ranks, time.monotonic() + args.timeout)
     finally:
         for worker in workers:
-            worker.join(timeout=5)
             worker.kill()
-    free = [max(passes[(i, False)]) for i in range(args.rounds)]
-    locked = [max(passes[(i, True)]) for i in range(args.rounds)]
+    per_rank = {kind: [[passes[(i, kind == "lockstep", r)] for r in range(args.ranks)] for i in range(args.rounds)]
+                for kind in ("free", "lockstep")}
+    free, locked = ([max(ranks) for ranks in per_rank[kind]] for kind in ("free", "lockstep"))
     per_round = [lo / fr for lo, fr in zip(locked, free)]
-    spread = summary_ms(per_round)  # the step-time statistics, here of ratios
+    spread = quartiles(per_round)
     return {"ranks": args.ranks, "rounds": args.rounds, "segments": args.segments, "gemms": args.gemms,
-            "segment_ms": summary_ms(free)["median"] / args.segments, "free_ms": free, "lockstep_ms": locked,
-            "per_round": per_round, "lockstep_over_free": {key: spread[key] for key in ("median", "q1", "q3")},
+            "segment_ms": statistics.median(free) / args.segments, "free_ms": free, "lockstep_ms": locked,
+            "per_rank_ms": per_rank, "per_round": per_round, "lockstep_over_free": spread,
             "scaling_ceiling": args.ranks / spread["median"]}
+
+
+def _collect(workers: list, results, count: int, deadline: float) -> dict:
+    """(round, lockstep, rank) -> ms of each pass; a rank that dies or a run past the deadline is named."""
+    passes = {}
+    while len(passes) < count:
+        try:
+            round_index, lockstep, rank, seconds = results.get(timeout=1)
+            passes[(round_index, lockstep, rank)] = seconds * 1e3
+        except queue.Empty:
+            dead = [r for r, worker in enumerate(workers) if worker.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise SystemExit(f"lockstep benchmark: rank(s) {dead} exited with "
+                                 f"{[workers[r].exitcode for r in dead]}" if dead else
+                                 f"lockstep benchmark: {len(passes)} of {count} passes after --timeout")
+    return passes
 
 
 def main(argv: list[str]) -> int:

@@ -99,17 +99,19 @@ def _compiled_block_worker():
             time.sleep(0.3 * dist.get_rank())  # rank 1 posts late: rank 0's sum must wait for its part
             y = block(x)
             y.backward(d["dy"])
-        shared = shm.lookup(pa.get_tensor_model_parallel_group())[1] is not None
-    return dist.get_rank(), y.detach(), x.grad, col.weight.grad, row.weight.grad, shared, _reference(d)
+        buffer = shm.lookup(pa.get_tensor_model_parallel_group())[1]
+    grads = {"x": x.grad, "w1": col.weight.grad, "b1": col.bias.grad, "w2": row.weight.grad, "b2": row.bias.grad}
+    return dist.get_rank(), y.detach(), grads, buffer._posted if buffer is not None else None, _reference(d)
 
 
 def test_a_compiled_block_sums_through_shared_memory_like_eager():
     """torch.compile must not trace into the shared-memory sum (dynamo would run its buffer copies on fake
     tensors of symbolic size and fail): it runs eagerly between the compiled pieces, with the same results."""
-    for rank, y, dx, dw1, dw2, shared, (y_ref, grads_ref) in run_distributed(_compiled_block_worker, 2, 2):
-        assert shared
-        for ours, want in ((y, y_ref), (dx, grads_ref["x"]), (dw1, grads_ref["w1"].chunk(2, 0)[rank]),
-                           (dw2, grads_ref["w2"].chunk(2, 1)[rank])):
+    for rank, y, grads, posted, (y_ref, grads_ref) in run_distributed(_compiled_block_worker, 2, 2, fresh=True):
+        assert posted == 1 + 3 * 2  # the handshake's sum, then each step's forward and backward sum: none via gloo
+        shards = {"w1": grads_ref["w1"].chunk(2, 0)[rank], "b1": grads_ref["b1"].chunk(2, 0)[rank],
+                  "w2": grads_ref["w2"].chunk(2, 1)[rank]}
+        for ours, want in [(y, y_ref)] + [(grads[k], shards.get(k, grads_ref[k])) for k in grads]:
             torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-10)
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import shm_all_reduce as shm
 from .collective_log import RECENT_CALLS, TORCH_DEBUG_ENV, CollectiveLog, CollectiveMismatchError, mismatch_report
-from .parallel_state import ProcessGroup, describe_group, group_rank, group_size, is_distributed
+from .parallel_state import ProcessGroup, collective_timeout, describe_group, group_rank, group_size, is_distributed
 from .sharding import check_sequence_split
 from .timeouts import CollectiveTimeoutError, named_timeouts
 
@@ -139,7 +139,8 @@ def _run_all_reduce(x: torch.Tensor, op, group: ProcessGroup | None, async_op: b
     """torch.distributed's all-reduce, or the opt-in shared-memory sum where it serves the group (each rank
     takes the same path: the same environment, op and tensor signature); async_op returns a work handle."""
     wanted = op == dist.ReduceOp.SUM and group is not None and shm.requested() and shm.accepts(x)
-    buffer = shm.group_buffer(group, functools.partial(all_gather_objects, group=group)) if wanted else None
+    gather = functools.partial(all_gather_objects, group=group)
+    buffer = shm.group_buffer(group, gather, collective_timeout) if wanted else None
     if buffer is None:
         return dist.all_reduce(x, op=op, group=group, async_op=async_op)
     if async_op:

@@ -34,8 +34,6 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from .parallel_state import collective_timeout, group_rank, group_size
-
 ENV = "PARALLEL_ATTENTION_SHM_ALL_REDUCE"
 SLOT_BYTES = 4 << 20  # per rank and half: 4 n slots of 4 MiB in all (16 MiB of /dev/shm for two ranks)
 _HEADER = 4096  # flags (ready[n], done[n] as int64) at 0, the handshake token at _TOKEN_AT; slots after
@@ -74,7 +72,7 @@ class SharedMemoryAllReduce:
         self._posted = self._finished = 0  # call numbers
         self._in_flight: collections.deque = collections.deque()  # (call, chunk, its slots), oldest first
 
-    @torch.compiler.disable  # likewise (collectives._run_all_reduce, the only caller, is disabled too)
+    @torch.compiler.disable  # eager under torch.compile: dynamo must not trace the buffer's flags and slots
     def start(self, x: torch.Tensor) -> _Pending:
         flat = x.view(-1)
         step = SLOT_BYTES // x.element_size()
@@ -136,7 +134,7 @@ class _Pending:
     def __init__(self, buffer: SharedMemoryAllReduce, call: int) -> None:
         self.buffer, self.call = buffer, call
 
-    @torch.compiler.disable  # eager under torch.compile: dynamo must not trace (or bake in) the flags' spin
+    @torch.compiler.disable  # likewise: a traced wait could bake the flags' spin into a graph
     def wait(self, timeout=None) -> bool:
         self.buffer.finish_through(self.call)
         return True
@@ -211,13 +209,15 @@ def set_up(group, rank: int, size: int, eligible: bool, gather, timeout) -> Shar
     return buffer
 
 
-def group_buffer(group, gather) -> SharedMemoryAllReduce | None:
-    """The group's buffer, None where it keeps gloo; its first use is the handshake (`set_up`, with `gather`)."""
+def group_buffer(group, gather, timeout) -> SharedMemoryAllReduce | None:
+    """The group's (a process group's, not None) buffer, None where it keeps gloo; its first use is the handshake
+    (`set_up`, with `gather` and the group's `timeout()`). torch's own rank and size calls: parallel_state
+    imports this module, so this one does not import it back."""
     done, buffer = lookup(group)
     if done:
         return buffer
-    gloo = group_size(group) > 1 and dist.get_backend(group) == "gloo"
-    return set_up(group, group_rank(group), group_size(group), gloo, gather, collective_timeout())
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return set_up(group, rank, size, size > 1 and dist.get_backend(group) == "gloo", gather, timeout())
 
 
 @contextlib.contextmanager
