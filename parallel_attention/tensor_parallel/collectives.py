@@ -21,7 +21,6 @@ async call (async_op=True, `overlap`'s fused layers) is issued alike; its Pendin
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import torch
@@ -139,8 +138,7 @@ def _run_all_reduce(x: torch.Tensor, op, group: ProcessGroup | None, async_op: b
     """torch.distributed's all-reduce, or the opt-in shared-memory sum where it serves the group (each rank
     takes the same path: the same environment, op and tensor signature); async_op returns a work handle."""
     wanted = op == dist.ReduceOp.SUM and group is not None and shm.requested() and shm.accepts(x)
-    gather = functools.partial(all_gather_objects, group=group)
-    buffer = shm.group_buffer(group, gather, collective_timeout) if wanted else None
+    buffer = shm.group_buffer(group, all_gather_objects, collective_timeout) if wanted else None
     if buffer is None:
         return dist.all_reduce(x, op=op, group=group, async_op=async_op)
     if async_op:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import mmap
 import os
 import platform
@@ -209,14 +210,16 @@ def set_up(group, rank: int, size: int, eligible: bool, gather, timeout) -> Shar
     return buffer
 
 
-def group_buffer(group, gather, timeout) -> SharedMemoryAllReduce | None:
+def group_buffer(group, all_gather_objects, timeout) -> SharedMemoryAllReduce | None:
     """The group's (a process group's, not None) buffer, None where it keeps gloo; its first use is the handshake
-    (`set_up`, with `gather` and the group's `timeout()`). torch's own rank and size calls: parallel_state
-    imports this module, so this one does not import it back."""
+    (`set_up`, gathering with `all_gather_objects(obj, group=...)`, within `timeout()`): the arguments are bound
+    only then, off the all-reduce's hot path. torch's own rank and size calls: parallel_state imports this
+    module, so this one does not import it back."""
     done, buffer = lookup(group)
     if done:
         return buffer
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    gather = functools.partial(all_gather_objects, group=group)
     return set_up(group, rank, size, size > 1 and dist.get_backend(group) == "gloo", gather, timeout())
 
 
