@@ -47,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def quartiles(values: list[float]) -> dict:
+    """_bench_training_timing.summary_ms's median and quartiles, restated: that module imports the library (and
+    torch.distributed) into every spawned process, and this benchmark runs none of the library's code."""
     q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
     return {"median": median, "q1": q1, "q3": q3}
 
@@ -102,10 +104,11 @@ def _collect(workers: list, results, count: int, deadline: float) -> dict:
             passes[(round_index, lockstep, rank)] = seconds * 1e3
         except queue.Empty:
             dead = [r for r, worker in enumerate(workers) if worker.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
+            if dead:
                 raise SystemExit(f"lockstep benchmark: rank(s) {dead} exited with "
-                                 f"{[workers[r].exitcode for r in dead]}" if dead else
-                                 f"lockstep benchmark: {len(passes)} of {count} passes after --timeout")
+                                 f"{[workers[r].exitcode for r in dead]}") from None
+            if time.monotonic() > deadline:
+                raise SystemExit(f"lockstep benchmark: {len(passes)} of {count} passes after --timeout") from None
     return passes
 
 

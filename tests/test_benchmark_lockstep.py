@@ -13,7 +13,6 @@ import pytest
 
 from launch import ROOT, environment
 
-sys.path.insert(0, str(ROOT / "scripts"))  # where the script finds its helpers (_bench_training_timing)
 _SPEC = importlib.util.spec_from_file_location("benchmark_lockstep", ROOT / "scripts" / "benchmark_lockstep.py")
 benchmark_lockstep = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(benchmark_lockstep)
