@@ -1,8 +1,21 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+
+def read_version() -> str:
+    """__version__ from parallel_attention/version.py, read as text: importing the package would need torch."""
+    text = (Path(__file__).parent / "parallel_attention" / "version.py").read_text(encoding="utf-8")
+    match = re.search(r"^__version__\s*=\s*[\"']([^\"']+)[\"']", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError("parallel_attention/version.py holds no __version__ = \"X.Y.Z\" line")
+    return match.group(1)
+
 
 setup(
     name="parallel_attention",
-    version="0.1.0",
+    version=read_version(),
     description="Megatron-style tensor-parallel self-attention and parallel layers for PyTorch",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -13,7 +26,7 @@ setup(
         "hf": ["transformers>=4.45"],
         "tb": ["tensorboard"],
         "data": ["pyarrow"],  # .parquet corpora
-        # the baselines of scripts/benchmark_attention.py (fairscale) and benchmark_training.py (transformers)
+        # the baselines of benchmarks/benchmark_attention.py (fairscale) and benchmark_training.py (transformers)
         "bench": ["fairscale==0.4.13", "transformers>=4.45", "accelerate"],  # accelerate: transformers' tp_plan
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.45", "accelerate", "tensorboard", "pyarrow"],
     },

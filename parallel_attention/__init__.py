@@ -12,6 +12,7 @@ from .tensor_parallel.collectives import (copy_to_tensor_parallel_region, gather
                                           reduce_scatter_to_sequence_parallel_region,
                                           scatter_to_tensor_parallel_region)
 from .tensor_parallel.parallel_state import (destroy_model_parallel, get_data_parallel_group, get_data_parallel_rank,
+                                             get_device_mesh,
                                              get_data_parallel_world_size, get_tensor_model_parallel_group,
                                              get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
                                              init_distributed, initialize_model_parallel,
@@ -47,6 +48,7 @@ __all__ = [
     "get_data_parallel_group",
     "get_data_parallel_rank",
     "get_data_parallel_world_size",
+    "get_device_mesh",
     "get_tensor_model_parallel_group",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",

@@ -12,12 +12,14 @@ Any --max-new-tokens works: past the model's max_seq_len the context slides (its
 tokens). Generation stops early at the tokenizer's end-of-sequence token, when it has one.
 The tokenizer is --tokenizer, else RUN/tokenizer/ (a model's own, copied there at import or by
 training), else the checkpoint's data.tokenizer.
-Bad arguments: rank 0 prints one `error: ...` line, every rank exits with status 2.
+Bad arguments: rank 0 prints one `error: ...` line, first, and every rank exits with status 2 (torchrun
+itself then reports, its root cause (rank 0) repeating the line, and exits 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -26,9 +28,9 @@ import parallel_attention as pa
 from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_step_dir
 from parallel_attention.hf import missing_tokenizer_message, tokenizer_is_missing
 from parallel_attention.training import PretrainConfig, TokenizerUnavailableError, config_from_dict, get_tokenizer
-from parallel_attention.tensor_parallel.agreement import disagreements
+from parallel_attention.launch.agreement import disagreements
 from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
-from parallel_attention.tensor_parallel.report_once import report_from_rank_0
+from parallel_attention.launch.report_once import report_from_rank_0
 from parallel_attention.transformer import GPTModel, generate_batch
 
 
@@ -43,13 +45,14 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="run directory or step_XXXXXXX directory")
+    parser.add_argument("--checkpoint", required=True,
+                        help="run directory (its newest complete checkpoint) or step_XXXXXXX directory")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable); default 'def ' without --prompt-file")
     parser.add_argument("--prompt-file", type=Path, help="a text file with one prompt per line")
-    parser.add_argument("--max-new-tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=40, help="0: no top-k filtering")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to sample (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=40, help="0: no top-k filtering (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     parser.add_argument("--no-cache", action="store_true", help="recompute the whole context at every step")
     parser.add_argument("--print-tokens", action="store_true", help="also print the token ids")
     parser.add_argument("--tokenizer", help="byte, gpt2, or a tokenizer.json (or its directory); default: the run's")
@@ -76,6 +79,20 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         if not prompts:
             raise UsageError(f"--prompt-file={args.prompt_file} holds no prompt: write one prompt per line.")
     return prompts if prompts else ["def "]
+
+
+def check_checkpoint_exists(path: str) -> None:
+    """A --checkpoint that does not exist (a typo, or no run yet) says so, with the nearest name beside it."""
+    given = Path(path)
+    if given.exists():
+        return
+    siblings = [p.name for p in given.parent.iterdir() if p.is_dir()] if given.parent.is_dir() else []
+    near = difflib.get_close_matches(given.name, siblings, n=1)
+    where = "" if given.is_absolute() else f" (relative to {Path.cwd()})"
+    hint = f" Did you mean {given.parent / near[0]}?" if near else ""
+    raise UsageError(f"--checkpoint={path}: no such directory{where}.{hint} Pretraining writes it: "
+                     "scripts/pretrain.py saves checkpoints under its logging.run_dir (RUN/checkpoints/step_XXXXXXX); "
+                     "pass that run directory or one of its step directories.")
 
 
 def load_tokenizer(spec: str | None, step_dir: Path, cfg: PretrainConfig):
@@ -110,10 +127,11 @@ def prepare(argv: list[str], tp: int):
     if args.timeout_s is not None and not args.timeout_s > 0:
         raise UsageError(f"--timeout-s={args.timeout_s} must be positive (seconds).")
     prompts = read_prompts(args)
+    check_checkpoint_exists(args.checkpoint)
     step_dir = resolve_step_dir(args.checkpoint)
     saved, canonical = read_canonical_checkpoint(step_dir)  # written at any p
     cfg = config_from_dict(saved)
-    cfg.model.attention_config(False).per_rank_heads(tp)  # raises naming num_heads / num_kv_heads and p
+    cfg.model.attention_config().per_rank_heads(tp)  # raises naming num_heads / num_kv_heads and p
     if cfg.model.resolved_ffn_hidden_size() % tp != 0:
         raise ValueError(f"model ffn_hidden_size={cfg.model.resolved_ffn_hidden_size()} is not divisible by "
                          f"{tp} processes: launch a number of processes that divides it.")
@@ -148,7 +166,8 @@ def _generate(args, step_dir, cfg, canonical, tokenizer, prompts, rank: int, tp:
     if differing:  # a rank launched with other arguments would sample other tokens, or hang
         report_from_rank_0("error: arguments differ across ranks:\n" + "\n".join(differing))
         return 2
-    model = GPTModel(cfg.model, sequence_parallel=False, device=device)  # decoding runs without SP
+    model = GPTModel(cfg.model, sequence_parallel=False, tp_group=pa.get_tensor_model_parallel_group(),
+                     device=device)  # decoding runs without SP
     model.load_canonical_state_dict(canonical)
     outputs = generate_batch(model, prompts, args.max_new_tokens, args.temperature, args.top_k or None, args.seed,
                              use_cache=not args.no_cache, eos_token_id=tokenizer.eot_token, device=device)

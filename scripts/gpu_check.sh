@@ -11,8 +11,8 @@
 #                    scaled) and the first finite gradient norm is within 2x of bf16's (gradients were unscaled)
 #   flash_sdpa       our model's forward + backward in bf16 with SDPA restricted to the flash kernel, and a
 #                    flash kernel seen in the profile
-#   bench_attention  scripts/benchmark_attention.py on its CUDA preset (p = 1)
-#   bench_training   scripts/benchmark_training.py on the CUDA preset below (p = 1, transformers baseline)
+#   bench_attention  benchmarks/benchmark_attention.py on its CUDA preset (p = 1)
+#   bench_training   benchmarks/benchmark_training.py on the CUDA preset below (p = 1, transformers baseline)
 # Exit status: 0 when every step passed, 1 otherwise, 2 without CUDA.
 set -uo pipefail
 
@@ -58,10 +58,10 @@ step pretrain_bf16 50 torchrun --standalone --nproc-per-node 1 scripts/pretrain.
     --training.dtype=bfloat16 --logging.run_dir="$LOGS/run_bf16"
 step pretrain_fp16 50 torchrun --standalone --nproc-per-node 1 scripts/pretrain.py "${TINY[@]}" \
     --training.dtype=float16 --logging.run_dir="$LOGS/run_fp16"
-step flash_sdpa 40 "$PYTHON" scripts/_gpu_check_flash.py
-step bench_attention 90 torchrun --standalone --nproc-per-node 1 scripts/benchmark_attention.py --sizes cuda \
+step flash_sdpa 40 "$PYTHON" benchmarks/_gpu_check_flash.py
+step bench_attention 90 torchrun --standalone --nproc-per-node 1 benchmarks/benchmark_attention.py --sizes cuda \
     --iters 5 --warmup 2 --out "$LOGS/bench_attention.json"
-step bench_training 100 torchrun --standalone --nproc-per-node 1 scripts/benchmark_training.py \
+step bench_training 100 torchrun --standalone --nproc-per-node 1 benchmarks/benchmark_training.py \
     "${TRAINING_PRESET[@]}" --iters 5 --warmup 2 --out "$LOGS/bench_training.json"
 
-"$PYTHON" scripts/_gpu_check_summary.py "$LOGS" "$OUT"
+"$PYTHON" benchmarks/_gpu_check_summary.py "$LOGS" "$OUT"

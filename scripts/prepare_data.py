@@ -30,18 +30,22 @@ def _max_bytes(text: str) -> int | None:
 def _parse_args() -> argparse.Namespace:
     defaults = DataConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default=defaults.source, help="'stdlib', a file, or a corpus directory")
+    parser.add_argument("--source", default=defaults.source,
+                        help="'stdlib', a file, or a corpus directory (default: %(default)s)")
     parser.add_argument("--tokenizer", default=defaults.tokenizer,
-                        help="byte | gpt2 | bpe | path to a tokenizer.json or a directory holding one")
-    parser.add_argument("--out", default=defaults.data_dir, help="output directory")
-    parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction)
+                        help="byte | gpt2 | bpe | path to a tokenizer.json or a directory holding one "
+                             "(default: %(default)s)")
+    parser.add_argument("--out", default=defaults.data_dir, help="output directory (default: %(default)s)")
+    parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction,
+                        help="share of the documents held out for validation (default: %(default)s)")
     parser.add_argument("--max-bytes", type=_max_bytes, default=defaults.max_bytes,
-                        help="cap on the bytes of text read ('none' for all)")
+                        help="cap on the bytes of text read ('none' for all; default: %(default)s)")
     parser.add_argument("--bpe-vocab-size", "--vocab-size", type=int, default=defaults.bpe_vocab_size,
-                        help="tokens of the BPE that --tokenizer bpe trains")
-    parser.add_argument("--text-field", default=defaults.text_field, help="text field of .jsonl / column of .parquet")
+                        help="tokens of the BPE that --tokenizer bpe trains (default: %(default)s)")
+    parser.add_argument("--text-field", default=defaults.text_field,
+                        help="text field of .jsonl / column of .parquet (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=defaults.num_workers,
-                        help="tokenizing processes (0: one per CPU core, up to 8)")
+                        help="tokenizing processes (0: one per CPU core, up to 8; default: %(default)s)")
     return parser.parse_args()
 
 

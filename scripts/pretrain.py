@@ -4,7 +4,9 @@
         [--resume] [--section.key=value ...]
 
 The config is read and validated before any process group exists, so a typo or an impossible
-layout fails at once with a message that names the value and the fix.
+layout fails at once with a message that names the value and the fix: one `config error: ...` line,
+said once (by rank 0) and first, and every rank exits with status 2. torchrun itself then prints its
+report, whose root cause (rank 0) repeats the line, and exits 1: its status for any failed worker.
 """
 
 from __future__ import annotations
@@ -15,16 +17,17 @@ import sys
 
 from parallel_attention import load_config
 from parallel_attention.tensor_parallel import parallel_state as ps
-from parallel_attention.tensor_parallel.report_once import report_from_rank_0
+from parallel_attention.launch.report_once import report_from_rank_0
 from parallel_attention.training import ConfigError, train
-from parallel_attention.training.guards import ConfigMismatchError, GuardError
+from parallel_attention.training.guards import GuardError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/gpt_tiny.yaml", help="YAML config (default: %(default)s)")
     parser.add_argument("--resume", nargs="?", const="auto", default=None,
-                        help="continue from the newest complete checkpoint (or from the step directory given)")
+                        help="continue from the newest complete checkpoint (or from the step directory given); "
+                             "default: the config's checkpoint.resume (auto: the newest complete checkpoint, if any)")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
     if bad:
@@ -36,8 +39,8 @@ def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)
-    except (ValueError, OSError) as error:
-        print(f"config error: {error}", file=sys.stderr)
+    except (ValueError, OSError) as error:  # the same on every rank (each reads the same file): said once
+        report_from_rank_0(f"config error: {error}")
         return 2
     try:
         return _train(cfg, args.resume)
@@ -49,14 +52,11 @@ def _train(cfg, resume: str | None) -> int:
     """Train, report, and return the exit status: 2 for a config error, 1 for a stop all ranks agreed on."""
     try:
         result = train(cfg, resume=resume)  # validates the config before any process group exists
-    except ConfigMismatchError as error:  # the same on every rank: said once
+    except ConfigError as error:  # validation, the run directory, the ranks' agreement: the same on every rank
         report_from_rank_0(f"config error: {error}")
         return 2
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
     except GuardError as error:  # agreed on every rank (divergence, replica mismatch): said once
-        report_from_rank_0(f"run stopped: {type(error).__name__}: {error}")
+        report_from_rank_0(f"run stopped: {type(error).__name__}: {error}", exit_status=1)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
         final = result.val_losses.get(result.last_step)

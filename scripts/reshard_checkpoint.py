@@ -19,16 +19,17 @@ from parallel_attention.checkpointing import reshard_checkpoint, resolve_step_di
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--in", dest="source", required=True, type=Path)
+    parser.add_argument("--in", dest="source", required=True, type=Path,
+                        help="run directory (its newest complete checkpoint) or step_XXXXXXX directory")
     parser.add_argument("--out", required=True, type=Path, help="run directory to write into")
     parser.add_argument("--tp", required=True, type=int, help="target tensor_parallel_size")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    source = resolve_step_dir(args.source)
     try:
+        source = resolve_step_dir(args.source)  # CheckpointError is a ValueError
         written = reshard_checkpoint(source, args.out / "checkpoints", args.tp)
     except ValueError as error:
-        print(f"cannot reshard {source}: {error}", file=sys.stderr)
+        print(f"cannot reshard {args.source}: {error}", file=sys.stderr)
         return 2
     print(f"{source} -> {written} (tensor_parallel_size={args.tp}) in {time.perf_counter() - started:.1f}s")
     return 0

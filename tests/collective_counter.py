@@ -1,5 +1,5 @@
-"""Count the collectives a block of code issues, by wrapping torch.distributed's functions (and the opt-in
-shared-memory all-reduce, which bypasses them: counted as an all_reduce)."""
+"""Count the collectives a block of code issues, by wrapping torch.distributed's functions (every collective of
+the package goes through them)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import contextlib
 from collections import Counter
 
 import torch.distributed as dist
-
-from parallel_attention.tensor_parallel.shm_all_reduce import SharedMemoryAllReduce
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
                "reduce_scatter_single", "all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
@@ -31,11 +29,8 @@ def count_collectives():
 
     for name, fn in originals.items():
         setattr(dist, name, wrap(name, fn))
-    shared = SharedMemoryAllReduce.start
-    SharedMemoryAllReduce.start = wrap("all_reduce", shared)
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-        SharedMemoryAllReduce.start = shared

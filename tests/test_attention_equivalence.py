@@ -33,8 +33,8 @@ CASES = {
     "mqa_sequence_parallel_rotary": dict(hidden_size=16, num_heads=4, num_kv_heads=1, rotary=True,
                                          sequence_parallel=True, rope_theta=500.0),
     "gqa_math_backend_head_dim_10": dict(hidden_size=12, num_heads=4, num_kv_heads=2, head_dim=10, rotary=True,
-                                         backend="math", mask="padding"),
-    "mha_math_backend_pattern": dict(hidden_size=20, num_heads=4, backend="math", mask="pattern"),
+                                         attention_kernel="math", mask="padding"),
+    "mha_math_backend_pattern": dict(hidden_size=20, num_heads=4, attention_kernel="math", mask="pattern"),
 }
 
 
@@ -68,9 +68,10 @@ def equivalence_worker(device_kind, case_names):
     for name in case_names:
         spec = dict(CASES[name])
         mask_kind, pos_kind = spec.pop("mask", None), spec.pop("positions", None)
+        sp = spec.pop("sequence_parallel", False)
         cfg = pa.AttentionConfig(**spec)
         torch.manual_seed(7)  # identical data and weights on every rank
-        module = pa.ParallelSelfAttention(cfg, device=device)
+        module = pa.ParallelSelfAttention(cfg, device=device, sequence_parallel=sp)
         ref_weights = {k: (torch.randn(v.shape, dtype=torch.float64) * 0.3).requires_grad_()
                        for k, v in module.canonical_state_dict().items()}
         module.load_canonical_state_dict({k: v.detach().float() for k, v in ref_weights.items()})
@@ -82,7 +83,7 @@ def equivalence_worker(device_kind, case_names):
                                   mask, cfg.rotary, positions, cfg.rope_theta)
         ref.backward(upstream)
 
-        chunk = (lambda t: t.chunk(p, dim=0)[rank]) if cfg.sequence_parallel else (lambda t: t)
+        chunk = (lambda t: t.chunk(p, dim=0)[rank]) if sp else (lambda t: t)
         x_in = chunk(x.detach()).float().to(device).requires_grad_()
         out = module(x_in, None if mask is None else mask.to(device),
                      None if positions is None else positions.to(device))

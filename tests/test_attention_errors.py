@@ -10,12 +10,6 @@ from distributed import run_distributed
 from parallel_attention.transformer import apex_available
 
 
-def test_the_old_name_backend_still_works_with_a_warning():
-    with pytest.warns(FutureWarning, match="attention_kernel"):
-        cfg = pa.AttentionConfig(hidden_size=16, num_heads=4, backend="math")
-    assert cfg.attention_kernel == "math" and cfg.backend is None
-
-
 @pytest.mark.parametrize("kwargs,needles", [
     (dict(hidden_size=24, num_heads=6, num_kv_heads=4), ["num_heads=6", "num_kv_heads=4"]),
     (dict(hidden_size=20, num_heads=6), ["hidden_size=20", "num_heads=6", "head_dim"]),

@@ -1,4 +1,4 @@
-"""scripts/benchmark_scaling.py: the launch order rotates, the scaling is each round's ratio of two neighbouring
+"""benchmarks/benchmark_scaling.py: the launch order rotates, the scaling is each round's ratio of two neighbouring
 launches, bad arguments are refused with the value named, and end to end on a tiny config the JSON holds one
 benchmark_training.py median per size and round."""
 
@@ -15,8 +15,10 @@ import pytest
 from launch import ROOT, environment
 from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
 
-sys.path.insert(0, str(ROOT / "scripts"))  # where the script finds its helpers (_bench_training_timing)
-_SPEC = importlib.util.spec_from_file_location("benchmark_scaling", ROOT / "scripts" / "benchmark_scaling.py")
+pytestmark = pytest.mark.bench  # a benchmark script's own test: python -m pytest -q -m bench
+
+sys.path.insert(0, str(ROOT / "benchmarks"))  # where the script finds its helpers (_bench_training_timing)
+_SPEC = importlib.util.spec_from_file_location("benchmark_scaling", ROOT / "benchmarks" / "benchmark_scaling.py")
 benchmark_scaling = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(benchmark_scaling)
 
@@ -55,7 +57,7 @@ def test_end_to_end_one_median_per_size_and_round(data_dir, tmp_path):  # noqa: 
     out = tmp_path / "scaling.json"
     overrides = [a for a in tiny_args(data_dir, tmp_path / "unused", 1, 1)
                  if not a.startswith(benchmark_scaling.RESERVED)]
-    command = [sys.executable, str(ROOT / "scripts" / "benchmark_scaling.py"), *overrides, "--rounds", "1",
+    command = [sys.executable, str(ROOT / "benchmarks" / "benchmark_scaling.py"), *overrides, "--rounds", "1",
                "--iters", "1", "--warmup", "0", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-6000:]

@@ -1,4 +1,4 @@
-"""scripts/benchmark_training.py end to end on a tiny config: at p = 1 (GPT-2-style, against GPT2LMHeadModel in
+"""benchmarks/benchmark_training.py end to end on a tiny config: at p = 1 (GPT-2-style, against GPT2LMHeadModel in
 this process) and at p = 2 (Llama-style, against transformers' tp_plan="auto"), the JSON carries every field with
 sane values, the baselines agree with our loss before timing, or say why they were skipped."""
 
@@ -6,35 +6,37 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 
 import pytest
 
-from launch import torchrun
+from launch import ROOT, environment
 from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
 
-from parallel_attention.tensor_parallel import gemm
+pytestmark = pytest.mark.bench  # a benchmark script's own test: python -m pytest -q -m bench
 
 LLAMA = ["--model.activation=swiglu", "--model.norm=rmsnorm", "--model.position_embedding=rotary",
          "--model.qkv_bias=false", "--model.out_bias=false", "--model.mlp_bias=false", "--model.num_kv_heads=2"]
 FIELDS = {"step_ms", "tokens_per_s", "tflops", "mfu", "exposed_tp_comm_ms", "exposed_dp_comm_ms",
           "optimizer_state_bytes_per_rank", "saved_activation_bytes", "baselines", "config", "variants_ms",
           "rounds_ms"}
-# the GEMM not chosen for the float32 CPU linears, timed beside the one chosen (where oneDNN's is available)
-TORCH_GEMM = set() if not gemm.onednn_available() else \
-    {"ours_torch_gemm"} if gemm.onednn_linear_active() else {"ours_onednn_gemm"}
-CPU_VARIANTS = TORCH_GEMM | {"ours_single_causal_call"}  # causal attention as one kernel call, beside the chunks
 
 
 def _benchmark(data_dir, tmp_path, world: int, tp: int, *extra: str) -> dict:  # noqa: F811
     out = tmp_path / "bench.json"
     args = tiny_args(data_dir, tmp_path / "run", tp, 1, *extra)
-    torchrun("benchmark_training.py", world, [*args, "--iters", "2", "--warmup", "1", "--out", str(out)], timeout=400)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               str(ROOT / "benchmarks" / "benchmark_training.py"), *args, "--iters", "2", "--warmup", "1", "--out",
+               str(out)]
+    done = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-6000:]
     return json.loads(out.read_text(encoding="utf-8"))
 
 
 def _check_common(result: dict, variants: set[str]) -> None:
     assert FIELDS <= result.keys()
-    assert set(result["variants_ms"]) == variants | CPU_VARIANTS
+    assert set(result["variants_ms"]) == variants
     step = result["step_ms"]
     assert step["n"] == 2 and 0 < step["q1"] <= step["median"] <= step["q3"] and step["iqr"] >= 0
     assert result["tokens_per_s"] == pytest.approx(result["tokens_per_step"] / (step["median"] / 1e3))

@@ -1,6 +1,7 @@
 """Causal attention in chunks of query rows (transformer/causal_chunks.py): the values and gradients of an
 explicit causal softmax(q k^T / sqrt(d)) v written here, MHA and GQA, sequence lengths that are and are not
-multiples of the chunk; when the chunks apply; and that SDPA's module takes them."""
+multiples of the chunk; when the chunks apply; and that the CPU kernel (attention_kernel='auto' on CPU) takes
+them, chosen at construction and again when the module moves."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from parallel_attention.training.activation_memory import saved_activation_bytes
 from parallel_attention.transformer import causal_chunks
-from parallel_attention.transformer.core_attention import SdpaAttention
+from parallel_attention.transformer.core_attention import AutoAttention, CpuAttention, SdpaAttention
 
 
 def _explicit_causal(q, k, v):
@@ -85,33 +86,40 @@ def test_applies_only_where_it_pays():
     _, q6, k4, v4 = _inputs(6, 4, 256, torch.float32)
     assert not causal_chunks.applies(q6, k4, v4, 0.0)  # 6 query heads cannot share 4 k/v heads evenly
     assert not causal_chunks.applies(q, k, k.transpose(2, 3).contiguous().transpose(2, 3), 0.0)
-    with causal_chunks.single_causal_call():
-        assert not causal_chunks.applies(q, k, v, 0.0)
-    assert causal_chunks.applies(q, k, v, 0.0)
 
 
-def test_switched_off_by_its_environment_variable(monkeypatch):
-    _, q, k, v = _inputs(4, 4, 256, torch.float32)
-    monkeypatch.setenv(causal_chunks.ENV, "0")
-    causal_chunks.requested.cache_clear()
-    try:
-        assert not causal_chunks.applies(q, k, v, 0.0)
-    finally:
-        monkeypatch.delenv(causal_chunks.ENV)
-        causal_chunks.requested.cache_clear()
-    assert causal_chunks.applies(q, k, v, 0.0)
+def test_the_kernel_keeps_batch_major_copies_of_strided_inputs():
+    """q, k, v come as [b, heads, s, d] views of the [s, b, ...] projection output; the kernel reads (and keeps for
+    backward) copies laid out [b, s, heads, d], each sample's rows contiguous."""
+    torch.manual_seed(0)
+    fused = torch.randn(192, 2, (4 + 2 * 2) * 16, requires_grad=True)  # [s, b, (nh + 2 nkv) d]
+    q, k, v = (t.view(192, 2, -1, 16).permute(1, 2, 0, 3) for t in fused.split([64, 32, 32], dim=-1))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        causal_chunks.chunked_causal_attention(q, k, v)
+    for t in saved[:3]:
+        assert t.stride(0) > t.stride(2) > t.stride(1) > t.stride(3) == 1, t.stride()
 
 
-def test_sdpa_module_takes_the_chunks_for_causal_attention_only(monkeypatch):
+def test_the_cpu_kernel_is_chosen_by_device_once_and_again_on_a_move():
+    auto = AutoAttention("cpu")
+    assert type(auto.kernel) is CpuAttention
+    auto.to("meta")  # any other device: SDPA, one call (a CUDA move takes the same path)
+    assert type(auto.kernel) is SdpaAttention
+    auto.to_empty(device="cpu")
+    assert type(auto.kernel) is CpuAttention
+    assert list(auto.buffers()) == [] and auto.state_dict() == {}  # no state: nothing to save or synchronise
+
+
+def test_the_cpu_kernel_takes_the_chunks_for_causal_attention_only(monkeypatch):
     calls = []
     original = causal_chunks.chunked_causal_attention
     monkeypatch.setattr(causal_chunks, "chunked_causal_attention", lambda *a: calls.append(1) or original(*a))
     _, q, k, v = _inputs(4, 2, 192, torch.float32)
-    sdpa = SdpaAttention()
-    chunked = sdpa(q, k, v, None, True, 0.0)
-    with causal_chunks.single_causal_call():
-        single = sdpa(q, k, v, None, True, 0.0)
-    sdpa(q, k, v, None, False, 0.0)  # not causal
-    sdpa(q, k, v, torch.ones(1, 1, 192, 192, dtype=torch.bool), True, 0.0)  # a mask of the caller's
+    cpu = CpuAttention()
+    chunked = cpu(q, k, v, None, True, 0.0)
+    single = SdpaAttention()(q, k, v, None, True, 0.0)  # attention_kernel='sdpa': one call
+    cpu(q, k, v, None, False, 0.0)  # not causal
+    cpu(q, k, v, torch.ones(1, 1, 192, 192, dtype=torch.bool), True, 0.0)  # a mask of the caller's
     assert len(calls) == 1
     torch.testing.assert_close(chunked, single, rtol=0, atol=2e-6)

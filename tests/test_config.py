@@ -41,7 +41,7 @@ def test_dotted_overrides_parse_yaml_values():
 
 
 @pytest.mark.parametrize("overrides,needles", [
-    (["--model.num_layer=4"], ["model.num_layer", "num_layers"]),
+    (["--model.num_layer=4"], ["model.num_layer (did you mean model.num_layers?)"]),
     (["--training.oops.deep=1"], ["training.oops"]),
     (["--model.num_layers=four"], ["model.num_layers='four'", "expected int"]),
     (["--optimizer.lr=fast"], ["optimizer.lr='fast'", "float"]),
@@ -54,6 +54,32 @@ def test_bad_keys_and_types_are_named(overrides, needles):
         load_config(ROOT / "configs" / "gpt_tiny.yaml", overrides)
     for needle in needles:
         assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("misspelt,unknown,meant", [
+    ("modle.num_layers", "modle", "model"), ("model.num_layer", "model.num_layer", "model.num_layers"),
+    ("parallel.tensor_parallel", "parallel.tensor_parallel", "parallel.tensor_parallel_size"),
+    ("data.tokeniser", "data.tokeniser", "data.tokenizer"),
+    ("optimizer.weight_decy", "optimizer.weight_decy", "optimizer.weight_decay"),
+    ("schedule.warmup", "schedule.warmup", "schedule.warmup_steps"),
+    ("training.max_step", "training.max_step", "training.max_steps"),
+    ("checkpoint.intervall", "checkpoint.intervall", "checkpoint.interval"),
+    ("logging.rundir", "logging.rundir", "logging.run_dir"),
+])
+def test_a_misspelt_key_names_the_nearest_known_one(tmp_path, misspelt, unknown, meant):
+    section, key = misspelt.split(".")
+    path = tmp_path / "typo.yaml"
+    path.write_text(f"{section}:\n  {key}: 2\n")
+    for source, overrides in ((None, [f"--{misspelt}=2"]), (path, [])):  # a CLI override, a YAML key
+        with pytest.raises(ValueError) as info:
+            load_config(source, overrides)
+        assert f"unknown config key(s): {unknown} (did you mean {meant}?); known keys here: " in str(info.value)
+
+
+def test_a_key_near_nothing_gets_no_guess():
+    with pytest.raises(ValueError) as info:
+        load_config(None, ["--model.zzz=1"])
+    assert "model.zzz; known keys here: " in str(info.value) and "did you mean" not in str(info.value)
 
 
 @pytest.mark.parametrize("overrides,world,needles", [

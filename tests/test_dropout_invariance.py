@@ -82,8 +82,8 @@ def _dropped(sequence_parallel: bool, batch: int = B, first_sample: int = 0):
     """(attention probabilities after dropout [b, nh/p, s, s], hidden dropout of ones [s(/p), b, h]) on
     this rank. q = k = 0 makes every probability 1/s, v = I returns the dropped probabilities exactly."""
     cfg = pa.AttentionConfig(hidden_size=H, num_heads=NH, attention_dropout=P, causal=False,
-                             dropout_rng="layout_invariant", sequence_parallel=sequence_parallel)
-    attention = pa.ParallelSelfAttention(cfg, layer_number=2)
+                             dropout_rng="layout_invariant")
+    attention = pa.ParallelSelfAttention(cfg, layer_number=2, sequence_parallel=sequence_parallel)
     nh_local = attention.num_heads_per_rank
     q = torch.zeros(batch, nh_local, S, S)
     v = torch.eye(S).expand(batch, nh_local, S, S)

@@ -4,7 +4,6 @@ cropped contexts), the stop at EOS, prompts of different lengths in one call, an
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -161,6 +160,25 @@ def test_bad_arguments_give_one_line_from_rank_0(run_dir, args, message):
             assert result.stderr == ""
 
 
+def test_a_checkpoint_that_does_not_exist_is_named_with_the_nearest_run(run_dir):
+    typo = run_dir.parent / "rnu"  # beside run_dir, one transposition away
+    result = _direct(["--checkpoint", str(typo)], 0)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith(f"error: --checkpoint={typo}: no such directory. Did you mean {run_dir}? "
+                                    "Pretraining writes it: scripts/pretrain.py saves checkpoints under its "
+                                    "logging.run_dir")
+    relative = _direct(["--checkpoint", "runs/surely_not_here"], 0).stderr  # run from ROOT
+    assert f"--checkpoint=runs/surely_not_here: no such directory (relative to {ROOT})." in relative
+
+
+def test_the_script_builds_its_model_on_an_explicit_tp_group():
+    import ast
+
+    tree = ast.parse((ROOT / "scripts" / "generate.py").read_text(encoding="utf-8"))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "GPTModel"]
+    assert calls and all("tp_group" in {k.arg for k in call.keywords} for call in calls)
+
+
 _SLOW_RANK_0 = """import os, runpy, sys, time
 if os.environ["RANK"] == "0":
     time.sleep(3)  # rank 0 still busy when rank 1 has found the error: torchrun must not stop it unheard
@@ -178,6 +196,12 @@ def test_bad_checkpoint_under_torchrun(tmp_path, slow_rank_0):
     result = torchrun(script, 2, ["--checkpoint", str(tmp_path / "nothing")], timeout=240, check=False)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "no complete checkpoint" in errors[0]
-    # no traceback from a rank; torchrun's own agent still reports the failed workers (exit code 2)
-    assert 'generate.py", line' not in result.stderr and "exitcode  : 2" in result.stderr
+    assert len(errors) == 1 and "no such directory" in errors[0]
+    assert result.stderr.startswith(errors[0])  # first, before torchrun's own report
+    # no traceback from a rank; torchrun's report names rank 0, with our line, as the root cause, and every
+    # worker exits with 2 (none is stopped by a signal half-way)
+    assert 'generate.py", line' not in result.stderr
+    root_cause = result.stderr.split("Root Cause (first observed failure):")[1]
+    assert "rank      : 0 (local_rank: 0)" in root_cause and f"traceback : {errors[0]}" in root_cause
+    exit_codes = [line.split(":")[1].split()[0] for line in result.stderr.splitlines() if "exitcode  :" in line]
+    assert exit_codes == ["2", "2"]

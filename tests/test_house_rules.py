@@ -1,7 +1,9 @@
 """The architecture's rules, checked on the source so that later work keeps them:
 files under 300 lines, functions under 50 (the trainer's steps under 40), lower layers never import
-higher ones, no flag tests or cache arguments in a module's forward, no isinstance on another
-module's layer classes, and `import parallel_attention` pulls in no optional dependency."""
+higher ones, no flag tests or cache arguments in a module's forward, no per-call test of a layout flag, a device
+or an environment variable in the hot path (the linears' and the attention's forwards, autograd functions and
+the helpers they call), no PARALLEL_ATTENTION_* environment variable, no isinstance on another module's layer
+classes, and `import parallel_attention` pulls in no optional dependency and registers no exit handler."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "parallel_attention"
-LAYER = {"tensor_parallel": 1, "transformer": 2, "checkpointing": 3, "hf": 3, "training": 4}
+LAYER = {"tensor_parallel": 1, "launch": 2, "transformer": 2, "checkpointing": 3, "hf": 3, "training": 4}
 FLAGS_NOT_IN_FORWARD = {"sequence_parallel", "kv_cache", "gated", "rotary", "recompute_activations"}
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
@@ -90,6 +92,69 @@ def test_no_flags_or_caches_in_forward():
     assert not offenders, offenders
 
 
+HOT_PATH = ["tensor_parallel/linear_functions.py", "tensor_parallel/layers.py", "tensor_parallel/collectives.py",
+            "transformer/attention.py", "transformer/core_attention.py", "transformer/causal_chunks.py",
+            "transformer/mlp.py"]
+# a layout flag, a device, an environment variable: each decided once, in __init__ (or where the module moves)
+PER_CALL_TESTS = {"sequence_parallel", "overlap", "overlap_comm", "comm_chunks", "environ", "getenv", "is_cuda",
+                  "device_type"}
+
+
+def _hot_functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    """Every forward and backward in the module (nn.Module or autograd.Function), and the module's own functions
+    they call, transitively: the code that runs on every call."""
+    by_name = {fn.name: fn for fn in _functions(tree)}
+    todo = [fn for fn in _functions(tree) if fn.name in ("forward", "backward")]
+    seen: dict[int, ast.FunctionDef] = {}
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
+            name = call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
+            if name in by_name and name not in ("__init__", "_choose"):
+                todo.append(by_name[name])
+    return list(seen.values())
+
+
+def _per_call_tests(fn: ast.FunctionDef) -> set[str]:
+    names = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+    names |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+    device_type = any(isinstance(n, ast.Attribute) and n.attr == "type" and isinstance(n.value, ast.Attribute)
+                      and n.value.attr == "device" for n in ast.walk(fn))
+    return (names & PER_CALL_TESTS) | ({"device_type"} if device_type else set())
+
+
+@pytest.mark.parametrize("module", HOT_PATH)
+def test_no_per_call_flag_device_or_environment_test_in_the_hot_path(module):
+    offenders = {fn.name: sorted(found) for fn in _hot_functions(_tree(PACKAGE / module))
+                 if (found := _per_call_tests(fn))}
+    assert not offenders, f"{module}: {offenders}"
+
+
+def test_the_hot_path_rule_sees_a_flag_in_a_helper():
+    tree = ast.parse("class F:\n    def backward(ctx, g):\n        return _helper(ctx, g)\n"
+                     "def _helper(ctx, g):\n    return g if ctx.sequence_parallel else g.device.type\n")
+    assert {fn.name: _per_call_tests(fn) for fn in _hot_functions(tree)} == {
+        "backward": set(), "_helper": {"sequence_parallel", "device_type"}}
+
+
+def test_no_environment_variable_of_our_own():
+    readers = [str(p.relative_to(PACKAGE)) for p in SOURCES if "PARALLEL_ATTENTION_" in p.read_text()]
+    assert not readers, readers
+
+
+def _printed_by_a_fresh_interpreter(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_import_registers_no_exit_handler():
+    assert _printed_by_a_fresh_interpreter(
+        "import atexit, numpy, safetensors, torch, torch.distributed.device_mesh, yaml; "
+        "n = atexit._ncallbacks(); import parallel_attention; print(atexit._ncallbacks() - n)") == "0"
+
+
 def test_attention_forward_is_short_and_takes_no_cache():
     tree = _tree(PACKAGE / "transformer" / "attention.py")
     (fn,) = [f for cls, f in _module_forwards(tree) if cls == "ParallelSelfAttention"]
@@ -115,7 +180,6 @@ def test_no_isinstance_on_layer_classes_of_other_modules():
 
 
 def test_import_needs_no_optional_dependency():
-    code = ("import sys, parallel_attention; optional = ('transformers', 'tensorboard', 'tokenizers', 'fairscale', "
-            "'apex', 'matplotlib'); print([m for m in sys.modules if m.split('.')[0] in optional])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert _printed_by_a_fresh_interpreter(
+        "import sys, parallel_attention; optional = ('transformers', 'tensorboard', 'tokenizers', 'fairscale', "
+        "'apex', 'matplotlib'); print([m for m in sys.modules if m.split('.')[0] in optional])") == "[]"

@@ -65,15 +65,16 @@ def attention_cases(draw):
                   num_kv_heads=draw(st.sampled_from([None] + [k for k in (1, 2, 3, 4) if num_heads % k == 0])),
                   qkv_bias=draw(st.booleans()), out_bias=draw(st.booleans()), causal=draw(st.booleans()),
                   rope_theta=draw(st.sampled_from([10000.0, 500.0])), attention_dropout=0.0,
-                  sequence_parallel=draw(st.booleans()), attention_kernel=draw(st.sampled_from(["auto", "sdpa", "math"])))
+                  attention_kernel=draw(st.sampled_from(["auto", "sdpa", "math"])))
+    sequence_parallel = draw(st.booleans())  # the layout: ParallelSelfAttention's argument, not the config's
     if rotary and d % 2 or draw(st.booleans()):  # an explicit head_dim, unrelated to hidden_size / num_heads
         config.update(hidden_size=draw(st.integers(1, 20)), head_dim=draw(st.sampled_from([2, 4, 6]) if rotary
                                                                            else st.integers(1, 7)))
     fault = draw(st.sampled_from([None] * len(FAULTS) + FAULTS))  # valid at p = 1 half of the time
     if fault is not None:
         config[fault[0]] = fault[1]
-    s = draw(st.sampled_from([4, 8])) if config["sequence_parallel"] else draw(st.integers(1, 9))  # SP: p divides s
-    return dict(config=config, s=s, b=draw(st.integers(1, 3)), mask=draw(st.sampled_from([None, "padding", "pattern"])),
+    s = draw(st.sampled_from([4, 8])) if sequence_parallel else draw(st.integers(1, 9))  # SP: p divides s
+    return dict(config=config, sequence_parallel=sequence_parallel, s=s, b=draw(st.integers(1, 3)), mask=draw(st.sampled_from([None, "padding", "pattern"])),
                 positions=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))
 
 
@@ -96,7 +97,7 @@ def _compare(module, cfg, case) -> dict[str, float]:
     ref = reference_attention(x, weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.causal, mask,
                               cfg.rotary, positions, cfg.rope_theta)
     ref.backward(upstream)
-    chunk = (lambda t: t.chunk(p, dim=0)[rank]) if cfg.sequence_parallel else (lambda t: t)
+    chunk = (lambda t: t.chunk(p, dim=0)[rank]) if module.sequence_parallel else (lambda t: t)
     x_in = chunk(x.detach()).float().requires_grad_()
     out = module(x_in, mask, positions)
     out.backward(chunk(upstream).float())
@@ -126,7 +127,7 @@ def _run_case(case, p):
     """("refused", message) | ("compared", errors) | ("crashed", traceback) at tensor-parallel size p."""
     try:
         cfg = pa.AttentionConfig(**case["config"])
-        module = pa.ParallelSelfAttention(cfg, tp_group=_tp_group(p))
+        module = pa.ParallelSelfAttention(cfg, tp_group=_tp_group(p), sequence_parallel=case["sequence_parallel"])
     except ValueError as error:
         return "refused", str(error)
     except Exception:

@@ -64,6 +64,18 @@ def test_prepare_with_bpe_is_deterministic_for_any_worker_count(jsonl_corpus, tm
         assert tok.decode(doc[:-1].tolist()) in TEXTS
 
 
+def test_bpe_training_is_announced_and_timed(jsonl_corpus, tmp_path, capsys):
+    """No silence while the BPE trains: a line before (what, on how much text, where it is kept), one after."""
+    prepare_data(str(jsonl_corpus), "bpe", tmp_path / "data", val_fraction=0.1, text_field="body",
+                 bpe_vocab_size=300, num_workers=1)
+    before, after = capsys.readouterr().err.splitlines()[:2]
+    size = sum(f.stat().st_size for f in jsonl_corpus.iterdir()) / 1e6  # the bytes on disk, an upper bound
+    assert before == (f"training a byte-level BPE of 300 tokens on up to {size:.1f} MB of text from {jsonl_corpus} "
+                      f"(kept as {tmp_path / 'data' / 'tokenizer.json'}: runs with the same data settings reuse it)")
+    assert after.startswith("trained the BPE (300 tokens) on ") and f"in {len(TEXTS) * 4} documents in " in after
+    assert after.endswith(" s")
+
+
 def test_a_saved_tokenizer_directory_is_a_tokenizer(jsonl_corpus, tmp_path):
     saved = tmp_path / "my_tokenizer"
     saved.mkdir()

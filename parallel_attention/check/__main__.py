@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
-from ..tensor_parallel.agreement import disagreements
+from ..launch.agreement import disagreements
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
 from ..tensor_parallel.parallel_state import group_rank, shutdown_distributed
 from ..transformer import active_paths

@@ -35,8 +35,10 @@ def expected_counts(p: int, sequence_parallel: bool) -> tuple[Counter, Counter]:
     """(forward, backward) collectives of one attention block on the tensor-parallel group."""
     if p == 1:
         return Counter(), Counter()
-    each_way = Counter({"all-gather": 1, "reduce-scatter": 1}) if sequence_parallel else Counter({"all-reduce": 1})
-    return each_way, Counter(each_way)
+    if not sequence_parallel:
+        return Counter({"all-reduce": 1}), Counter({"all-reduce": 1})
+    # backward: the query_key_value projection all-gathers its kept [s/p, b, h] input again (Korthikanti)
+    return Counter({"all-gather": 1, "reduce-scatter": 1}), Counter({"all-gather": 2, "reduce-scatter": 1})
 
 
 @contextlib.contextmanager
@@ -66,9 +68,9 @@ def _describe(counts: Counter) -> str:
 
 
 def _count_block(ctx: CheckContext, kwargs: dict, sp: bool) -> tuple[Counter, Counter]:
-    cfg = AttentionConfig(**kwargs, sequence_parallel=sp, params_dtype=ctx.dtype)
+    cfg = AttentionConfig(**kwargs, params_dtype=ctx.dtype)
     manual_seed(ctx.seed)
-    module = ParallelSelfAttention(cfg, tp_group=ctx.tp_group, device=ctx.device)
+    module = ParallelSelfAttention(cfg, tp_group=ctx.tp_group, device=ctx.device, sequence_parallel=sp)
     x = torch.randn(seq_len(ctx.tp_size), BATCH, cfg.hidden_size, device=ctx.device, dtype=ctx.dtype)
     x = my_chunk(x, ctx, sp).requires_grad_()
     with count_collectives(ctx.tp_group) as forward:

@@ -48,8 +48,8 @@ def _attention_reference(cfg, weights, x, upstream, mask):
 
 def _attention_case(ctx: CheckContext, kwargs: dict, use_mask: bool, sp: bool, gen) -> dict[str, float]:
     """Relative errors of one attention configuration: output, input gradient, weight gradients."""
-    cfg = AttentionConfig(**kwargs, sequence_parallel=sp, params_dtype=ctx.dtype)
-    module = ParallelSelfAttention(cfg, tp_group=ctx.tp_group, device=ctx.device)
+    cfg = AttentionConfig(**kwargs, params_dtype=ctx.dtype)
+    module = ParallelSelfAttention(cfg, tp_group=ctx.tp_group, device=ctx.device, sequence_parallel=sp)
     weights = _random_weights(module.canonical_shapes(), gen, ctx.dtype)
     module.load_canonical_state_dict(weights)
     if ctx.fault == "layout":

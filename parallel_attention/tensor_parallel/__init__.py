@@ -1,6 +1,6 @@
 """Tensor-parallel machinery: the bottom layer, independent of any model.
 
-Owns the process groups (`parallel_state`, the one place that creates them), every collective
+Owns the device mesh and its process groups (`parallel_state`, the one place that creates them), every collective
 (`collectives`: the autograd region functions of the forward/backward pass and the plain
 reductions that training and checkpointing use), the parallel layers, the RNG (one default
 generator on every rank, a tensor-parallel generator for dropout), the declaration of parameter
@@ -27,6 +27,7 @@ from .parallel_state import (
     get_data_parallel_group,
     get_data_parallel_rank,
     get_data_parallel_world_size,
+    get_device_mesh,
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,

@@ -15,7 +15,7 @@ and backward. Shapes: `s` sequence, `b` batch, `h` hidden, `p` tensor-parallel s
 
 Every call goes through `_issue(op, tensor, group)`: `named_timeouts`, or after `enable_collective_log()` the guard
 of `collective_log`, which records the call and cross-checks it with the group's other ranks before it runs. An
-async call (async_op=True, `overlap`'s fused layers) is issued alike; its PendingCollective.wait() names timeouts.
+async call (async_op=True, the fused linears of `linear_functions`) is issued alike; its PendingCollective.wait() names timeouts.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import shm_all_reduce as shm
 from .collective_log import RECENT_CALLS, TORCH_DEBUG_ENV, CollectiveLog, CollectiveMismatchError, mismatch_report
-from .parallel_state import ProcessGroup, collective_timeout, describe_group, group_rank, group_size, is_distributed
+from .parallel_state import ProcessGroup, describe_group, group_rank, group_size, is_distributed
 from .sharding import check_sequence_split
 from .timeouts import CollectiveTimeoutError, named_timeouts
 
@@ -57,9 +56,10 @@ def enable_collective_log(size: int = RECENT_CALLS) -> None:
     _LOG, _issue, _await = CollectiveLog(size), _guarded, _listing_recent
 
 
-def _gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> None:
+def _gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
     # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns); older releases lack it
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        out, x, group=group, async_op=async_op)
 
 
 @contextlib.contextmanager
@@ -101,9 +101,9 @@ def _exchange_signatures(call, x: torch.Tensor | None, group: ProcessGroup | Non
     return calls
 
 
-def _all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+def _all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     with _issue("all_gather", x, group):
-        _gather_into(out, x, group)
+        return _gather_into(out, x, group, async_op)
 
 
 def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
@@ -113,13 +113,12 @@ def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGro
 
 
 class PendingCollective:
-    """An async_op=True collective: wait() returns its result, names a timeout as the collective's own, and on
-    NCCL makes the current CUDA stream wait for NCCL's (no CPU block). Eager under torch.compile, as the launch."""
+    """An async_op=True collective: wait() returns its result and names a timeout as the collective's own; on
+    NCCL it makes the current CUDA stream wait for NCCL's (no CPU block)."""
 
     def __init__(self, op: str, work, group: ProcessGroup, result: torch.Tensor) -> None:
         self.op, self.work, self.group, self.result = op, work, group, result
 
-    @torch.compiler.disable
     def wait(self) -> torch.Tensor:
         with _await(self.op, self.group):
             self.work.wait()
@@ -129,21 +128,8 @@ class PendingCollective:
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
     x = x.contiguous()
     with _issue("all_reduce", x, group):
-        work = _run_all_reduce(x, op, group, async_op)
+        work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
     return PendingCollective("all_reduce", work, group, x) if async_op else x
-
-
-@torch.compiler.disable  # eager under torch.compile, like dist.all_reduce: dynamo can't trace the shared buffer
-def _run_all_reduce(x: torch.Tensor, op, group: ProcessGroup | None, async_op: bool = False):
-    """torch.distributed's all-reduce, or the opt-in shared-memory sum where it serves the group (each rank
-    takes the same path: the same environment, op and tensor signature); async_op returns a work handle."""
-    wanted = op == dist.ReduceOp.SUM and group is not None and shm.requested() and shm.accepts(x)
-    buffer = shm.group_buffer(group, all_gather_objects, collective_timeout) if wanted else None
-    if buffer is None:
-        return dist.all_reduce(x, op=op, group=group, async_op=async_op)
-    if async_op:
-        return buffer.start(x)  # posts x; the sum lands in x at wait(), after the caller's dW GEMM
-    buffer(x)
 
 
 def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -161,11 +147,12 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out.movedim(0, -1).contiguous()
 
 
-def _gather_first_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _all_gather_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+    """[s/p, ...] chunks -> [s, ...] in rank order (async_op: a PendingCollective of it)."""
     x = x.contiguous()
     out = torch.empty((group_size(group) * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    _all_gather_tensor(out, x, group)
-    return out
+    work = _all_gather_tensor(out, x, group, async_op)
+    return PendingCollective("all_gather", work, group, out) if async_op else out
 
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
@@ -205,9 +192,9 @@ _CopyToRegion = _region_function("_CopyToRegion", _identity, _all_reduce_copy)
 _ReduceFromRegion = _region_function("_ReduceFromRegion", _all_reduce_copy, _identity)
 _ScatterToRegion = _region_function("_ScatterToRegion", _split_last_dim, _gather_last_dim)
 _GatherFromRegion = _region_function("_GatherFromRegion", _gather_last_dim, _split_last_dim)
-_GatherFromSequenceRegion = _region_function("_GatherFromSequenceRegion", _gather_first_dim, _reduce_scatter_first_dim)
+_GatherFromSequenceRegion = _region_function("_GatherFromSequenceRegion", _all_gather_first_dim, _reduce_scatter_first_dim)
 _ReduceScatterToSequenceRegion = _region_function("_ReduceScatterToSequenceRegion", _reduce_scatter_first_dim,
-                                                  _gather_first_dim)
+                                                  _all_gather_first_dim)
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -245,7 +232,7 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) 
     """Plain (no autograd) all-gather of the ranks' shards along `dim`, in rank order: for full weights."""
     if group_size(group) == 1:
         return x.clone()
-    return _gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
+    return _all_gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
 
 
 @torch.no_grad()
@@ -253,7 +240,7 @@ def all_reduce_(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SU
     """In-place all-reduce outside autograd (for statistics such as the loss's max and sums)."""
     if group_size(group) > 1:
         with _issue("all_reduce", x, group):
-            _run_all_reduce(x, op, group)
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 

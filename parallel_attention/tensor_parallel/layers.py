@@ -2,8 +2,8 @@
 
 Each layer builds the full weight from the default generator (seeded identically on every
 rank by `manual_seed`) and keeps its shard, so a sharded model is exactly a slice of the
-single-rank model whatever p is. The linears run their GEMM and its collective as one autograd function
-(`overlap`: in place, the backward's dX collective overlapped). Shapes: `s` sequence, `b` batch, `h` hidden,
+single-rank model whatever p is. Each linear runs its GEMM and its collectives as one autograd function of
+`linear_functions`, the variant (p = 1, tensor or sequence parallel, overlapped or not) chosen in `__init__`. Shapes: `s` sequence, `b` batch, `h` hidden,
 `p` TP size.
 """
 
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import collectives
-from .gemm import local_linear
-from .overlap import OVERLAP_COMM, column_parallel_linear, row_parallel_linear
+from . import linear_functions as fn
+from .linear_functions import OVERLAP_COMM
 from .param_kinds import Partial, Replicated, Sharded
 from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 
@@ -69,13 +69,14 @@ class ColumnParallelLinear(_TensorParallelModule):
 
         X [s, b, in]            (sequence_parallel: this rank's [s/p, b, in])
           | forward: identity   (SP: all-gather along s)
-          | backward: all-reduce dX  (SP: reduce-scatter dX along s)
+          | backward: all-reduce dX  (SP: all-gather X again, reduce-scatter dX along s)
         Y_r = X A_r^T + b_r     A_r: [out/p, in], this rank's rows
           | gather_output: all-gather the last dim -> [s, b, out]
         Y_r [s, b, out/p]
 
-    overlap_comm: the backward launches dX's collective asynchronously and computes dA, db while it runs
-    (`overlap`); the same collectives either way.
+    Under SP only this rank's [s/p, b, in] input is kept for backward (Korthikanti et al. 2022), gathered
+    again while dX is computed. overlap_comm: the backward's collectives run while the next GEMM computes
+    (dX's while dA, db are computed); the same collectives either way.
     """
 
     def __init__(
@@ -120,30 +121,23 @@ class RowParallelLinear(_TensorParallelModule):
         Y = sum_r Y_r + b       b is replicated; under SP each rank sees only its tokens, so
                                 finalize_grads() sums its gradient across the group
 
-    comm_chunks=k: the GEMM runs in k pieces along s, the collective of piece i overlapping the GEMM of
-    piece i+1 (`overlap`): k all-reduces (SP: k reduce-scatters) forward instead of 1, at most s (SP: s/p).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = False,
                  sequence_parallel: bool = False, init_std: float | None = 0.02, tp_group: ProcessGroup | None = None,
-                 device=None, dtype: torch.dtype = torch.float32, comm_chunks: int = 1) -> None:
+                 device=None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(tp_group)
         self.in_features_per_rank = _divide(in_features, self.tp_size, "in_features")
         if sequence_parallel and not input_is_parallel:  # the reduce-scatter needs the ranks' partial sums
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True "
                              "(its input comes split from a ColumnParallelLinear).")
-        if not isinstance(comm_chunks, int) or isinstance(comm_chunks, bool) or comm_chunks < 1:
-            raise ValueError(f"RowParallelLinear: comm_chunks={comm_chunks!r} must be a positive integer "
-                             "(1: one collective, no chunking).")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.comm_chunks = comm_chunks
         self._init_weight(in_features, out_features, 1, init_std, device, dtype)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         self._enter = (_identity if input_is_parallel
                        else self._region(collectives.scatter_to_tensor_parallel_region))
-        # the GEMM and its exit collective fused (in place, optionally chunked); p = 1: no collective
-        self._linear = (partial(row_parallel_linear, group=self.tp_group, sequence_parallel=sequence_parallel,
-                                chunks=comm_chunks) if self.tp_size > 1 else local_linear)
+        # the GEMM and its exit collective fused (reduced in place); p = 1: no collective
+        self._linear = row_parallel_linear_variant(self.tp_group, self.tp_size, sequence_parallel)
         self._add_bias = self._plus_bias if bias else _identity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +156,7 @@ class RowParallelLinear(_TensorParallelModule):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, in_per_rank={self.in_features_per_rank}, out={self.out_features}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}, comm_chunks={self.comm_chunks}")
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(_TensorParallelModule):
@@ -237,12 +231,25 @@ class TiedOutputLayer(_TensorParallelModule):
 def column_parallel_regions(layer: _TensorParallelModule, sequence_parallel: bool, gather_output: bool,
                             overlap_comm: bool):
     """(linear, exit) functions of a column-parallel layer, chosen once: the GEMM fused with its entry region
-    (plain TP or sequence parallel, backward overlapped or not; p = 1: `local_linear`, no collective), and the
-    output gather."""
-    linear = (partial(column_parallel_linear, group=layer.tp_group, sequence_parallel=sequence_parallel,
-                      overlap=overlap_comm) if layer.tp_size > 1 else local_linear)
+    and the output gather."""
     leave = layer._region(collectives.gather_from_tensor_parallel_region) if gather_output else _identity
-    return linear, leave
+    return column_parallel_linear_variant(layer.tp_group, layer.tp_size, sequence_parallel, overlap_comm), leave
+
+
+def column_parallel_linear_variant(group, tp_size: int, sequence_parallel: bool, overlap_comm: bool):
+    """(x, weight, bias) -> y: p = 1 `local_linear` (no collective); else the tensor- or sequence-parallel
+    function, its backward overlapped or waiting at once."""
+    if tp_size == 1:
+        return fn.local_linear
+    function = fn.sequence_parallel_column_linear if sequence_parallel else fn.column_parallel_linear
+    return partial(function, group=group, settle=fn.overlapped if overlap_comm else fn.waited)
+
+
+def row_parallel_linear_variant(group, tp_size: int, sequence_parallel: bool):
+    """(x, weight) -> y, without the bias: p = 1 `local_linear`; else the all-reduce or reduce-scatter function."""
+    if tp_size == 1:
+        return fn.local_linear
+    return partial(fn.sequence_parallel_row_linear if sequence_parallel else fn.row_parallel_linear, group=group)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

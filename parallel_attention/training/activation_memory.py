@@ -96,7 +96,7 @@ def layer_activation_terms(cfg: ModelConfig, seq_len: int, batch: int, tp_size: 
     """What one TransformerLayer saves for backward without recomputation, term by term, in bytes, for float32
     weights and activations, the SDPA kernel without attention dropout and no hidden dropout (the defaults):
     each term is a tensor the layer's own code saves (derivation and the comparison with Korthikanti et al.
-    2022 in docs/benchmarks.md). s = seq_len, b = batch, n = the tokens a norm sees (s/p under SP)."""
+    2022 in docs/performance.md). s = seq_len, b = batch, n = the tokens a norm sees (s/p under SP)."""
     e, s, b, h, p = 4, seq_len, batch, cfg.hidden_size, tp_size
     attn = cfg.attention_config()
     nhl, nkvl = attn.per_rank_heads(p)
@@ -107,8 +107,9 @@ def layer_activation_terms(cfg: ModelConfig, seq_len: int, batch: int, tp_size: 
         # each norm: LayerNorm its input, RMSNorm its normalised input (before the weight; norms.py)
         "norm inputs": 2 * e * n * b * h,
         "norm statistics (float32)": 2 * 4 * n * b * (1 if rms else 2),  # rstd; LayerNorm: mean and rstd
-        # the column-parallel GEMMs keep their input; under SP the all-gathered [s, b, h] one
-        "qkv and fc_in inputs": 2 * e * s * b * h,
+        # the column-parallel GEMMs keep their input: under SP this rank's [s/p, b, h] chunk, all-gathered again
+        # in backward (Korthikanti et al. 2022)
+        "qkv and fc_in inputs": 2 * e * n * b * h,
         "q, k, v": e * s * b * (nhl + 2 * nkvl) * d,  # views of the fused output, or rotated copies
         "rotary cos, sin": 2 * e * s * d if cfg.position_embedding == "rotary" else 0,
         "attention output (= dense input)": e * s * b * nhl * d,

@@ -5,7 +5,7 @@ them all (dynamo treats the parameters as inputs), compile time stays that of on
 recompute keeps wrapping each (compiled) layer as before. The embedding, the output layer and the
 vocab-parallel loss stay eager: they are one matmul and a few reductions, and the loss's collectives
 would break the graph anyway. The tensor-parallel collectives inside a layer are autograd functions
-that call torch.distributed; dynamo breaks the graph around them (docs/benchmarks.md lists the breaks),
+that call torch.distributed; dynamo breaks the graph around them (docs/performance.md lists the breaks),
 so each layer runs as a few compiled pieces with the collectives between them, in eager order.
 """
 

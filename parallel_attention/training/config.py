@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..tensor_parallel.overlap import OVERLAP_COMM
+from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..transformer.model_config import ModelConfig
 from .config_checks import (ConfigError, check_compile, check_data_source, check_names, check_ranges,
                             check_resume)
@@ -33,13 +33,13 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     sequence_parallel: bool = False
     overlap_comm: bool = OVERLAP_COMM  # column-parallel backward: dX's collective overlaps the dW GEMM
-    comm_chunks: int = 1  # row-parallel forward in k pieces along s: k collectives, each overlapping the next GEMM
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, else gloo
     timeout_s: float = 600.0
     debug_collectives: bool = False  # record and cross-check every collective (slow; see the README)
     zero_stage: int = 1  # 1: AdamW state sharded across data-parallel ranks (ZeRO-1); 0: every rank holds all of it
 
     RENAMED = {"backend": "distributed_backend"}  # 0.1.0's name, still read with a warning
+    REMOVED = {"comm_chunks": 1}  # 0.1's chunked row-parallel forward: 1 (no chunks) read with a warning
 
 
 @dataclass
@@ -136,7 +136,7 @@ class PretrainConfig:
                 f"parallel.tensor_parallel_size={p} does not divide the world size {world_size}: launch a "
                 f"multiple of {p} processes (--nproc-per-node x --nnodes) or change tensor_parallel_size."
             )
-        m.attention_config(self.parallel.sequence_parallel).per_rank_heads(p)  # heads / kv heads vs p, with its own messages
+        m.attention_config().per_rank_heads(p)  # heads / kv heads vs p, with its own messages
         ffn = m.resolved_ffn_hidden_size()
         if ffn % p != 0:
             raise ValueError(f"model.ffn_hidden_size={ffn} is not divisible by tensor_parallel_size={p}.")

@@ -78,7 +78,6 @@ RANGES: dict[str, Range] = {
     "model.init_std": Range(0, low_open=True, meaning="the standard deviation of the initial weights"),
     "parallel.tensor_parallel_size": COUNT,
     "parallel.timeout_s": Range(0, MAX_TIMEOUT_S, low_open=True, meaning="seconds a collective may wait"),
-    "parallel.comm_chunks": Range(1, meaning="pieces of each row-parallel GEMM along s; 1: one collective"),
     "parallel.zero_stage": Range(0, 1, meaning="0: every data-parallel rank holds the whole optimizer state; "
                                                "1: it is sharded across them (ZeRO-1)"),
     "data.val_fraction": Range(0, 1, low_open=True, high_open=True,

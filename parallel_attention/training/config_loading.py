@@ -3,12 +3,14 @@
 `read_yaml` parses with a SafeLoader that refuses duplicate keys (YAML would keep the last one
 silently) and turns every YAML error into a ValueError naming the file, line and column.
 `apply_override` applies `--section.key=value` (the value parsed as YAML). `build_dataclass`
-rejects unknown keys with their dotted path and checks every value against its annotation.
+rejects unknown keys with their dotted path and the known key nearest each ("did you mean ...?"),
+and checks every value against its annotation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
 import types
 import typing
@@ -117,6 +119,12 @@ def type_name(annotation: Any) -> str:
     return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 
+def _did_you_mean(key: Any, names: set[str], prefix: str) -> str:
+    """" (did you mean model.num_layers?)" for the known key nearest a misspelt one; "" when none is near."""
+    near = difflib.get_close_matches(str(key), sorted(names), n=1)
+    return f" (did you mean {prefix}{near[0]}?)" if near else ""
+
+
 def build_dataclass(cls, data: dict[str, Any], prefix: str, warn: bool = True):
     """`cls(**data)` with nested sections built alike; unknown keys and wrong types raise ValueError."""
     if not isinstance(data, dict):
@@ -126,7 +134,7 @@ def build_dataclass(cls, data: dict[str, Any], prefix: str, warn: bool = True):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names, key=str)
     if unknown:
-        where = ", ".join(f"{prefix}{k}" for k in unknown)
+        where = ", ".join(f"{prefix}{k}{_did_you_mean(k, names, prefix)}" for k in unknown)
         raise ValueError(f"unknown config key(s): {where}; known keys here: {', '.join(sorted(names))}.")
     kwargs = {}
     for name, value in data.items():

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import sysconfig
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+from .tokenizer import train_bpe
 
 __all__ = ["Corpus", "CorpusStats", "TEXT_SUFFIXES"]
 
@@ -187,3 +191,15 @@ def _parquet_documents(path: Path, where: str, text_field: str, stats: CorpusSta
                 yield value
             else:
                 stats.skip(EMPTY_DOC, f"{where} row {row}")
+
+
+def train_bpe_on_corpus(corpus: Corpus, vocab_size: int, out: Path, final: Path) -> None:
+    """Train the BPE into `out`, saying on stderr what it trains, on how much text and where it is kept, then how
+    long it took: it is the slow part of preparing (tens of seconds for a few MB on a small CPU)."""
+    print(f"training a byte-level BPE of {vocab_size} tokens on up to {corpus.size_bytes / 1e6:.1f} MB of text "
+          f"from {corpus.source} (kept as {final / 'tokenizer.json'}: runs with the same data settings reuse it)",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()  # on a terminal, the library's own bars (they cover the reading too)
+    trained = train_bpe(corpus.documents(), vocab_size, out / "tokenizer.json", show_progress=sys.stderr.isatty())
+    print(f"trained the BPE ({trained.vocab_size} tokens) on {corpus.stats.num_bytes / 1e6:.1f} MB in "
+          f"{corpus.stats.num_documents} documents in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)

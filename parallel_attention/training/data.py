@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from ..checkpointing.tensor_io import file_digest, replace_directory, write_atomic
-from .corpus import Corpus
-from .tokenizer import TOKENIZER_FILES, get_tokenizer, tokenizer_file, train_bpe
+from .corpus import Corpus, train_bpe_on_corpus
+from .tokenizer import TOKENIZER_FILES, get_tokenizer, tokenizer_file
 
 __all__ = ["TokenDataset", "ensure_prepared", "prepare_data", "read_meta"]
 
@@ -174,7 +174,8 @@ def prepare_data(source: str, tokenizer: str, out_dir, val_fraction: float = 0.0
     out = final.parent / f".{final.name}.staging-{nonce}"  # the existing dataset stays untouched until the end
     out.mkdir(parents=True)
     try:
-        meta = _prepare_into(out, source, tokenizer, val_fraction, max_bytes, text_field, bpe_vocab_size, num_workers)
+        meta = _prepare_into(out, final, source, tokenizer, val_fraction, max_bytes, text_field, bpe_vocab_size,
+                             num_workers)
         replace_directory(out, final, nonce)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
@@ -182,11 +183,12 @@ def prepare_data(source: str, tokenizer: str, out_dir, val_fraction: float = 0.0
     return meta
 
 
-def _prepare_into(out: Path, source: str, tokenizer: str, val_fraction: float, max_bytes: int | None,
+def _prepare_into(out: Path, final: Path, source: str, tokenizer: str, val_fraction: float, max_bytes: int | None,
                   text_field: str, bpe_vocab_size: int, num_workers: int) -> dict:
+    """Prepare into the staging directory `out`, which becomes `final` once complete."""
     corpus = Corpus(source, text_field, max_bytes)
     if tokenizer == "bpe":
-        train_bpe(_progress(corpus, "training bpe"), bpe_vocab_size, out / "tokenizer.json")
+        train_bpe_on_corpus(corpus, bpe_vocab_size, out, final)
     tok = get_tokenizer(tokenizer, out)
     dtype = np.dtype("<u2" if tok.vocab_size < 65536 else "<u4")
     eot = np.array([_end_of_text(tok)], dtype=dtype)

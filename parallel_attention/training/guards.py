@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..checkpointing.compatibility import flatten_dict
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.audit import replica_mismatches
-from ..tensor_parallel.agreement import disagreements
+from ..launch.agreement import disagreements
 from ..tensor_parallel.collectives import all_gather_objects
 from ..version import __version__
 from .config import ConfigError, PretrainConfig

@@ -204,13 +204,14 @@ def tokenizer_vocab_size(spec: str, bpe_vocab_size: int) -> int:
     return sizes[spec] if spec in sizes else HFTokenizer(spec).vocab_size
 
 
-def train_bpe(texts, vocab_size: int, out_path: str | os.PathLike) -> HFTokenizer:
+def train_bpe(texts, vocab_size: int, out_path: str | os.PathLike, show_progress: bool = False) -> HFTokenizer:
     """Train a byte-level BPE of `vocab_size` tokens on the strings of `texts`; save it as `out_path` (a
     tokenizer.json) with a tokenizer_config.json beside it naming its end-of-text token; return it loaded.
 
     Byte-level: the initial alphabet is the 256 byte symbols, so any text encodes and decodes exactly.
     Token 0 is `<|endoftext|>`, the end-of-text token the data pipeline puts between documents. Same texts,
-    same tokenizer: the trainer is deterministic.
+    same tokenizer: the trainer is deterministic. `show_progress`: the `tokenizers` library's own progress bars
+    on stderr (it offers no hook to report progress through: its stages only draw bars, or print JSON lines).
     """
     from ..checkpointing.tensor_io import write_atomic  # training is the top layer: it may read below
 
@@ -221,7 +222,7 @@ def train_bpe(texts, vocab_size: int, out_path: str | os.PathLike) -> HFTokenize
     tokenizer = lib.Tokenizer(lib.models.BPE())
     tokenizer.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = lib.decoders.ByteLevel()
-    trainer = lib.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=False,
+    trainer = lib.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=show_progress,
                                       initial_alphabet=lib.pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer=trainer)
     out = Path(out_path)

@@ -141,8 +141,8 @@ def build(cfg: PretrainConfig) -> Run:
     agree_peak_tflops(cfg.logging.peak_tflops, device)  # every rank measures now, together: MFU's denominator
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     manual_seed(cfg.training.seed)
-    model = GPTModel(cfg.model, cfg.parallel.sequence_parallel, device=device, overlap_comm=cfg.parallel.overlap_comm,
-                     comm_chunks=cfg.parallel.comm_chunks)
+    model = GPTModel(cfg.model, cfg.parallel.sequence_parallel, tp_group=ps.get_tensor_model_parallel_group(),
+                     device=device, overlap_comm=cfg.parallel.overlap_comm)
     if cfg.model.compile:
         compile_layers(model)
     val_batches = validation_batches(val_data, cfg.data.seq_len, cfg.training.micro_batch_size,

@@ -38,22 +38,17 @@ def active_paths() -> dict[str, str]:
     """Which implementation each kernel family uses in this environment (for logs and README)."""
     import torch
 
-    from ..tensor_parallel import shm_all_reduce
-    from ..tensor_parallel.gemm import onednn_linear_active
     from . import causal_chunks
 
-    sdpa = "torch SDPA (flash / memory-efficient kernels)" if torch.cuda.is_available() else "torch SDPA (CPU)"
-    if causal_chunks.requested():
+    cpu = "torch SDPA"
+    if causal_chunks.kernel_available():
         rows = causal_chunks.CHUNK_ROWS
-        sdpa += (f"; on CPU, causal self-attention of {2 * rows}-{causal_chunks.MAX_KEYS} tokens in chunks of "
-                 f"{rows} query rows")
+        cpu += (f"; causal self-attention of {2 * rows}-{causal_chunks.MAX_KEYS} tokens in chunks of {rows} query "
+                "rows (the CPU kernel)")
     return {
-        "attention (attention_kernel='auto'/'sdpa')": sdpa,
+        "attention on CUDA (attention_kernel='auto'/'sdpa')": "torch SDPA (flash / memory-efficient kernels)"
+        if torch.cuda.is_available() else "torch SDPA (no CUDA device here)",
+        "attention on CPU (attention_kernel='auto')": cpu,
         "attention (attention_kernel='apex')": "apex fused scale-mask-softmax" if apex_available()
         else "unavailable: NVIDIA apex is not installed",
-        "linear GEMMs (float32 on CPU)": "oneDNN inner product (forward and input gradient), torch's for the weight "
-        "gradient" if onednn_linear_active() else "torch's (MKL / BLAS; PARALLEL_ATTENTION_ONEDNN_LINEAR=1 for oneDNN's)",
-        "sum all-reduce (gloo groups on one host)": "shared memory (PARALLEL_ATTENTION_SHM_ALL_REDUCE=1)"
-        if shm_all_reduce.requested() and shm_all_reduce.machine_supported()
-        else "gloo's (set PARALLEL_ATTENTION_SHM_ALL_REDUCE=1 for shared memory)",
     }

@@ -7,10 +7,9 @@ Shape legend: s sequence, b batch, h hidden, p tensor-parallel size, nh heads, n
       | query_key_value: ColumnParallelLinear h -> (nh + 2 nkv) d, each rank the rows of its heads
       |   fwd identity / bwd all-reduce  (SP: fwd all-gather s / bwd reduce-scatter s)
     mixed [s, b, (nhl + 2 nkvl) * d]  [this rank's q heads | its k heads | its v heads]
-      | on CPU laid out batch-major in memory (one copy; shape unchanged)
       | split: q, k, v are views of mixed (no copy); rotary on q, k (optional)
     q [b, nhl, s, d], k, v [b, nkvl, s, d]
-      | local attention (SDPA / math / apex), dropout from the tensor-parallel generator
+      | local attention (SDPA / the CPU chunked kernel / math / apex), dropout from the tensor-parallel generator
       |   (dropout_rng='layout_invariant': explicit probabilities, masks hashed from global coordinates)
     context [s, b, nhl * d]
       | dense: RowParallelLinear nh d -> h, input_is_parallel
@@ -23,13 +22,14 @@ k/v head r // (p/nkv), each holding a replica; finalize_grads() sums the replica
 Memory: the kernel saves q, k, v for backward. As views they keep exactly `mixed` alive, which holds
 nothing else. With rotary, q and k are new tensors, so v is copied (nkvl d columns) rather than keep all
 of `mixed` alive for it. Checkpoint format 1 held the rows per group ([q heads | k | v] per k/v head):
-under GQA q then needed a copy and k, v views kept the copied rows alive too (docs/benchmarks.md).
+under GQA q then needed a copy and k, v views kept the copied rows alive too (measured in 0.1).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..tensor_parallel import sharding
 from .attention_config import AttentionConfig
@@ -38,6 +38,7 @@ from ..tensor_parallel.param_kinds import Partial
 from .kv_cache import LayerKVCache
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.collectives import all_gather_along_dim
+from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 from .rotary import build_position_embedding
 
@@ -46,29 +47,28 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _batch_major_copy(t: torch.Tensor) -> torch.Tensor:
-    """t [s, b, ...] copied, same shape and values, laid out in memory as [b, s, ...]."""
-    return t.transpose(0, 1).contiguous().transpose(0, 1)
-
-
 def _own_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t [s, b, ...], not a view of the buffer it lies in, in t's layout (batch-major stays so)."""
-    return _batch_major_copy(t) if t.stride(1) > t.stride(0) else t.contiguous()
-
-
-def _batch_major(t: torch.Tensor) -> torch.Tensor:
-    """t laid out batch-major (one copy) on CPU, where the attention kernel reads it faster; elsewhere t as it is
-    (unmeasured there: the copy would be pure cost)."""
-    return _batch_major_copy(t) if t.device.type == "cpu" else t
+    """A copy of t, not a view of the buffer it lies in."""
+    return t.contiguous()
 
 
 class ParallelSelfAttention(nn.Module):
-    def __init__(self, config: AttentionConfig, tp_group: ProcessGroup | None = None, device=None,
-                 layer_number: int = 0, recompute_core: bool = False) -> None:
-        """recompute_core: recompute softmax(q k^T) v in backward instead of keeping what the kernel saves
+    def __init__(self, config: AttentionConfig, tp_group: ProcessGroup | DeviceMesh | None = None, device=None,
+                 layer_number: int = 0, recompute_core: bool = False, *, sequence_parallel: bool | None = None,
+                 overlap_comm: bool | None = None) -> None:
+        """The block `config` describes, over `tp_group` (a ProcessGroup or a 1-D DeviceMesh such as mesh["tp"];
+        None: the default group of initialize_model_parallel).
+
+        sequence_parallel: the input and output are this rank's [s/p, b, h] chunk of the sequence (default False).
+        overlap_comm: the projections' backward collectives overlap their GEMMs (default True).
+        recompute_core: recompute softmax(q k^T) v in backward instead of keeping what the kernel saves
         (selective recomputation; q, k, v and the projections' outputs are kept)."""
         super().__init__()
         self.config = config
+        legacy = getattr(config, "removed_layout", {})  # AttentionConfig(sequence_parallel=...) of before 0.2
+        sequence_parallel = legacy.get("sequence_parallel", False) if sequence_parallel is None else sequence_parallel
+        overlap_comm = legacy.get("overlap_comm", OVERLAP_COMM) if overlap_comm is None else overlap_comm
+        self.sequence_parallel = sequence_parallel
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
         self.num_heads_per_rank, self.num_kv_heads_per_rank = config.per_rank_heads(self.tp_size)
@@ -76,20 +76,20 @@ class ParallelSelfAttention(nn.Module):
         self.kv_replicated = self.tp_size > config.num_kv_heads
         d, h = config.head_dim, config.hidden_size
         qkv_per_rank = (self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank) * d
-        common = dict(sequence_parallel=config.sequence_parallel, init_std=None, tp_group=self.tp_group,
+        common = dict(sequence_parallel=sequence_parallel, init_std=None, tp_group=self.tp_group,
                       device=device, dtype=config.params_dtype)
         self.query_key_value = ColumnParallelLinear(h, qkv_per_rank * self.tp_size, bias=config.qkv_bias,
-                                                    overlap_comm=config.overlap_comm, **common)
+                                                    overlap_comm=overlap_comm, **common)
         self.dense = RowParallelLinear(config.num_heads * d, h, bias=config.out_bias, input_is_parallel=True,
-                                       comm_chunks=config.comm_chunks, **common)
+                                       **common)
         # under sequence parallelism the input is this rank's [s/p, b, h] chunk of the sequence
-        self._sequence_chunks = self.tp_size if config.sequence_parallel else 1
-        self._input_hint = " (sequence parallel: this rank's [s/p, b, h] chunk)" if config.sequence_parallel else ""
+        self._sequence_chunks = self.tp_size if sequence_parallel else 1
+        self._input_hint = " (sequence parallel: this rank's [s/p, b, h] chunk)" if sequence_parallel else ""
         # layer_number and this rank's first global head name its dropout masks (dropout_rng='layout_invariant')
         self.core_attention = build_core_attention(config, self.tp_rank * self.num_heads_per_rank, layer_number,
-                                                   recompute_core)
+                                                   recompute_core, device)
         self.position_embedding = build_position_embedding(config)
-        # rotary makes q, k new tensors: a copy of v (batch-major, as mixed) then frees mixed after the forward
+        # rotary makes q, k new tensors: a copy of v then frees mixed after the forward
         self._own_values = _own_copy if config.rotary else _as_is
         self.load_canonical_state_dict(self._initial_canonical_weights(device))
 
@@ -195,12 +195,10 @@ class ParallelSelfAttention(nn.Module):
     def _project(self, x: torch.Tensor, s: int, position_ids, offset: int):
         """Fused QKV projection, split per local group, positions applied: q, k, v as [b, heads, s, d]."""
         d, nhl, nkvl = self.config.head_dim, self.num_heads_per_rank, self.num_kv_heads_per_rank
-        # [s, b, (nhl + 2 nkvl) d], laid out batch-major: the attention kernel then reads each sample's rows
-        # contiguously (core attention fwd+bwd 6-8 % faster on CPU: docs/benchmarks.md, third pass)
-        mixed = _batch_major(self.query_key_value(x))
+        mixed = self.query_key_value(x)  # [s, b, (nhl + 2 nkvl) d]
         b = mixed.shape[1]
         # split, not three slices: its backward is one concatenation instead of three zero-filled
-        # buffers of the fused size added together (measured: ~3% of a CPU step, docs/benchmarks.md)
+        # buffers of the fused size added together (measured: ~3% of a CPU step)
         q, k, v = (t.view(s, b, -1, d) for t in mixed.split([nhl * d, nkvl * d, nkvl * d], dim=-1))
         q, k = self.position_embedding(q, k, position_ids, offset)
         return tuple(t.permute(1, 2, 0, 3) for t in (q, k, self._own_values(v)))
@@ -223,7 +221,7 @@ class ParallelSelfAttention(nn.Module):
         Keys and values of the new tokens are appended to the cache; the new queries attend every
         cached key, causally by position. Needs sequence_parallel=False and no padding mask.
         """
-        if self.config.sequence_parallel:
+        if self.sequence_parallel:
             raise ValueError("decode() needs sequence_parallel=False: build the decoding model without it.")
         s = self._check_inputs(hidden_states, None, None)
         q, k, v = self._project(hidden_states, s, None, offset=cache.offset)
@@ -232,5 +230,5 @@ class ParallelSelfAttention(nn.Module):
         return self._output(self.core_attention(q, k, v, mask, False))
 
     def extra_repr(self) -> str:
-        return (f"tp_size={self.tp_size}, num_heads_per_rank={self.num_heads_per_rank}, "
-                f"num_kv_heads_per_rank={self.num_kv_heads_per_rank}, kv_replicated={self.kv_replicated}")
+        return (f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
+                f"num_heads_per_rank={self.num_heads_per_rank}, num_kv_heads_per_rank={self.num_kv_heads_per_rank}, kv_replicated={self.kv_replicated}")

@@ -1,19 +1,22 @@
-"""AttentionConfig: the global (p-independent) description of one attention block.
+"""AttentionConfig: the global (p-independent) description of one attention block: its shape.
 
 The config always describes the whole model; per-rank sizes are derived from it for a given
-tensor-parallel size p by `per_rank_heads`, never written back into it.
+tensor-parallel size p by `per_rank_heads`, never written back into it. The layout (sequence parallelism,
+communication overlap) is ParallelSelfAttention's, not the block's: the fields that held it before 0.2 are
+still accepted for one release, with a FutureWarning (`_accept_removed_fields`).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ..tensor_parallel.overlap import OVERLAP_COMM
 from .apex_kernels import apex_available
 
+# auto: the chunked causal kernel on CPU (causal_chunks.py), SDPA elsewhere; sdpa: one SDPA call everywhere
 ATTENTION_KERNELS = ("auto", "sdpa", "math", "apex")
 DROPOUT_RNGS = ("per_rank", "layout_invariant")
 
@@ -31,21 +34,11 @@ class AttentionConfig:
     causal: bool = True
     rotary: bool = False
     rope_theta: float = 10000.0
-    sequence_parallel: bool = False
     init_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
-    attention_kernel: str = "auto"  # auto (= sdpa), sdpa, math or apex
-    backend: str | None = None  # deprecated name of attention_kernel (0.1.0), still accepted
-    # communication (runtime-only: parallel.overlap_comm / comm_chunks of a run config), last so that
-    # positional arguments keep their meaning
-    overlap_comm: bool = OVERLAP_COMM  # QKV backward: dX's collective runs while dW is computed
-    comm_chunks: int = 1  # output projection in k pieces along s: k collectives forward, overlapped with the GEMM
+    attention_kernel: str = "auto"  # auto, sdpa, math or apex (ATTENTION_KERNELS)
 
     def __post_init__(self) -> None:
-        if self.backend is not None:
-            warnings.warn("AttentionConfig(backend=...) is deprecated: pass attention_kernel=...", FutureWarning,
-                          stacklevel=3)
-            self.attention_kernel, self.backend = self.backend, None
         self._resolve_heads()
         self._check_settings()
 
@@ -88,9 +81,6 @@ class AttentionConfig:
             raise ValueError(
                 f"AttentionConfig: dropout_rng={self.dropout_rng!r} is unknown; choose one of {', '.join(DROPOUT_RNGS)}."
             )
-        if not isinstance(self.comm_chunks, int) or isinstance(self.comm_chunks, bool) or self.comm_chunks < 1:
-            raise ValueError(f"AttentionConfig: comm_chunks={self.comm_chunks!r} must be a positive integer "
-                             "(1: one collective per projection).")
         if not self.rope_theta > 0:
             raise ValueError(f"AttentionConfig: rope_theta={self.rope_theta!r} must be positive.")
         if not self.init_std > 0:
@@ -135,3 +125,43 @@ class AttentionConfig:
                 f"the k/v heads can only be replicated evenly; choose a multiple of {nkv} or a divisor of it."
             )
         return nh // p, 1
+
+
+# Fields AttentionConfig held before 0.2. The layout ones become ParallelSelfAttention's arguments; a config built
+# with them keeps them aside (`removed_layout`) for one release, for the attention built from it to follow.
+_REMOVED_LAYOUT = ("sequence_parallel", "overlap_comm")
+
+
+def _accept_removed_fields(cls):
+    """Wrap the dataclass's __init__ so that the removed fields still construct, with a FutureWarning each:
+    backend= is attention_kernel=; sequence_parallel= and overlap_comm= are ParallelSelfAttention's arguments now;
+    comm_chunks=1 is what every linear does (any other value is refused: the chunked projection is gone)."""
+    dataclass_init = cls.__init__
+
+    @functools.wraps(dataclass_init)
+    def __init__(self, *args, **kwargs):
+        layout = {name: kwargs.pop(name) for name in _REMOVED_LAYOUT if name in kwargs}
+        for name in layout:
+            warnings.warn(f"AttentionConfig({name}=...) is deprecated: pass {name}= to ParallelSelfAttention "
+                          "(or GPTModel) instead.", FutureWarning, stacklevel=2)
+        if "comm_chunks" in kwargs:
+            chunks = kwargs.pop("comm_chunks")
+            if chunks != 1:
+                raise ValueError(f"AttentionConfig: comm_chunks={chunks!r}: the key was removed in 0.2 (the chunked "
+                                 "output projection was slower in every measurement); drop it.")
+            warnings.warn("AttentionConfig(comm_chunks=1) is deprecated: drop it (1 is what every linear does).",
+                          FutureWarning, stacklevel=2)
+        if "backend" in kwargs:
+            warnings.warn("AttentionConfig(backend=...) is deprecated: pass attention_kernel=...", FutureWarning,
+                          stacklevel=2)
+            backend = kwargs.pop("backend")
+            if backend is not None:
+                kwargs["attention_kernel"] = backend
+        dataclass_init(self, *args, **kwargs)
+        self.removed_layout = layout  # not a field: neither compared, printed, nor copied by dataclasses.replace
+
+    cls.__init__ = __init__
+    return cls
+
+
+AttentionConfig = _accept_removed_fields(AttentionConfig)

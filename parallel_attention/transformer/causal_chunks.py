@@ -1,4 +1,5 @@
-"""Causal attention on CPU in chunks of query rows, so that keys the causal mask hides are never computed.
+"""The CPU attention kernel (attention_kernel='auto' on CPU): causal self-attention in chunks of query rows, so
+that keys the causal mask hides are never computed, on a batch-major copy of q, k and v.
 
 torch's CPU flash kernel (torch 2.13) walks the keys in blocks of up to 512 and skips a block only when the
 causal mask hides all of it. At s <= 512 there is one block, so `is_causal=True` costs as much as full
@@ -7,9 +8,11 @@ Split into chunks of `CHUNK_ROWS` queries, chunk i attends keys [0, end_i) only,
 mask on its last CHUNK_ROWS keys: about (n + 1) / 2n of the work for n chunks.
 
 Measured (one thread, b 2, s 512, d 64, fwd + bwd into the fused QKV gradient, 20 paired rounds;
-docs/benchmarks.md, seventh pass): 8 / 8 heads 0.74 of the single call, 8 / 2 heads 0.67, 4 / 1 heads 0.66.
+0.1, in the git history of docs/benchmarks.md): 8 / 8 heads 0.74 of the single call, 8 / 2 heads 0.67, 4 / 1 heads 0.66.
 At s 2048, where the kernel already skips whole blocks, chunks were slower (94 against 73 ms), so they stop
-at 512 keys. PARALLEL_ATTENTION_CAUSAL_CHUNKS=0 switches them off.
+at 512 keys. The kernel reads each sample's rows contiguously from a batch-major copy ([b, s, nh, d] in memory):
+6-8 % faster forward and backward than from the [s, b, ...] projection output. attention_kernel='sdpa' runs
+one SDPA call instead (the kernel of before 0.2, for a run that must continue bit-exactly).
 
 Every row sees the same keys with the same scale, so the values equal the single call's to float rounding
 (the kernel sums in other blocks). The chunking depends on s alone, not on the heads a rank holds, so
@@ -18,56 +21,38 @@ every tensor-parallel layout computes each head the same way.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 
 import torch
 
-CHUNK_ROWS = 64  # 32-128 measured; 64 was best or tied at s 128-512 (docs/benchmarks.md)
+CHUNK_ROWS = 64  # 32-128 measured; 64 was best or tied at s 128-512
 MAX_KEYS = 512  # the CPU kernel's key block: beyond it the kernel skips masked blocks itself
 
-ENV = "PARALLEL_ATTENTION_CAUSAL_CHUNKS"  # =0: one kernel call, as before the chunks (bitwise continuation
-# of a run begun on an older version; the chunks round the last bit differently)
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_enabled = True
 
 
 @functools.cache
-def requested() -> bool:
-    """On unless PARALLEL_ATTENTION_CAUSAL_CHUNKS=0 (read once), and where this torch has the CPU flash
-    kernel's forward and backward operators (private to torch: another version may rename them)."""
+def kernel_available() -> bool:
+    """Whether this torch has the CPU flash kernel's forward and backward operators (private to torch: another
+    version may rename them; then every call takes SDPA)."""
     try:
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     except (AttributeError, RuntimeError):
         return False
-    return os.environ.get(ENV, "1") != "0"
-
-
-@contextlib.contextmanager
-def single_causal_call():
-    """Run causal attention as one kernel call inside this block (benchmarks time both forms). Run the backward
-    inside it too where attention is recomputed (selective or full recompute): the recomputation must take
-    the path the forward took."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = before
+    return True
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
-    """Chunks pay on CPU, for self-attention of 2 * CHUNK_ROWS .. MAX_KEYS tokens, without dropout (the
-    kernel's dropout draws its masks per call: chunks would draw other ones), outside torch.compile, for the
-    inputs the CPU flash kernel takes (one floating dtype, the head dimension contiguous, nh a multiple of nkv).
-    torch.func's transforms cannot differentiate through the chunks (the autograd function keeps the old
-    forward-with-ctx form): set PARALLEL_ATTENTION_CAUSAL_CHUNKS=0 for them."""
-    if torch.compiler.is_compiling() or not (_enabled and requested()):
+    """Chunks pay for self-attention of 2 * CHUNK_ROWS .. MAX_KEYS tokens, without dropout (the kernel's dropout
+    draws its masks per call: chunks would draw other ones), outside torch.compile, for the inputs the CPU flash
+    kernel takes (one floating dtype, the head dimension contiguous, nh a multiple of nkv). torch.func's
+    transforms cannot differentiate through the chunks (the autograd function keeps the old forward-with-ctx
+    form): use attention_kernel='sdpa' for them."""
+    if torch.compiler.is_compiling() or not kernel_available():
         return False
     s, heads, kv_heads = q.shape[2], q.shape[1], k.shape[1]
-    return (q.device.type == "cpu" and dropout_p == 0.0 and s == k.shape[2] and 2 * CHUNK_ROWS <= s <= MAX_KEYS
+    return (dropout_p == 0.0 and s == k.shape[2] and 2 * CHUNK_ROWS <= s <= MAX_KEYS
             and q.dtype in _KERNEL_DTYPES and q.dtype == k.dtype == v.dtype
             and v.shape[1] == kv_heads and heads % kv_heads == 0  # the operator does not check the grouping
             and all(t.stride(-1) == 1 for t in (q, k, v)))
@@ -99,6 +84,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (_batch_major(t) for t in (q, k, v))
         b, nh, s, d = q.shape
         out = q.new_empty(b, s, nh, d).transpose(1, 2)  # [b, s, nh, d] in memory, as the single call's
         lse = []
@@ -133,8 +119,14 @@ class _ChunkedCausalAttention(torch.autograd.Function):
         return dq, dk, dv
 
 
+def _batch_major(t: torch.Tensor) -> torch.Tensor:
+    """t [b, heads, s, d] copied, same shape and values, laid out in memory as [b, s, heads, d]."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d)) v for q [b, nh, s, d], k and v [b, nkv, s, d] (nh a multiple of nkv:
     the kernel maps query head i to k/v head i // (nh / nkv)); returns [b, nh, s, d], laid out [b, s, nh, d]
     in memory as the single kernel call returns it for the attention module's inputs."""
     return _ChunkedCausalAttention.apply(q, k, v)
+

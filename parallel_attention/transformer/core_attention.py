@@ -37,17 +37,45 @@ def combine_masks(mask: torch.Tensor | None, causal: bool, s: int, device) -> to
 
 
 class SdpaAttention(nn.Module):
-    """torch.nn.functional.scaled_dot_product_attention: flash / memory-efficient on CUDA; on CPU, causal
-    self-attention of up to 512 tokens runs in chunks of query rows (causal_chunks.py)."""
+    """torch.nn.functional.scaled_dot_product_attention, one call: flash / memory-efficient on CUDA."""
 
     def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
         if mask is None:  # the is_causal fast path keeps flash attention eligible
-            if causal and causal_chunks.applies(q, k, v, dropout_p):
-                return causal_chunks.chunked_causal_attention(q, k, v)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
         mask = combine_masks(mask, causal, q.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+class CpuAttention(SdpaAttention):
+    """The CPU kernel: causal self-attention of 128-512 tokens without a mask in chunks of query rows, on a
+    batch-major copy (causal_chunks.py); everything else as SdpaAttention."""
+
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        if mask is None and causal and causal_chunks.applies(q, k, v, dropout_p):
+            return causal_chunks.chunked_causal_attention(q, k, v)
+        return super().forward(q, k, v, mask, causal, dropout_p)
+
+
+class AutoAttention(nn.Module):
+    """attention_kernel='auto': CpuAttention on CPU, SdpaAttention elsewhere. Chosen at construction from the
+    device, and again when the module moves (`.to`, `.cuda`): never per call."""
+
+    def __init__(self, device=None) -> None:
+        super().__init__()
+        self._where = torch.empty(0, device=device)  # a plain attribute, not a buffer: no state, nothing to sync
+        self._choose()
+
+    def _choose(self) -> None:
+        self.kernel = CpuAttention() if self._where.device.type == "cpu" else SdpaAttention()
+
+    def _apply(self, fn, recurse: bool = True):
+        self._where = fn(self._where)
+        self._choose()
+        return super()._apply(fn, recurse)
+
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+        return self.kernel(q, k, v, mask, causal, dropout_p)
 
 
 def _expand_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -121,9 +149,11 @@ class ApexFusedSoftmaxAttention(nn.Module):
         return torch.matmul(probs, v)
 
 
-def build_kernel(kernel: str) -> nn.Module:
-    """The kernel's module; 'auto' is SDPA, which already picks flash kernels on CUDA."""
-    if kernel in ("auto", "sdpa"):
+def build_kernel(kernel: str, device=None) -> nn.Module:
+    """The kernel's module for tensors on `device` (None: torch's default device)."""
+    if kernel == "auto":
+        return AutoAttention(device)
+    if kernel == "sdpa":
         return SdpaAttention()
     if kernel == "math":
         return MathAttention()
@@ -139,9 +169,9 @@ class CoreAttention(nn.Module):
     runs inside `tensor_parallel_rng` when dropout is on (decided here, once) and in training mode.
     """
 
-    def __init__(self, kernel: str, dropout_p: float = 0.0) -> None:
+    def __init__(self, kernel: str, dropout_p: float = 0.0, device=None) -> None:
         super().__init__()
-        self.kernel, self.dropout_p = build_kernel(kernel), dropout_p
+        self.kernel, self.dropout_p = build_kernel(kernel, device), dropout_p
         self._attend = self._attend_with_dropout if dropout_p > 0 else self._attend_without_dropout
 
     def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
@@ -165,8 +195,9 @@ class LayoutInvariantCoreAttention(CoreAttention):
     `num_heads`; outside training the chosen kernel runs without dropout.
     """
 
-    def __init__(self, kernel: str, dropout_p: float, num_heads: int, head_offset: int, layer: int) -> None:
-        super().__init__(kernel, dropout_p)
+    def __init__(self, kernel: str, dropout_p: float, num_heads: int, head_offset: int, layer: int,
+                 device=None) -> None:
+        super().__init__(kernel, dropout_p, device)
         self.num_heads, self.head_offset, self.layer = num_heads, head_offset, layer
 
     def _attend_with_dropout(self, q, k, v, mask, causal: bool) -> torch.Tensor:
@@ -199,12 +230,12 @@ class RecomputedCoreAttention(nn.Module):
 
 
 def build_core_attention(config: AttentionConfig, head_offset: int, layer: int,
-                         recompute: bool = False) -> nn.Module:
+                         recompute: bool = False, device=None) -> nn.Module:
     """The core attention `config.dropout_rng` asks for; `head_offset` is this rank's first global head;
     `recompute`: recomputed in backward (selective recomputation)."""
     if config.dropout_rng == "layout_invariant" and config.attention_dropout > 0:
         core = LayoutInvariantCoreAttention(config.attention_kernel, config.attention_dropout, config.num_heads,
-                                            head_offset, layer)
+                                            head_offset, layer, device)
     else:
-        core = CoreAttention(config.attention_kernel, config.attention_dropout)
+        core = CoreAttention(config.attention_kernel, config.attention_dropout, device)
     return RecomputedCoreAttention(core) if recompute else core

@@ -17,7 +17,7 @@ from torch import nn
 from ..tensor_parallel import sharding
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.collectives import all_gather_along_dim
-from ..tensor_parallel.overlap import OVERLAP_COMM
+from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..tensor_parallel.parallel_state import ProcessGroup
 from .activations import gelu_tanh, swiglu
 
@@ -25,8 +25,7 @@ from .activations import gelu_tanh, swiglu
 class ParallelMLP(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "gelu", bias: bool = True,
                  sequence_parallel: bool = False, init_std: float = 0.02, tp_group: ProcessGroup | None = None,
-                 device=None, dtype: torch.dtype = torch.float32, overlap_comm: bool = OVERLAP_COMM,
-                 comm_chunks: int = 1) -> None:
+                 device=None, dtype: torch.dtype = torch.float32, overlap_comm: bool = OVERLAP_COMM) -> None:
         super().__init__()
         if activation not in ("gelu", "swiglu"):
             raise ValueError(f"activation={activation!r} is unknown; choose gelu or swiglu.")
@@ -36,8 +35,7 @@ class ParallelMLP(nn.Module):
                       dtype=dtype)
         self.fc_in = ColumnParallelLinear(hidden_size, ffn_hidden_size * (2 if self.gated else 1), bias=bias,
                                           overlap_comm=overlap_comm, **common)
-        self.fc_out = RowParallelLinear(ffn_hidden_size, hidden_size, bias=bias, input_is_parallel=True,
-                                        comm_chunks=comm_chunks, **common)
+        self.fc_out = RowParallelLinear(ffn_hidden_size, hidden_size, bias=bias, input_is_parallel=True, **common)
         self.tp_size, self.tp_rank = self.fc_in.tp_size, self.fc_in.tp_rank
         self._activation = swiglu if self.gated else gelu_tanh
         self.load_canonical_state_dict(self._initial_canonical_weights())

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..tensor_parallel import collectives, sharding
 from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
-from ..tensor_parallel.overlap import OVERLAP_COMM
+from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..tensor_parallel.param_kinds import Partial, Replicated, Sharded, parameter_kinds
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 from ..tensor_parallel.rng import checkpoint_with_tp_rng
@@ -39,17 +39,17 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool, tp_group: ProcessGroup | None, device, dtype,
-                 layer_number: int = 0, **communication):
-        """`communication`: overlap_comm and comm_chunks of the parallel linears (their defaults when left out)."""
+                 layer_number: int = 0, overlap_comm: bool = OVERLAP_COMM):
         super().__init__()
         norm = lambda: build_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sequence_parallel,  # noqa: E731
                                   tp_group, device, dtype)
         self.input_norm = norm()
-        self.attention = ParallelSelfAttention(cfg.attention_config(sequence_parallel, dtype, **communication),
-                                               tp_group, device, layer_number, _recomputes_core(cfg))
+        self.attention = ParallelSelfAttention(cfg.attention_config(dtype), tp_group, device, layer_number,
+                                               _recomputes_core(cfg), sequence_parallel=sequence_parallel,
+                                               overlap_comm=overlap_comm)
         self.post_attention_norm = norm()
         self.mlp = ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
-                               sequence_parallel, cfg.init_std, tp_group, device, dtype, **communication)
+                               sequence_parallel, cfg.init_std, tp_group, device, dtype, overlap_comm)
         dropout = lambda site: build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng,  # noqa: E731
                                                     sequence_parallel, tp_group, layer_number, site)
         self.attention_output_dropout = dropout(DropoutSite.ATTENTION_OUTPUT)
@@ -85,9 +85,9 @@ def _run_layer_recomputed(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False, tp_group: ProcessGroup | None = None,
-                 device=None, dtype: torch.dtype = torch.float32, overlap_comm: bool = OVERLAP_COMM,
-                 comm_chunks: int = 1) -> None:
-        """overlap_comm, comm_chunks: runtime-only communication settings of the parallel linears (parallel.*)."""
+                 device=None, dtype: torch.dtype = torch.float32, overlap_comm: bool = OVERLAP_COMM) -> None:
+        """tp_group: a ProcessGroup or a 1-D DeviceMesh (None: the default group). sequence_parallel,
+        overlap_comm: the layout of the parallel linears (parallel.* of a run config)."""
         super().__init__()
         self.config, self.sequence_parallel = cfg, sequence_parallel
         self.tp_group = resolve_tp_group(tp_group)
@@ -106,7 +106,7 @@ class GPTModel(nn.Module):
         self.embedding_dropout = build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng, sequence_parallel,
                                                       self.tp_group, 0, DropoutSite.EMBEDDING)
         self.layers = nn.ModuleList(TransformerLayer(cfg, sequence_parallel, self.tp_group, device, dtype, i,
-                                                     overlap_comm=overlap_comm, comm_chunks=comm_chunks)
+                                                     overlap_comm=overlap_comm)
                                     for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.norm, h, cfg.norm_eps, sequence_parallel, self.tp_group, device, dtype)
         if cfg.tie_embeddings:  # no parameter of its own: nothing of it in the state dict

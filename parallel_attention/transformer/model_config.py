@@ -61,16 +61,14 @@ class ModelConfig:
             raise ValueError(f"unknown model config key(s) {unknown}; known: {sorted(names)}.")
         return cls(**data)
 
-    def attention_config(self, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                         **communication) -> AttentionConfig:
-        """`communication`: the runtime-only overlap_comm / comm_chunks (parallel.*; AttentionConfig's defaults)."""
+    def attention_config(self, params_dtype: torch.dtype = torch.float32) -> AttentionConfig:
+        """The attention block's shape (its layout, sequence parallelism included, is ParallelSelfAttention's)."""
         return AttentionConfig(
             hidden_size=self.hidden_size, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, qkv_bias=self.qkv_bias, out_bias=self.out_bias,
             attention_dropout=self.attention_dropout, dropout_rng=self.dropout_rng, causal=True,
             rotary=self.position_embedding == "rotary", rope_theta=self.rope_theta,
-            sequence_parallel=sequence_parallel, init_std=self.init_std, attention_kernel=self.attention_kernel,
-            params_dtype=params_dtype, **communication,
+            init_std=self.init_std, attention_kernel=self.attention_kernel, params_dtype=params_dtype,
         )
 
     def resolved_ffn_hidden_size(self) -> int:
@@ -82,9 +80,11 @@ class ModelConfig:
 
 
 def migrate_renamed_keys(cls, data: dict[str, Any], section: str, warn: bool = True) -> dict[str, Any]:
-    """`data` with the keys that `cls.RENAMED` lists under their new names; both at once is an error."""
-    renamed = getattr(cls, "RENAMED", {})
-    if not isinstance(data, dict) or not renamed.keys() & data.keys():
+    """`data` with the keys that `cls.RENAMED` lists under their new names (both at once is an error), and
+    without the keys `cls.REMOVED` lists: accepted at the value that behaves as if the key were absent (with a
+    FutureWarning), refused at any other value."""
+    renamed, removed = getattr(cls, "RENAMED", {}), getattr(cls, "REMOVED", {})
+    if not isinstance(data, dict) or not (renamed.keys() | removed.keys()) & data.keys():
         return data
     data = dict(data)
     for old, new in renamed.items():
@@ -97,4 +97,14 @@ def migrate_renamed_keys(cls, data: dict[str, Any], section: str, warn: bool = T
             warnings.warn(f"config key {section}.{old} is deprecated: call it {section}.{new}.", FutureWarning,
                           stacklevel=3)
         data[new] = data.pop(old)
+    for key, neutral in removed.items():
+        if key not in data:
+            continue
+        value = data.pop(key)
+        if value != neutral:
+            raise ValueError(f"{section}.{key}={value!r}: the key was removed in 0.2; only {section}.{key}="
+                             f"{neutral!r}, which changes nothing, is still read: drop the key.")
+        if warn:
+            warnings.warn(f"config key {section}.{key} was removed in 0.2 and is ignored: drop it.", FutureWarning,
+                          stacklevel=3)
     return data

@@ -1,4 +1,4 @@
-"""Timing for scripts/benchmark_training.py: statistics of the alternating rounds (_bench_measure.time_variants,
+"""Timing for benchmarks/benchmark_training.py: statistics of the alternating rounds (_bench_measure.time_variants,
 the attention benchmark's loop), and the variants of our step whose tensor- or data-parallel communication is
 switched off (to measure what it costs).
 
@@ -18,8 +18,6 @@ import statistics
 
 import torch
 import torch.distributed as dist
-
-from parallel_attention.tensor_parallel import shm_all_reduce
 
 # the torch.distributed entry points that parallel_attention's collectives call (either spelling)
 _TENSOR_COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
@@ -54,8 +52,7 @@ def collectives_off(group):
     try:
         for name, real in saved.items():
             setattr(dist, name, _no_op(real, group))
-        with shm_all_reduce.gloo_only(group):  # the opt-in shared-memory all-reduce bypasses torch.distributed
-            yield
+        yield
     finally:
         for name, real in saved.items():
             setattr(dist, name, real)

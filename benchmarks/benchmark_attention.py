@@ -1,6 +1,6 @@
 """Time ParallelSelfAttention against an unsharded reference, PyTorch's own tensor parallelism and fairscale.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/benchmark_attention.py --out bench_p2.json
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/benchmark_attention.py --out bench_p2.json
 
 Tensor-parallel size p = the number of launched ranks. For each case (causal, [s, b, h] input)
 the variants run one forward+backward step each per repetition, in rotating order, with the
@@ -9,15 +9,15 @@ same canonical weights and input:
     torch_tp        the same module sharded by torch.distributed.tensor.parallel (DTensor): q, k, v apart
     torch_tp_fused  DTensor TP of one fused qkv projection, rows in the per-group layout (whole heads per rank)
     fairscale       fairscale 0.4.13's Column/RowParallelLinear, fused qkv (per-group layout), batch-first
-    ours            parallel_attention.ParallelSelfAttention, with its defaults (--comm-chunks to change one)
+    ours            parallel_attention.ParallelSelfAttention, with its defaults
     ours_no_overlap the same with overlap_comm=False (only with --compare-overlap)
-    ours_single_causal_call  ours with causal attention as one kernel call, not in chunks of query rows
-                    (on CPU: transformer/causal_chunks.py)
+    ours_sdpa       the same with attention_kernel='sdpa': one plain SDPA call, where 'auto' takes the chunked
+                    causal kernel (on CPU only: transformer/causal_chunks.py)
 A baseline whose package is missing (fairscale: pip install -e '.[bench]') or that cannot split the
 case's k/v heads is skipped with the reason. Reported per variant: median ms per step (slowest rank),
 ratio ours / variant, collectives and payload MB per step per rank, and peak memory per rank. Outputs
 and input gradients are checked against the unsharded reference before anything is timed. Details:
-docs/benchmarks.md.
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -35,13 +35,11 @@ import torch.distributed as dist
 
 import parallel_attention as pa
 from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
-from parallel_attention.transformer import causal_chunks
 from _bench_fused import FusedPlainAttention, fairscale_attention, torch_tp_fused
 from _bench_measure import count_collectives, memory_method, peak_memory_mb, sync, time_variants
 from _bench_reference import PlainAttention, torch_tp
 
-VARIANTS = ("unsharded", "torch_tp", "torch_tp_fused", "fairscale", "ours", "ours_no_overlap",
-            "ours_single_causal_call")
+VARIANTS = ("unsharded", "torch_tp", "torch_tp_fused", "fairscale", "ours", "ours_no_overlap", "ours_sdpa")
 BATCH_FIRST = {"fairscale"}  # fed [b, s, h]; compared with the others after a transpose
 FUSED_PEERS = ("fairscale", "torch_tp_fused")  # issue 9's target: ours <= 0.95x the faster of them
 
@@ -84,7 +82,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--no-bias", action="store_true", help="projections without biases (issue 9's config)")
-    ap.add_argument("--comm-chunks", type=int, default=1, help="ours: AttentionConfig.comm_chunks")
     ap.add_argument("--compare-overlap", action="store_true",
                     help="also time ours with overlap_comm=False (variant ours_no_overlap)")
     ap.add_argument("--out", help="write all figures as JSON here (rank 0)")
@@ -102,17 +99,18 @@ def build_variants(case: Case, args, p: int, device: torch.device, dtype) -> tup
     """The modules on the same canonical weights, and {variant: reason} for those skipped."""
     bias = not args.no_bias
     config = pa.AttentionConfig(hidden_size=case.h, num_heads=case.nh, num_kv_heads=case.nkv, causal=True,
-                                params_dtype=dtype, qkv_bias=bias, out_bias=bias, comm_chunks=args.comm_chunks)
+                                params_dtype=dtype, qkv_bias=bias, out_bias=bias)
     ours = pa.ParallelSelfAttention(config, device=device)
     weights = ours.canonical_state_dict()
     dims = (case.h, case.nh, case.nkv, config.head_dim, device, dtype, bias)
     modules, skipped = {"unsharded": PlainAttention(*dims), "ours": ours}, {}
     modules["unsharded"].load_state_dict(weights)
     if args.compare_overlap:
-        modules["ours_no_overlap"] = pa.ParallelSelfAttention(replace(config, overlap_comm=False), device=device)
+        modules["ours_no_overlap"] = pa.ParallelSelfAttention(config, device=device, overlap_comm=False)
         modules["ours_no_overlap"].load_canonical_state_dict(weights)
-    if device.type == "cpu":
-        modules["ours_single_causal_call"] = SingleCausalCall(ours)
+    if device.type == "cpu":  # on CUDA 'auto' is SDPA already
+        modules["ours_sdpa"] = pa.ParallelSelfAttention(replace(config, attention_kernel="sdpa"), device=device)
+        modules["ours_sdpa"].load_canonical_state_dict(weights)
     if case.nkv % p == 0:
         plain = PlainAttention(*dims)
         plain.load_state_dict(weights)
@@ -128,19 +126,6 @@ def build_variants(case: Case, args, p: int, device: torch.device, dtype) -> tup
                   "(ours replicates them)")
         skipped.update({v: reason for v in ("torch_tp", "torch_tp_fused", "fairscale")})
     return {v: modules[v] for v in VARIANTS if v in modules}, skipped
-
-
-class SingleCausalCall(torch.nn.Module):
-    """A module whose causal attention runs as one kernel call. The graph built in forward keeps that kernel for
-    backward, since nothing here recomputes attention (with recompute the backward would need the block too)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with causal_chunks.single_causal_call():
-            return self.module(x)
 
 
 class Step:
@@ -239,7 +224,7 @@ def bench_case(case: Case, args, p: int, device: torch.device, dtype) -> dict:
 def table(results: list[dict], env: dict) -> str:
     lines = [f"p={env['p']}  backend={env['backend']}  device={env['device']}  threads/rank={env['threads']}  "
              f"dtype={env['dtype']}  torch {env['torch']}  reps {env['warmup']}+{env['iters']}  "
-             f"bias={env['bias']}  comm_chunks={env['comm_chunks']}  fairscale {env['fairscale']}",
+             f"bias={env['bias']}  fairscale {env['fairscale']}",
              "ms: median per fwd+bwd step (slowest rank); ours/x: median of per-repetition ratios (<1: ours "
              "faster); coll: collectives per rank fwd+bwd; MB: their payload per step",
              f"peak MB (max over ranks): {env['memory_method']}",
@@ -280,7 +265,7 @@ def main() -> None:
            "python": platform.python_version(), "memory_method": memory_method(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "loadavg_start": os.getloadavg(),  # other jobs on the machine show up here
-           "bias": not args.no_bias, "comm_chunks": args.comm_chunks, "fairscale": _version("fairscale")}
+           "bias": not args.no_bias, "fairscale": _version("fairscale")}
     results = [bench_case(case, args, p, device, getattr(torch, args.dtype)) for case in cases_from(args, device)]
     env["loadavg_end"] = os.getloadavg()
     if dist.get_rank() == 0:

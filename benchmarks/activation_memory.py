@@ -1,13 +1,13 @@
 """Activation memory per transformer layer: measured saved-for-backward bytes, our formula, Korthikanti et al.
 
-    OMP_NUM_THREADS=1 python scripts/activation_memory.py --out act_p1.json
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/activation_memory.py --out act_p2.json
+    OMP_NUM_THREADS=1 python benchmarks/activation_memory.py --out act_p1.json
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/activation_memory.py --out act_p2.json
 
 For each style (gpt2: learned positions, GELU, LayerNorm, MHA; llama: rotary, SwiGLU, RMSNorm, GQA), each
 recomputation (none, selective, full) and, at p > 1, without and with sequence parallelism, one layer's
 bytes are saved(2 layers) - saved(1 layer) over one forward (`saved_activation_bytes`: the embedding, the
 head and the loss cancel), on rank 0 (every rank holds the same sizes). Next to them:
-`layer_activation_bytes` (our layer's terms, docs/benchmarks.md) and Korthikanti et al. 2022's count
+`layer_activation_bytes` (our layer's terms, docs/performance.md) and Korthikanti et al. 2022's count
 for a GPT layer with flash-style attention (no s x s scores) in fp16, 34 s b h / t with TP + SP, here for
 float32 and no dropout: the 2-byte terms double, the two 1-byte dropout masks go: 64 s b h / t with SP,
 s b h (16 + 48 / t) without, 64 s b h at p = 1.

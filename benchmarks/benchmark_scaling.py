@@ -1,11 +1,11 @@
 """How the training step scales with the tensor-parallel size, measured in one run of alternating launches.
 
-    OMP_NUM_THREADS=1 python scripts/benchmark_scaling.py --config FILE [--section.key=value ...] \
+    OMP_NUM_THREADS=1 python benchmarks/benchmark_scaling.py --config FILE [--section.key=value ...] \
         [--sizes 1,2] [--rounds 6] [--iters 6] [--warmup 2] --out OUT.json
 
 Why a script of its own: a p = 1 and a p = 2 step cannot be timed in one process pair (the tensor-parallel
 size is fixed when a run is built), and on a shared host the throughput drifts by 10-20 % between runs
-minutes apart. So each round launches scripts/benchmark_training.py once per size, back to back
+minutes apart. So each round launches benchmarks/benchmark_training.py once per size, back to back
 (`torchrun --standalone --nproc-per-node p`, data-parallel size 1, `--no-baselines --no-variants`), and the
 order of the sizes rotates from round to round. The scaling from the first size p0 to p in round i is
 step_ms(p0, round i) / step_ms(p, round i): two runs next to each other in time. The global batch is the

@@ -1,4 +1,4 @@
-"""The Hugging Face transformers baseline of scripts/benchmark_training.py, on our model's own weights.
+"""The Hugging Face transformers baseline of benchmarks/benchmark_training.py, on our model's own weights.
 
 Our initial weights are exported with parallel_attention.hf (LlamaForCausalLM for a Llama-style config,
 GPT2LMHeadModel for a GPT-2-style one) and loaded by transformers: in this single process at p = 1, with

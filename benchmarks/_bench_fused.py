@@ -1,4 +1,4 @@
-"""The fused-QKV baselines of scripts/benchmark_attention.py: DTensor TP and fairscale, one QKV GEMM each.
+"""The fused-QKV baselines of benchmarks/benchmark_attention.py: DTensor TP and fairscale, one QKV GEMM each.
 
 Both project q, k and v with one [(nh + 2 nkv) d, h] weight whose rows are in the per-group layout of
 DESIGN.md (for each k/v head g: [q heads of g | k_g | v_g]), so that an even split of the rows over p

@@ -1,6 +1,6 @@
 """gpu_check.sh's summary: every step's outcome plus the facts each one must show, as one JSON file.
 
-    python scripts/_gpu_check_summary.py LOGS OUT.json     (exit 1 unless every step passed)
+    python benchmarks/_gpu_check_summary.py LOGS OUT.json     (exit 1 unless every step passed)
 """
 
 from __future__ import annotations

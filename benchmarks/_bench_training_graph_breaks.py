@@ -1,6 +1,6 @@
 """List the torch.compile graph breaks of one transformer layer (what model.compile compiles), per layout.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 scripts/_bench_training_graph_breaks.py \
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/_bench_training_graph_breaks.py \
         [--sequence-parallel] [--dropout 0.1]
 
 torch._dynamo.explain on layer 0's forward (a 32-wide, 4-head layer; the breaks depend on the code path,

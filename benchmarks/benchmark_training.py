@@ -1,6 +1,6 @@
 """Time one full training step (forward, backward, reductions, optimizer) as pretrain.py runs it.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node N scripts/benchmark_training.py \
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node N benchmarks/benchmark_training.py \
         --config FILE [--section.key=value ...] [--iters 10] [--warmup 3] [--no-baselines] [--no-variants] \
         --out OUT.json
 
@@ -10,18 +10,12 @@ same alternating rounds (each round runs every variant once, rotating the order)
     ours                  the training step
     ours_tp_comm_off      the same step with the tensor-parallel group's collectives made no-ops (p > 1)
     ours_dp_comm_off      the same step without DDP's gradient all-reduce (dp > 1)
-    ours_gloo_all_reduce  the same step with the tensor-parallel all-reduces on gloo instead of shared memory
-                          (where PARALLEL_ATTENTION_SHM_ALL_REDUCE=1, tensor_parallel/shm_all_reduce.py)
-    ours_onednn_gemm      the same step with the float32 CPU linears on oneDNN's inner product instead of
-                          torch's GEMM (on CPU where oneDNN is available, tensor_parallel/gemm.py)
-    ours_torch_gemm       instead of ours_onednn_gemm where PARALLEL_ATTENTION_ONEDNN_LINEAR=1: the step on
-                          torch's GEMM beside oneDNN's
-    ours_single_causal_call  the same step with causal attention as one kernel call, not in chunks of query
-                          rows (on CPU, transformer/causal_chunks.py)
     transformers          Hugging Face transformers on the same initial weights (_bench_training_hf.py):
                           single process at p = 1, tp_plan="auto" at p > 1; skipped, with the reason, when
                           transformers is missing, dp > 1, the config has no counterpart or the losses differ
---no-variants times ours alone (with the baseline unless --no-baselines): benchmark_scaling.py's runs.
+--no-variants times ours alone (with the baseline unless --no-baselines): benchmark_scaling.py's runs. Another
+kernel or layout is another run: e.g. --model.attention_kernel=sdpa (one SDPA call instead of the CPU causal
+chunks), --parallel.sequence_parallel=true.
 Exposed communication (ms) = the median over rounds of ours - the variant with that group's collectives off (the
 two timed in the same round): the time that communication adds to the step, what overlap has not hidden
 (_bench_training_timing.py).
@@ -50,14 +44,12 @@ from _bench_measure import time_variants
 from _bench_training_timing import (collectives_off, data_parallel_off, paired_difference_ms, parameters_restored,
                                     summary_ms)
 from parallel_attention import load_config
-from parallel_attention.tensor_parallel import gemm, shm_all_reduce
 from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.tensor_parallel.collectives import all_gather_objects
 from parallel_attention.training import trainer
 from parallel_attention.training.activation_memory import saved_activation_bytes
 from parallel_attention.training.flops import flops_per_token, peak_tflops, step_rates
 from parallel_attention.training.sharded_optimizer import optimizer_state_bytes
-from parallel_attention.transformer import causal_chunks
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -91,25 +83,15 @@ def variants(run, baseline, with_variants: bool = True) -> tuple[dict, dict]:
 
 
 def _add_variants(run, ours, steps: dict, contexts: dict) -> None:
-    """Our step again with one thing switched (a group's collectives, the shared-memory sum, the GEMM, the causal
-    chunks), each in its context: the variants whose difference from ours the report reads."""
+    """Our step again with one group's collectives switched off, each in its context: the variants whose
+    difference from ours the report reads."""
     if ps.get_tensor_model_parallel_world_size() > 1:
         tp_group = ps.get_tensor_model_parallel_group()
         steps["ours_tp_comm_off"] = ours
         contexts["ours_tp_comm_off"] = lambda: _both(collectives_off(tp_group), parameters_restored(run.model))
-        if shm_all_reduce.requested():
-            steps["ours_gloo_all_reduce"] = ours
-            contexts["ours_gloo_all_reduce"] = lambda: shm_all_reduce.gloo_only(tp_group)
     if ps.get_data_parallel_world_size() > 1:
         steps["ours_dp_comm_off"] = ours
         contexts["ours_dp_comm_off"] = lambda: _both(data_parallel_off(run), parameters_restored(run.model))
-    if run.device.type == "cpu" and gemm.onednn_available():  # the GEMM not chosen, timed beside the one chosen
-        other, context = (("ours_torch_gemm", gemm.torch_gemm_only) if gemm.onednn_linear_active()
-                          else ("ours_onednn_gemm", gemm.onednn_gemm))
-        steps[other], contexts[other] = ours, context
-    if run.device.type == "cpu":
-        steps["ours_single_causal_call"] = ours
-        contexts["ours_single_causal_call"] = causal_chunks.single_causal_call
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""How scripts/benchmark_attention.py measures a step: wall time (alternating variants), collectives
+"""How benchmarks/benchmark_attention.py measures a step: wall time (alternating variants), collectives
 and their payload, and peak memory. A `step` is its Step: clear(), forward(), backward(y), call."""
 
 from __future__ import annotations

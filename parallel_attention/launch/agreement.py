@@ -7,7 +7,7 @@ on other data than its peers, or hang at the first collective the others never i
 
 from __future__ import annotations
 
-from .collectives import all_gather_objects
+from ..tensor_parallel.collectives import all_gather_objects
 
 
 def disagreements(fingerprint: dict[str, object]) -> list[str]:

@@ -1,4 +1,4 @@
-"""The two baselines of scripts/benchmark_attention.py, and the collective counter they share.
+"""The two baselines of benchmarks/benchmark_attention.py, and the collective counter they share.
 
 `PlainAttention` is the unsharded reference: plain nn.Linear q/k/v/o projections and SDPA,
 the same math and the same [s, b, h] layout as ParallelSelfAttention, so that the two differ
@@ -20,8 +20,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
-
-from parallel_attention.tensor_parallel.shm_all_reduce import SharedMemoryAllReduce
 
 
 class PlainAttention(nn.Module):
@@ -120,7 +118,6 @@ class CollectiveCounter:
     def counting(self):
         self.calls = []
         patches = [(dist, n, f) for n, f in _C10D.items()] + [(funcol, n, f) for n, f in _FUNCOL.items()]
-        patches.append((SharedMemoryAllReduce, "start", lambda a, p: _nbytes(a[1])))  # opt-in, bypasses dist
         saved = []
         try:
             for module, name, size in patches:

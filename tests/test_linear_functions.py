@@ -1,12 +1,12 @@
-"""Communication overlap of the parallel linears (tensor_parallel/overlap.py).
+"""The parallel linears' autograd functions (tensor_parallel/linear_functions.py), every variant.
 
 A column -> GELU -> row block (the shape of the MLP and, without the GELU, of attention) at p = 2 and 4, with
-and without sequence parallelism, overlap_comm on and off, comm_chunks 1, 5 and 8, against a float64
-single-device reference written here: output, input gradient and every weight gradient. Collectives are
-counted forward and backward apart: overlap changes none of them; comm_chunks=k makes the row's forward
-issue k (at most s, under SP s/p). The async path still runs through the collective guard and the
-timeout naming. Sizes are awkward (s 12, b 3, h 10, f 20) so that a mis-sliced dimension cannot pass.
-The p = 2 cases share one pool of ranks (the guard's case last: it leaves the guard on in them).
+and without sequence parallelism, overlap_comm on and off, against a float64 single-device reference written
+here: output, input gradient and every weight gradient. Collectives are counted forward and backward apart:
+overlap changes none of them; under SP the column all-gathers its kept [s/p, b, h] input again in backward
+(Korthikanti et al. 2022), which keeps only that chunk for backward. The async path still runs through the
+collective guard and the timeout naming. Sizes are awkward (s 12, b 3, h 10, f 20) so that a mis-sliced
+dimension cannot pass. The p = 2 cases share one pool of ranks (the guard's case last: it leaves the guard on).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from distributed import run_distributed
 from rank_pool import RankPool
 
 import parallel_attention as pa
-from parallel_attention.tensor_parallel.gemm import local_linear
+from parallel_attention.tensor_parallel.linear_functions import local_linear
 from parallel_attention.tensor_parallel.collectives import (CollectiveMismatchError, CollectiveTimeoutError,
                                                             all_reduce_, copy_to_tensor_parallel_region,
                                                             enable_collective_log, reduce_from_tensor_parallel_region)
 
 S, B, H, FFN = 12, 3, 10, 20
 # float64: the sharded block sums the same products as the reference in another order (per-rank partial
-# sums, then the collective; chunked GEMMs): a few ulps of values of order 1-10, far below 1e-10
+# sums, then the collective): a few ulps of values of order 1-10, far below 1e-10
 TOL = dict(rtol=1e-10, atol=1e-10)
 
 
@@ -47,11 +47,10 @@ def _reference(d):
     return y.detach(), {k: v.grad for k, v in leaves.items()}
 
 
-def _block(d, sp: bool, overlap: bool, chunks: int, dtype=torch.float64):
+def _block(d, sp: bool, overlap: bool, dtype=torch.float64):
     p, r = dist.get_world_size(), dist.get_rank()
     col = pa.ColumnParallelLinear(H, FFN, sequence_parallel=sp, overlap_comm=overlap, init_std=None, dtype=dtype)
-    row = pa.RowParallelLinear(FFN, H, input_is_parallel=True, sequence_parallel=sp, comm_chunks=chunks,
-                               init_std=None, dtype=dtype)
+    row = pa.RowParallelLinear(FFN, H, input_is_parallel=True, sequence_parallel=sp, init_std=None, dtype=dtype)
     with torch.no_grad():
         col.weight.copy_(d["w1"].chunk(p, 0)[r])
         col.bias.copy_(d["b1"].chunk(p, 0)[r])
@@ -60,10 +59,10 @@ def _block(d, sp: bool, overlap: bool, chunks: int, dtype=torch.float64):
     return col, row
 
 
-def _run_block(d, sp, overlap, chunks):
+def _run_block(d, sp, overlap):
     """Output, gradients and the collectives of forward and backward, on this rank."""
     p, r = dist.get_world_size(), dist.get_rank()
-    col, row = _block(d, sp, overlap, chunks)
+    col, row = _block(d, sp, overlap)
     x = (d["x"].chunk(p, 0)[r] if sp else d["x"]).clone().requires_grad_()
     with count_collectives() as forward:
         y = row(F.gelu(col(x)))
@@ -73,12 +72,12 @@ def _run_block(d, sp, overlap, chunks):
     return y.detach(), grads, dict(forward), dict(backward)
 
 
-def _expected_counts(sp: bool, chunks: int, p: int):
-    k = min(chunks, S // p if sp else S)
-    if sp:  # entry all-gather; exit k reduce-scatters; backward: one all-gather (row) and one reduce-scatter
-        return {"all_gather_into_tensor": 1, "reduce_scatter_tensor": k}, \
-            {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
-    return {"all_reduce": k}, {"all_reduce": 1}
+def _expected_counts(sp: bool):
+    if sp:  # forward: the column's all-gather, the row's reduce-scatter; backward: the row's all-gather of dY,
+        # the column's all-gather of its kept input and its reduce-scatter of dX
+        return {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, \
+            {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}
+    return {"all_reduce": 1}, {"all_reduce": 1}
 
 
 def _equivalence_worker():
@@ -88,21 +87,31 @@ def _equivalence_worker():
     for sp in (False, True):
         results = {}
         for overlap in (True, False):
-            for chunks in (1, 5, 8):
-                y, grads, fwd, bwd = results[overlap, chunks] = _run_block(d, sp, overlap, chunks)
-                tag = f"p={p} sp={sp} overlap={overlap} chunks={chunks}"
-                torch.testing.assert_close(y, y_ref.chunk(p, 0)[r] if sp else y_ref, **TOL, msg=f"{tag}: output")
-                expected = {"x": g_ref["x"].chunk(p, 0)[r] if sp else g_ref["x"], "w1": g_ref["w1"].chunk(p, 0)[r],
-                            "b1": g_ref["b1"].chunk(p, 0)[r], "w2": g_ref["w2"].chunk(p, 1)[r], "b2": g_ref["b2"]}
-                if sp:  # b2's gradient is partial (this rank's tokens): finalize_grads' sum, outside the counts
-                    grads["b2"] = all_reduce_(grads["b2"].clone(), pa.get_tensor_model_parallel_group())
-                for name, value in grads.items():
-                    torch.testing.assert_close(value, expected[name], **TOL, msg=f"{tag}: grad {name}")
-                assert (fwd, bwd) == _expected_counts(sp, chunks, p), (tag, fwd, bwd)
-        for chunks in (1, 5, 8):  # overlap reorders the backward, not its arithmetic: bit-identical
-            on, off = results[True, chunks], results[False, chunks]
-            assert torch.equal(on[0], off[0]) and all(torch.equal(on[1][k], off[1][k]) for k in on[1]), (sp, chunks)
+            y, grads, fwd, bwd = results[overlap] = _run_block(d, sp, overlap)
+            tag = f"p={p} sp={sp} overlap={overlap}"
+            torch.testing.assert_close(y, y_ref.chunk(p, 0)[r] if sp else y_ref, **TOL, msg=f"{tag}: output")
+            expected = {"x": g_ref["x"].chunk(p, 0)[r] if sp else g_ref["x"], "w1": g_ref["w1"].chunk(p, 0)[r],
+                        "b1": g_ref["b1"].chunk(p, 0)[r], "w2": g_ref["w2"].chunk(p, 1)[r], "b2": g_ref["b2"]}
+            if sp:  # b2's gradient is partial (this rank's tokens): finalize_grads' sum, outside the counts
+                grads["b2"] = all_reduce_(grads["b2"].clone(), pa.get_tensor_model_parallel_group())
+            for name, value in grads.items():
+                torch.testing.assert_close(value, expected[name], **TOL, msg=f"{tag}: grad {name}")
+            assert (fwd, bwd) == _expected_counts(sp), (tag, fwd, bwd)
+        on, off = results[True], results[False]  # overlap reorders the backward, not its arithmetic: bit-identical
+        assert torch.equal(on[0], off[0]) and all(torch.equal(on[1][k], off[1][k]) for k in on[1]), sp
     return True
+
+
+def _kept_for_backward_worker():
+    """What each SP column keeps for backward is its [s/p, b, h] input, not the gathered [s, b, h]."""
+    p, r = dist.get_world_size(), dist.get_rank()
+    d = _data()
+    col, _ = _block(d, True, True)
+    x = d["x"].chunk(p, 0)[r].clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        col(x)
+    return saved
 
 
 @pytest.fixture(scope="module")
@@ -112,19 +121,22 @@ def pool():
     ranks.close()
 
 
-def test_overlap_and_chunks_match_the_reference_with_the_same_collectives(pool):
+def test_every_variant_matches_the_reference_with_the_same_collectives(pool):
     assert pool.run(_equivalence_worker) == [True, True]
 
 
-@pytest.mark.slow  # p = 2 above covers every path in CI; p = 4 adds s/p = 3 < comm_chunks
-def test_overlap_and_chunks_at_p4():
+def test_every_variant_at_p4():
     assert run_distributed(_equivalence_worker, 4, 4, timeout=180) == [True] * 4
+
+
+def test_the_sequence_parallel_column_keeps_only_its_chunk(pool):
+    for saved in pool.run(_kept_for_backward_worker):
+        assert saved == [(S // 2, B, H), (FFN // 2, H)], saved  # the local input and the weight shard
 
 
 def _public_regions(d, x):
     """The block through the public region functions (a defensive clone on each all-reduce), float32, on the
-    layers' own GEMM (`local_linear`: torch's, or oneDNN's with PARALLEL_ATTENTION_ONEDNN_LINEAR=1, whose rounding
-    differs from F.linear's in the last bit)."""
+    layers' own GEMM (`local_linear`)."""
     group, p, r = pa.get_tensor_model_parallel_group(), dist.get_world_size(), dist.get_rank()
     w1 = d["w1"].chunk(p, 0)[r].clone().requires_grad_()
     w2 = d["w2"].chunk(p, 1)[r].clone().requires_grad_()
@@ -139,7 +151,7 @@ def _no_clone_worker():
     x_regions = d["x"].clone().requires_grad_()
     y_regions, (w1, w2) = _public_regions(d, x_regions)
     y_regions.backward(d["dy"])
-    col, row = _block(d, False, True, 1, torch.float32)
+    col, row = _block(d, False, True, torch.float32)
     x = d["x"].clone().requires_grad_()
     y = row(F.gelu(col(x)))
     y.backward(d["dy"])
@@ -164,13 +176,13 @@ def _autocast_worker():
             if build == "regions":
                 y, (w1, w2) = _public_regions(d, x)
             else:
-                col, row = _block(d, False, True, 3, torch.float32)
+                col, row = _block(d, False, True, torch.float32)
                 y, (w1, w2) = row(F.gelu(col(x))), (col.weight, row.weight)
         y.float().backward(d["dy"])
         results.append([t.float() for t in (y, x.grad, w1.grad, w2.grad)] + [x.grad.dtype, w1.grad.dtype])
     (*ref, _, _), (*got, x_dtype, w_dtype) = results
     assert x_dtype == w_dtype == torch.float32
-    for a, b in zip(got, ref):  # bfloat16 GEMMs (8 bits of mantissa); chunked output GEMMs differ in order
+    for a, b in zip(got, ref):  # bfloat16 GEMMs (8 bits of mantissa)
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
     return True
 
@@ -181,11 +193,11 @@ def test_autocast_gradients_keep_their_dtypes(pool):
 
 def _guard_worker():
     d = _data()
-    before = _run_block(d, False, True, 1)[:2]
+    before = _run_block(d, False, True)[:2]
     enable_collective_log()
-    after = _run_block(d, False, True, 1)[:2]  # guarded: recorded and cross-checked, same numbers
+    after = _run_block(d, False, True)[:2]  # guarded: recorded and cross-checked, same numbers
     assert torch.equal(before[0], after[0]) and all(torch.equal(before[1][k], after[1][k]) for k in before[1])
-    col, _ = _block(d, False, True, 1)
+    col, _ = _block(d, False, True)
     try:
         if dist.get_rank() == 0:  # the async all-reduce of dX against another rank's different call
             col(d["x"].clone().requires_grad_()).sum().backward()
@@ -201,7 +213,7 @@ def test_the_guard_checks_the_async_collective(pool):
     assert messages[0] is not None and messages[0] == messages[1], messages
     # the third guarded call of each rank: the guarded block's forward and backward came first
     assert f"rank 0: #3 all_reduce of float64[{S}, {B}, {H}] on the tensor-parallel group" in messages[0], messages[0]
-    assert "tensor_parallel/overlap.py" in messages[0] and "rank 1: #3 all_reduce of float64[4]" in messages[0]
+    assert "tensor_parallel/linear_functions.py" in messages[0] and "rank 1: #3 all_reduce of float64[4]" in messages[0]
 
 
 GROUP_TIMEOUT_S = 4
@@ -211,7 +223,7 @@ def _timeout_worker():
     pa.destroy_model_parallel()
     pa.initialize_model_parallel(2, timeout=GROUP_TIMEOUT_S)
     d = _data()
-    col, _ = _block(d, False, True, 1)
+    col, _ = _block(d, False, True)
     y = col(d["x"].clone().requires_grad_())
     if dist.get_rank() == 1:  # stops answering
         time.sleep(GROUP_TIMEOUT_S + 4)
