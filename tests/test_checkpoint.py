@@ -275,3 +275,15 @@ def test_failed_save_leaves_nothing_and_missing_optimizer_state_is_named(tmp_pat
     with pytest.raises(CheckpointError, match="holds no optimizer state"):
         load_checkpoint(tmp_path / "step_0000001", model, opt)
     assert load_checkpoint(tmp_path / "step_0000001", model)["step"] == 1
+
+
+def test_a_missing_checkpoint_directory_is_named_as_missing(tmp_path):
+    """A typo in a path (convert_hf export, reshard --in, generate) says the directory does not exist and who
+    writes it, not only that no checkpoint lies under it."""
+    from parallel_attention.checkpointing.checkpoint import resolve_step_dir
+
+    with pytest.raises(CheckpointError, match="quickstrat: no such directory.*pretraining writes"):
+        resolve_step_dir(tmp_path / "runs" / "quickstrat")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no complete checkpoint under"):
+        resolve_step_dir(tmp_path / "empty")

@@ -270,6 +270,9 @@ def load_latest_valid(ckpt_root: str | os.PathLike, model: nn.Module, optimizer:
 def resolve_step_dir(path: str | os.PathLike) -> Path:
     """A step directory as given, or the newest complete checkpoint of a run (or its checkpoints/) directory."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such directory (relative to {Path.cwd()}): pass a run directory, which "
+                              "pretraining writes at logging.run_dir, or one of its checkpoints/step_XXXXXXX.")
     if (path / MANIFEST).exists():
         return path
     for root in (path / "checkpoints", path):
