@@ -74,7 +74,8 @@ def attention_cases(draw):
     if fault is not None:
         config[fault[0]] = fault[1]
     s = draw(st.sampled_from([4, 8])) if sequence_parallel else draw(st.integers(1, 9))  # SP: p divides s
-    return dict(config=config, sequence_parallel=sequence_parallel, s=s, b=draw(st.integers(1, 3)), mask=draw(st.sampled_from([None, "padding", "pattern"])),
+    return dict(config=config, sequence_parallel=sequence_parallel, s=s,
+                b=draw(st.integers(1, 3)), mask=draw(st.sampled_from([None, "padding", "pattern"])),
                 positions=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))
 
 

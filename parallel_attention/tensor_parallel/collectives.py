@@ -15,7 +15,8 @@ and backward. Shapes: `s` sequence, `b` batch, `h` hidden, `p` tensor-parallel s
 
 Every call goes through `_issue(op, tensor, group)`: `named_timeouts`, or after `enable_collective_log()` the guard
 of `collective_log`, which records the call and cross-checks it with the group's other ranks before it runs. An
-async call (async_op=True, the fused linears of `linear_functions`) is issued alike; its PendingCollective.wait() names timeouts.
+async call (async_op=True, the fused linears of `linear_functions`) is issued alike; its PendingCollective.wait()
+names timeouts.
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ _CopyToRegion = _region_function("_CopyToRegion", _identity, _all_reduce_copy)
 _ReduceFromRegion = _region_function("_ReduceFromRegion", _all_reduce_copy, _identity)
 _ScatterToRegion = _region_function("_ScatterToRegion", _split_last_dim, _gather_last_dim)
 _GatherFromRegion = _region_function("_GatherFromRegion", _gather_last_dim, _split_last_dim)
-_GatherFromSequenceRegion = _region_function("_GatherFromSequenceRegion", _all_gather_first_dim, _reduce_scatter_first_dim)
+_GatherFromSequenceRegion = _region_function("_GatherFromSequenceRegion", _all_gather_first_dim,
+                                             _reduce_scatter_first_dim)
 _ReduceScatterToSequenceRegion = _region_function("_ReduceScatterToSequenceRegion", _reduce_scatter_first_dim,
                                                   _all_gather_first_dim)
 

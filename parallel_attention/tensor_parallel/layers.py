@@ -3,8 +3,8 @@
 Each layer builds the full weight from the default generator (seeded identically on every
 rank by `manual_seed`) and keeps its shard, so a sharded model is exactly a slice of the
 single-rank model whatever p is. Each linear runs its GEMM and its collectives as one autograd function of
-`linear_functions`, the variant (p = 1, tensor or sequence parallel, overlapped or not) chosen in `__init__`. Shapes: `s` sequence, `b` batch, `h` hidden,
-`p` TP size.
+`linear_functions`, the variant (p = 1, tensor or sequence parallel, overlapped or not) chosen in `__init__`.
+Shapes: `s` sequence, `b` batch, `h` hidden, `p` TP size.
 """
 
 from __future__ import annotations

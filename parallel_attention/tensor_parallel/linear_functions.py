@@ -133,13 +133,10 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         gathering = ctx.settle(_all_gather_first_dim(x, ctx.group, async_op=True))
-        pending = None
-        if ctx.needs_input_grad[0]:
-            grad_input = _input_grad(grad, weight, ctx.input_dtype)
-            total = gathering.wait()
-            pending = ctx.settle(_reduce_scatter_first_dim(grad_input, ctx.group, async_op=True))
-        else:
-            total = gathering.wait()
+        grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None  # meanwhile
+        total = gathering.wait()
+        pending = (ctx.settle(_reduce_scatter_first_dim(grad_input, ctx.group, async_op=True))
+                   if grad_input is not None else None)
         grad_weight, grad_bias = _weight_grads(ctx, grad, total, weight, ctx.with_bias)
         return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None
 

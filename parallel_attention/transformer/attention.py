@@ -231,4 +231,5 @@ class ParallelSelfAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}, "
-                f"num_heads_per_rank={self.num_heads_per_rank}, num_kv_heads_per_rank={self.num_kv_heads_per_rank}, kv_replicated={self.kv_replicated}")
+                f"num_heads_per_rank={self.num_heads_per_rank}, num_kv_heads_per_rank={self.num_kv_heads_per_rank}, "
+                f"kv_replicated={self.kv_replicated}")
