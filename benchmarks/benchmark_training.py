@@ -44,11 +44,13 @@ from _bench_measure import time_variants
 from _bench_training_timing import (collectives_off, data_parallel_off, paired_difference_ms, parameters_restored,
                                     summary_ms)
 from parallel_attention import load_config
+from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.tensor_parallel.collectives import all_gather_objects
 from parallel_attention.training import trainer
 from parallel_attention.training.activation_memory import saved_activation_bytes
 from parallel_attention.training.flops import flops_per_token, peak_tflops, step_rates
+from parallel_attention.training.run_dir import release_run_dir
 from parallel_attention.training.sharded_optimizer import optimizer_state_bytes
 
 
@@ -119,9 +121,20 @@ def report(run, times: dict, baseline_info: dict, memory: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+    try:
+        _benchmark(args, cfg)
+    finally:  # on every way out, once _benchmark's return has dropped the run (its DDP wrapper, its ZeRO optimizer)
+        release_run_dir(cfg)  # its lock and lease: the next benchmark on this run directory finds it free
+        ps.shutdown_distributed()  # the groups, then the process group: none of gloo's threads outlives the exit
+    return 0
+
+
+def _benchmark(args: argparse.Namespace, cfg) -> None:
+    """Build, time every variant, measure memory; rank 0 writes the JSON and prints the summary line."""
     run = trainer.build(cfg)
     baseline, baseline_info = (None, {"status": "skipped", "reason": "--no-baselines"}) if args.no_baselines \
         else transformers_baseline(run, Path(cfg.logging.run_dir))  # before our first step: the same weights
@@ -138,8 +151,6 @@ def main(argv: list[str]) -> int:
               f"{result['tokens_per_s']:.0f} tok/s, MFU {result['mfu']:.1%}; exposed TP "
               f"{result['exposed_tp_comm_ms']:.1f} ms, DP {result['exposed_dp_comm_ms']:.1f} ms; transformers: "
               + (f"{hf['step_ms']['median']:.1f} ms" if "step_ms" in hf else hf["reason"]), file=sys.stderr)
-    ps.shutdown_distributed()  # the groups, then the process group: none of gloo's threads outlives the exit
-    return 0
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_step_dir, write_canonical_checkpoint
 from parallel_attention.hf import FAMILY, canonical_to_hf, hf_to_canonical, read_hf_config
+from parallel_attention.hf.config import read_json_object
 from parallel_attention.hf.convert import MISSING_TOKENIZER_NOTE, missing_tokenizer_message
 from parallel_attention.training import (DataConfig, LoggingConfig, ModelConfig, ParallelConfig, PretrainConfig,
                                          save_config)
@@ -92,7 +93,7 @@ def run_export(checkpoint: Path, out_dir: Path, architecture: str | None) -> Pat
     run_dir = step_dir.parent.parent  # RUN/checkpoints/step_XXXXXXX -> RUN
     in_run = step_dir.parent.name == "checkpoints"
     recorded = run_dir / SOURCE_CONFIG
-    source = json.loads(recorded.read_text(encoding="utf-8")) if in_run and recorded.is_file() else None
+    source = read_json_object(recorded) if in_run and recorded.is_file() else None
     out = canonical_to_hf(model, canonical, out_dir, architecture, source)
     tokenizer_dir = run_dir / "tokenizer"
     for path in sorted(tokenizer_dir.iterdir()) if in_run and tokenizer_dir.is_dir() else []:
@@ -119,7 +120,7 @@ def main(argv: list[str]) -> int:
             written = run_import(args.hf, args.out, args.tp)
         else:
             written = run_export(args.checkpoint, args.out, args.architecture)
-    except ValueError as error:  # CheckpointError is a ValueError too
+    except (ValueError, OSError) as error:  # CheckpointError, TensorFileError: ValueErrors naming their file
         print(f"cannot {args.command}: {error}", file=sys.stderr)
         return 2
     print(f"wrote {written}")

@@ -30,6 +30,7 @@ from parallel_attention.hf import missing_tokenizer_message, tokenizer_is_missin
 from parallel_attention.training import PretrainConfig, TokenizerUnavailableError, config_from_dict, get_tokenizer
 from parallel_attention.launch.agreement import disagreements
 from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
+from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.report_once import report_from_rank_0
 from parallel_attention.transformer import GPTModel, generate_batch
 
@@ -147,6 +148,7 @@ def decode(tokenizer, ids: list[int]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
     rank, tp = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args, step_dir, cfg, canonical, tokenizer, prompts = prepare(argv, tp)

@@ -17,6 +17,7 @@ import sys
 
 from parallel_attention import load_config
 from parallel_attention.tensor_parallel import parallel_state as ps
+from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.report_once import report_from_rank_0
 from parallel_attention.training import ConfigError, train
 from parallel_attention.training.guards import GuardError
@@ -36,6 +37,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str]) -> int:
+    stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
     args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 
 import pytest
 import torch
@@ -90,7 +91,50 @@ def _one_step_record(data, run_dir) -> tuple[dict, dict]:
 def test_a_training_step_logs_tflops_and_mfu(data_dir, tmp_path):  # noqa: F811
     record, row = run_distributed(_one_step_record, 1, 1, data_dir, tmp_path)[0]
     cfg = ModelConfig(hidden_size=32, num_layers=2, max_seq_len=32, vocab_size=256, num_heads=4)  # tiny_args' model
-    assert row == record and {"tflops", "mfu", "tokens_per_s"} <= row.keys()
+    assert row == record and {"tflops", "mfu", "tokens_per_s", "peak_tflops"} <= row.keys()
     # one rank: achieved model TFLOP/s = tokens/s x FLOPs per token; MFU against the configured 0.5 TFLOP/s
     assert row["tflops"] == pytest.approx(row["tokens_per_s"] * flops_per_token(cfg, 32) / 1e12, rel=1e-9)
-    assert row["mfu"] == pytest.approx(row["tflops"] / 0.5, rel=1e-9)
+    assert row["peak_tflops"] == max(0.5, row["tflops"]) and row["mfu"] <= 1  # a faster step raises the peak
+    assert row["mfu"] == pytest.approx(row["tflops"] / row["peak_tflops"], rel=1e-9)
+
+
+def _fake_peak(monkeypatch, measured: float) -> torch.device:
+    """A device whose start-up probe read `measured` TFLOP/s, with no step rate seen yet."""
+    device = torch.device("cpu")
+    monkeypatch.setattr(flops, "_AGREED", {device: measured})
+    monkeypatch.setattr(flops, "_RAISED", {})
+    return device
+
+
+def test_a_step_faster_than_the_measured_peak_raises_it_and_warns_once(monkeypatch):
+    """The probe under-measured (a busy host): mfu stays <= 1 and every row's mfu = tflops / peak_tflops."""
+    device = _fake_peak(monkeypatch, 2.0)
+    assert flops.reported_peak(1.0, None, device) == 2.0
+    with pytest.warns(RuntimeWarning, match=r"3 model TFLOP/s per device, above the peak of 2 TFLOP/s: a GEMM rate "
+                                            r"measured at start on cpu is below it .* set logging\.peak_tflops"):
+        assert flops.reported_peak(3.0, None, device) == 3.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: a second, faster step raises the peak again in silence
+        assert flops.reported_peak(4.0, None, device) == 4.0
+        assert flops.reported_peak(1.0, None, device) == 4.0 == peak_tflops(None, device)
+
+
+def test_a_configured_peak_below_a_step_is_named_and_mfu_is_capped(monkeypatch):
+    device = _fake_peak(monkeypatch, 2.0)
+    with pytest.warns(RuntimeWarning, match=r"logging\.peak_tflops=0\.5 is too low for cpu"):
+        assert flops.reported_peak(0.8, 0.5, device) == 0.8
+    assert peak_tflops(0.5, device) == 0.8 and peak_tflops(0.7, device) == 0.7  # another configured figure: its own
+    assert peak_tflops(None, device) == 2.0
+
+
+def test_step_rates_never_report_mfu_above_1(monkeypatch):
+    """With a probe that read 1000x too low, the row's mfu is 1 at most and agrees with its peak_tflops."""
+    from parallel_attention.training.config import PretrainConfig
+
+    cfg = PretrainConfig()
+    device = _fake_peak(monkeypatch, 1e-9)
+    with pytest.warns(RuntimeWarning, match="below it"):
+        rates = flops.step_rates(cfg, device, tokens_per_step=4096, seconds=0.5)
+    assert rates["mfu"] == 1.0 and rates["peak_tflops"] == rates["tflops"] > 1e-9
+    slower = flops.step_rates(cfg, device, tokens_per_step=4096, seconds=1.0)
+    assert slower["mfu"] == pytest.approx(0.5) and slower["peak_tflops"] == rates["tflops"]

@@ -240,6 +240,38 @@ def test_export_refuses_what_neither_family_expresses(hf_models, tmp_path):
         canonical_to_hf(cfg, canonical, tmp_path / "c")
 
 
+def _truncated_copy(hf_dir: Path, out: Path, name: str) -> Path:
+    """A copy of `hf_dir` in `out` whose file `name` lost its second half."""
+    out.mkdir(parents=True)
+    for path in hf_dir.iterdir():
+        (out / path.name).write_bytes(path.read_bytes())
+    whole = (out / name).read_bytes()
+    (out / name).write_bytes(whole[: len(whole) // 2])
+    return out
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_truncated_file_is_named_with_its_size(hf_models, tmp_path, name):
+    damaged = _truncated_copy(hf_models["llama"][0], tmp_path / "damaged", name)
+    size = (damaged / name).stat().st_size
+    with pytest.raises(ValueError, match=rf"{damaged / name} \({size} bytes\) is not .*copy or download it again"):
+        hf_to_canonical(damaged)
+
+
+def test_a_truncated_or_missing_shard_or_index_is_named(hf_models, tmp_path):
+    cfg, canonical = hf_to_canonical(hf_models["llama"][0])
+    sharded = canonical_to_hf(cfg, canonical, tmp_path / "sharded", max_shard_bytes=40_000)
+    index = "model.safetensors.index.json"
+    shard = sorted(set(json.loads((sharded / index).read_text())["weight_map"].values()))[1]
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'a' / index} \(\d+ bytes\) is not valid UTF-8 JSON"):
+        hf_to_canonical(_truncated_copy(sharded, tmp_path / "a", index))
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'b' / shard} \(\d+ bytes\) is not a readable safetensors"):
+        hf_to_canonical(_truncated_copy(sharded, tmp_path / "b", shard))
+    (tmp_path / "b" / shard).unlink()
+    with pytest.raises(ValueError, match=f"{index} places tensors in {shard}, which is missing"):
+        hf_to_canonical(tmp_path / "b")
+
+
 # ------------------------------------------------------------------------------ script
 def _convert_script():
     path = Path(__file__).resolve().parents[1] / "scripts" / "convert_hf.py"
@@ -287,6 +319,24 @@ def test_script_reports_an_impossible_layout(hf_models, tmp_path, capsys):
                         "--tp", "3"]) == 2
     assert "num_heads=8 is not divisible by tensor_parallel_size=3" in capsys.readouterr().err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_script_import_of_a_truncated_model_says_one_line(hf_models, tmp_path):
+    damaged = _truncated_copy(hf_models["gpt2"][0], tmp_path / "damaged", "model.safetensors")
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "import", "--hf", str(damaged),
+                             "--out", str(tmp_path / "run"), "--tp", "1"],
+                            env=environment(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cannot import: {damaged / 'model.safetensors'} ("), lines
+
+
+def test_script_export_names_a_damaged_recorded_config(hf_models, tmp_path, capsys):
+    script, run = _convert_script(), tmp_path / "run"
+    assert script.main(["import", "--hf", str(hf_models["gpt2"][0]), "--out", str(run), "--tp", "1"]) == 0
+    (run / "hf_config.json").write_text('{"architectures": ["GPT2')
+    assert script.main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 2
+    assert f"cannot export: {run / 'hf_config.json'} (" in capsys.readouterr().err
 
 
 def test_import_leaves_no_unknown_field_warning(hf_models):

@@ -107,6 +107,12 @@ def test_run_summary_fits_one_screen_and_names_the_run():
     assert "/shared/runs/tiny/checkpoints every 100 steps" in text and "float32 on cpu" in text
 
 
+def test_run_summary_names_the_peak_and_where_it_comes_from():
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", ["--logging.peak_tflops=0.5"])
+    text = run_summary(cfg, GPTModel(cfg.model, sequence_parallel=False), world_size=2)
+    assert "  peak         0.5 TFLOP/s per device (logging.peak_tflops): MFU's denominator" in text.splitlines()
+
+
 def test_pretraining_writes_tensorboard_scalars_equal_to_metrics_jsonl(data_dir, tmp_path):  # noqa: F811
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     run = tmp_path / "run"

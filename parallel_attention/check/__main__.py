@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..launch.agreement import disagreements
+from ..launch.launcher_watch import stop_with_launcher
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
 from ..tensor_parallel.parallel_state import group_rank, shutdown_distributed
 from ..transformer import active_paths
@@ -88,6 +89,7 @@ def _setup_failure(error: Exception) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
     args = parse_args(argv)
     start = time.perf_counter()
     tp = args.tp if args.tp is not None else int(os.environ.get("WORLD_SIZE", "1"))

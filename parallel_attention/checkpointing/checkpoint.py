@@ -38,8 +38,8 @@ from ..tensor_parallel.parallel_state import (ProcessGroup, get_data_parallel_gr
                                               group_size, is_distributed, resolve_tp_group)
 from .compatibility import check_config, check_layout
 from .format import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointCorruptError, CheckpointError, check_shard_shapes,
-                     commit, latest_checkpoint, list_checkpoints, model_file, optim_file, prune, read_manifest,
-                     read_shard, rng_file, step_dir_name, verify_file, write_manifest)
+                     commit, latest_checkpoint, list_checkpoints, list_incomplete, model_file, optim_file, prune,
+                     read_manifest, read_shard, rng_file, step_dir_name, verify_file, write_manifest)
 from .state_encoding import full_optimizer_state, optim_state_dict, optim_tensors, rng_tensors, set_rng
 from .tensor_io import cpu_tensors, read_safetensors, write_safetensors
 
@@ -245,6 +245,11 @@ def load_newest_valid(ckpt_root: str | os.PathLike, attempt: Callable[[Path], di
     Any other error is raised at once: an older checkpoint would not fix it.
     """
     candidates = broadcast_object([str(p) for p in list_checkpoints(ckpt_root)])
+    if get_global_rank() == 0:
+        for path in list_incomplete(ckpt_root):
+            warnings.warn(f"skipping incomplete checkpoint {path}: it holds no {MANIFEST} (a save that never "
+                          "finished, or another writer's); it is never loaded. Delete it once you have checked it.",
+                          RuntimeWarning, stacklevel=3)
     failures = []
     for path in reversed(candidates):
         try:

@@ -23,7 +23,7 @@ so a crash leaves at most a `.tmp-` directory, which is never listed or loaded.
 
 Assumption: every rank sees the same filesystem (one node, or several nodes on shared storage with
 close-to-open consistency, e.g. NFS or Lustre), rename is atomic on it, and a checkpoint root belongs
-to one run at a time (stale `.tmp-` directories in it are deleted after each successful save).
+to one run at a time (the run directory's lock; a dead run's `.tmp-` directories are deleted at the next start).
 """
 
 from __future__ import annotations
@@ -83,6 +83,20 @@ def list_checkpoints(ckpt_root: str | os.PathLike) -> list[Path]:
         if match and (entry / MANIFEST).is_file():
             found.append((int(match.group(1)), entry))
     return [path for _, path in sorted(found)]
+
+
+def list_incomplete(ckpt_root: str | os.PathLike) -> list[Path]:
+    """`step_N` directories without a manifest (emptied or never finished by another writer): never loaded."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    return sorted(e for e in root.iterdir() if _COMPLETE.fullmatch(e.name) and not (e / MANIFEST).is_file())
+
+
+def list_temporaries(ckpt_root: str | os.PathLike) -> list[Path]:
+    """`step_N.tmp-*` directories: a save in progress, or one a killed run left behind."""
+    root = Path(ckpt_root)
+    return sorted(e for e in root.iterdir() if _TEMPORARY.fullmatch(e.name)) if root.is_dir() else []
 
 
 def latest_checkpoint(ckpt_root: str | os.PathLike) -> Path | None:
@@ -228,10 +242,12 @@ def is_finite(directory: Path) -> bool:
 
 
 def prune(root: Path, keep_last: int | None, just_written: Path, nonce: str) -> None:
-    """Delete complete checkpoints beyond the newest `keep_last` and stale temporaries.
+    """Delete complete checkpoints beyond the newest `keep_last`, and this save's own temporaries.
 
     Never deleted: `just_written`, and the newest finite checkpoint (`is_finite`), even beyond
-    `keep_last`, so that checkpoints saved after a run went non-finite never replace the last good one.
+    `keep_last`, so that checkpoints saved after a run went non-finite never replace the last good one;
+    nor a temporary of another save (`nonce`): it may be another writer's directory about to be renamed into
+    place. A dead run's temporaries are removed by the next run that holds the run directory's lock.
     """
     if keep_last is not None:
         older = [p for p in list_checkpoints(root) if p != just_written]
@@ -242,7 +258,7 @@ def prune(root: Path, keep_last: int | None, just_written: Path, nonce: str) -> 
             doomed = [p for p in doomed if p != newest_finite]
         for path in doomed:
             retire_directory(path, nonce)
-    for entry in root.iterdir():
-        if entry.is_dir() and _TEMPORARY.fullmatch(entry.name):
+    for entry in list_temporaries(root):
+        if entry.is_dir() and entry.name.endswith(nonce):
             shutil.rmtree(entry, ignore_errors=True)
     fsync_dir(root)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 _CHUNK = 1 << 22  # 4 MiB per read while hashing: large shards are never held in memory twice
@@ -76,10 +76,31 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     return seal_file(path)
 
 
+class TensorFileError(ValueError):
+    """A safetensors file that cannot be read (truncated, empty, not safetensors, unreadable): the message
+    names it and its size. A ValueError, so the scripts report it as one line like any bad input."""
+
+
+def _size_of(path: Path) -> str:
+    try:
+        return f"{path.stat().st_size} bytes"
+    except OSError:
+        return "no such file"
+
+
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """Every tensor of a safetensors file and its string metadata ({} when it has none)."""
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    """Every tensor of a safetensors file and its string metadata ({} when it has none).
+
+    safetensors' own errors ("header too small", "incomplete metadata") name no file, and a model or
+    checkpoint is many files: TensorFileError names this one, its size, and what to do."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except (SafetensorError, OSError) as error:
+        raise TensorFileError(
+            f"{path} ({_size_of(Path(path))}) is not a readable safetensors file ({error}): it is truncated "
+            "(an interrupted copy, download or save), empty, or not safetensors; copy or download it again "
+            "(a checkpoint: load an older one)") from error
 
 
 def cpu_tensors(tensors: dict) -> dict[str, torch.Tensor]:

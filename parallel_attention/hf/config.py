@@ -53,11 +53,26 @@ _NOT_MATH = {"architectures", "model_type", "transformers_version", "_name_or_pa
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept from the source config on export
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; a ValueError names the file, its size and the fault (json's own says neither
+    which file nor that a truncated copy is the usual cause)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        size = f"{path.stat().st_size} bytes" if path.is_file() else "unreadable"
+        raise ValueError(f"{path} ({size}) is not valid UTF-8 JSON ({error}): it is truncated or damaged; "
+                         "copy or download it again.") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object: is it the file save_pretrained "
+                         "writes under that name?")
+    return data
+
+
 def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{hf_dir} holds no config.json: pass a directory written by save_pretrained.")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_json_object(path)
 
 
 def architecture_of(hf: dict[str, Any]) -> str:

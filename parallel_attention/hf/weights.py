@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 
 from ..checkpointing.tensor_io import cpu_tensors, read_safetensors
 from ..transformer.model_config import ModelConfig
+from .config import read_json_object
 
 Tensors = dict[str, torch.Tensor]
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
@@ -183,10 +184,15 @@ def load_hf_tensors(hf_dir: str | Path) -> tuple[Tensors, str]:
     if not (hf_dir / INDEX).is_file():
         raise ValueError(f"{hf_dir} holds neither {SINGLE} nor {INDEX} (pickled pytorch_model.bin is not read: "
                          "re-save it with save_pretrained(..., safe_serialization=True)).")
-    weight_map = json.loads((hf_dir / INDEX).read_text(encoding="utf-8"))["weight_map"]
+    weight_map = read_json_object(hf_dir / INDEX).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{hf_dir / INDEX} has no weight_map of tensor name -> file name: copy it again.")
     tensors: Tensors = {}
     for file in sorted(set(weight_map.values())):
-        present = read_safetensors(hf_dir / file)[0]
+        if not (hf_dir / file).is_file():
+            raise ValueError(f"{hf_dir / INDEX} places tensors in {file}, which is missing from {hf_dir}: copy it "
+                             "there.")
+        present = read_safetensors(hf_dir / file)[0]  # TensorFileError names a truncated or damaged shard
         for name in (n for n, where in weight_map.items() if where == file):
             if name not in present:
                 raise ValueError(f"tensor {name} is missing from {hf_dir / file} ({INDEX} places it there).")

@@ -30,13 +30,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .launcher_watch import under_torchrun
+
 _KEY = "parallel_attention/reported"
 _CONNECT_TIMEOUT_S = 10.0
 _OUTLIVE_RANK_0_S = 10.0  # rank 0 only has to tear its interpreter down; the agent then stops the others at once
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _launcher_store() -> dist.Store | None:
@@ -70,7 +68,7 @@ def report_from_rank_0(message: str, exit_status: int = 2, timeout_s: float = 30
             store.set(key, node)  # said, and on which node
             _wait(store, [f"{key}/{r}" for r in range(1, world_size)], timeout_s)  # exit last-but-first: below
         return
-    if not _under_torchrun():
+    if not under_torchrun():
         return
     store = _launcher_store()
     if store is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -280,8 +281,15 @@ def shutdown_distributed() -> None:
     Scripts call it on every way out, errors included (a `finally`): a gloo group left to the interpreter's exit
     can abort the process ("terminate called without an active exception", SIGABRT) instead of letting it exit
     with the status it chose. Local on every rank: no collective, so a rank may call it alone.
+
+    The garbage is collected first. torch's DistributedDataParallel sits in a reference cycle, so a DDP wrapper that
+    its caller has dropped (its C++ reducer holds the data-parallel group and that group's gloo backend) lives on
+    until the cyclic collector runs, which may be only during the interpreter's teardown, after the process group
+    was destroyed. Collected here, that hold goes while the group is still intact. The caller drops its own
+    references first (the scripts return from the function that built the run).
     """
     destroy_model_parallel()
+    gc.collect()
     if is_distributed():
         dist.destroy_process_group()
 

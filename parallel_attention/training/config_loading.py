@@ -49,6 +49,10 @@ def read_yaml(text: str, source: str) -> Any:
         mark = getattr(error, "problem_mark", None)
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(error, "problem", None) or str(error)
+        if isinstance(error, yaml.reader.ReaderError):  # a control character: no mark, and a two-line str()
+            line_start = text.rfind("\n", 0, error.position) + 1
+            where = f", line {text.count(chr(10), 0, error.position) + 1}, column {error.position - line_start + 1}"
+            problem = f"unacceptable character #x{error.character:04x} ({error.reason})"
         context = getattr(error, "context", None)
         raise ValueError(f"{source}{where}: {problem}{f' ({context})' if context else ''}: "
                          f"fix the YAML there.") from None
@@ -56,7 +60,12 @@ def read_yaml(text: str, source: str) -> Any:
 
 def read_yaml_file(path: str | Path) -> dict[str, Any]:
     """The top-level mapping of a YAML config file (empty for an empty file)."""
-    data = read_yaml(Path(path).read_text(encoding="utf-8"), str(path)) or {}
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: byte {error.start} ({error.object[error.start:error.start + 1]!r}) is not UTF-8: "
+                         "a config is UTF-8 text; save it as such (is it the file you meant?).") from None
+    data = read_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: the top level must be a mapping of sections (model:, data:, ...), "
                          f"got {type(data).__name__}.")

@@ -6,7 +6,9 @@ On disk (`data_dir`):
                            little-endian uint16 (uint32 when vocab_size >= 65536)
     train.idx / val.idx    the start offset of each document in its .bin, little-endian uint64
     tokenizer.json         with data.tokenizer=bpe: the byte-level BPE trained on this corpus
-    meta.json              written last, so a directory without it is an unfinished preparation and is redone
+    meta.json              written last, so a directory without it is an unfinished preparation and is redone;
+                           it records each .bin's sha256, checked when the files are opened (token_files.py)
+    .sha256-cache.json     those hashes, kept while the files are unchanged (token_files.sha256_of)
 
 Documents come from `corpus.Corpus`; they are encoded in chunks, by `num_workers` spawned processes in
 corpus order (byte tokens in this process: there is nothing to gain), so any worker count gives the same
@@ -30,11 +32,12 @@ import torch
 
 from ..checkpointing.tensor_io import file_digest, replace_directory, write_atomic
 from .corpus import Corpus, train_bpe_on_corpus
+from .token_files import (META, DataFileError, check_ids_in_vocab, meta_and_reason, prepare_again,
+                          settings_changed, verify_sha256)
 from .tokenizer import TOKENIZER_FILES, get_tokenizer, tokenizer_file
 
 __all__ = ["TokenDataset", "ensure_prepared", "prepare_data", "read_meta"]
 
-META = "meta.json"
 _CHUNK_BYTES = 1 << 20  # text per task of the tokenizing processes
 
 
@@ -214,39 +217,31 @@ def _prepare_into(out: Path, final: Path, source: str, tokenizer: str, val_fract
 
 
 def read_meta(data_dir) -> dict | None:
-    """meta.json of a complete preparation whose token (and offset) files have the recorded sizes, else None.
-
-    Directories prepared before offsets were kept have no .idx files and still read."""
-    path = Path(data_dir) / META
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for split in ("train", "val"):
-            if (Path(data_dir) / f"{split}.bin").stat().st_size != meta[f"num_{split}_tokens"] * itemsize:
-                return None
-            if f"num_{split}_documents" in meta and \
-                    (Path(data_dir) / f"{split}.idx").stat().st_size != meta[f"num_{split}_documents"] * 8:
-                return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return meta
+    """meta.json of a complete preparation whose token (and offset) files have the recorded sizes, else None."""
+    return meta_and_reason(data_dir)[0]
 
 
 def ensure_prepared(data_cfg, tokenizer_dir=None) -> dict:
-    """Return the meta of `data_cfg.data_dir` if it was prepared with these settings, else prepare it; then
-    copy the tokenizer's files (tokenizer.json and its configs, for Hugging Face tokenizers) to `tokenizer_dir`.
+    """Return the meta of `data_cfg.data_dir` if it was prepared with these settings and its token files have the
+    recorded sha256 (DataFileError if not), else prepare it, saying why on stderr; then copy the tokenizer's files
+    (tokenizer.json and its configs, for Hugging Face tokenizers) to `tokenizer_dir`.
 
     Call on one rank only (then barrier): it touches files, never collectives.
     """
-    meta = read_meta(data_cfg.data_dir)
+    meta, why = meta_and_reason(data_cfg.data_dir)
     bpe = data_cfg.tokenizer == "bpe"
     wanted = {**_tokenizer_key(data_cfg.tokenizer, data_cfg.data_dir), "source": _source_key(data_cfg.source),
               "max_bytes": data_cfg.max_bytes, "val_fraction": data_cfg.val_fraction,
               "text_field": data_cfg.text_field, "bpe_vocab_size": data_cfg.bpe_vocab_size if bpe else None}
-    if meta is None or any(meta.get(k) != v for k, v in wanted.items()):
+    why = why or settings_changed(meta, wanted)
+    if why:
+        print(f"preparing data in {data_cfg.data_dir}: {why}", file=sys.stderr, flush=True)
         meta = prepare_data(data_cfg.source, data_cfg.tokenizer, data_cfg.data_dir, val_fraction=data_cfg.val_fraction,
                             max_bytes=data_cfg.max_bytes, text_field=data_cfg.text_field,
                             bpe_vocab_size=data_cfg.bpe_vocab_size, num_workers=data_cfg.num_workers)
+    else:  # on rank 0 first: it fills the hash cache that the other ranks then read
+        for split in ("train", "val"):
+            verify_sha256(data_cfg.data_dir, meta, split)
     if tokenizer_dir is not None and meta.get("tokenizer_sha256") is not None:
         _copy_tokenizer(Path(data_cfg.data_dir) / "tokenizer.json" if bpe else Path(meta["tokenizer"]),
                         Path(tokenizer_dir))
@@ -267,17 +262,18 @@ class TokenDataset:
 
     `doc_offsets` (uint64 memmap) holds each document's start; None for data prepared before they were kept."""
 
-    def __init__(self, data_dir, split: str) -> None:
+    def __init__(self, data_dir, split: str, verify: bool = True) -> None:
         if split not in ("train", "val"):
             raise ValueError(f"split={split!r} must be 'train' or 'val'.")
-        meta = read_meta(data_dir)
+        meta, why = meta_and_reason(data_dir)
         if meta is None:
-            raise FileNotFoundError(f"{data_dir} holds no complete prepared data: run scripts/prepare_data.py "
-                                    f"or ensure_prepared(cfg.data) first.")
-        self.meta = meta
+            raise DataFileError(f"{data_dir} holds no complete prepared data ({why}): {prepare_again(data_dir)}.")
+        if verify:  # before any step: a changed file is refused, not trained on
+            verify_sha256(data_dir, meta, split)
+        self.meta, self.path = meta, Path(data_dir) / f"{split}.bin"
         self.vocab_size = int(meta["vocab_size"])
         self.num_tokens = int(meta[f"num_{split}_tokens"])
-        self.tokens = np.memmap(Path(data_dir) / f"{split}.bin", dtype=np.dtype(meta["dtype"]).newbyteorder("<"),
+        self.tokens = np.memmap(self.path, dtype=np.dtype(meta["dtype"]).newbyteorder("<"),
                                 mode="r", shape=(self.num_tokens,))
         self.num_documents = meta.get(f"num_{split}_documents")
         self.doc_offsets = None if not self.num_documents else \
@@ -292,5 +288,9 @@ class TokenDataset:
 
     def windows(self, offsets, length: int) -> torch.Tensor:
         """LongTensor [len(offsets), length]: the tokens starting at each offset."""
-        rows = [np.asarray(self.tokens[o:o + length], dtype=np.int64) for o in np.asarray(offsets).tolist()]
-        return torch.from_numpy(np.stack(rows)) if rows else torch.empty(0, length, dtype=torch.long)
+        offsets = np.asarray(offsets).tolist()
+        rows = [np.asarray(self.tokens[o:o + length], dtype=np.int64) for o in offsets]
+        if not rows:
+            return torch.empty(0, length, dtype=torch.long)
+        check_ids_in_vocab(np.stack(rows), self.vocab_size, self.path, offsets)
+        return torch.from_numpy(np.stack(rows))

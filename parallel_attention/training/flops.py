@@ -14,12 +14,21 @@ counted, and neither are norms, biases, activations, softmax or the embedding lo
 - 12 L (nh d) s: attention scores QK^T and the weighted sum AV, 2 s nh d FLOPs each forward per token,
   times 3 for forward + backward. Causal masking would halve the work a fused kernel does; like Megatron
   and PaLM we do not halve, so MFU figures compare with theirs.
+
+MFU is never above 1, because a step cannot beat the device's true peak: a step that runs faster than the
+peak in use proves that peak wrong. Without `logging.peak_tflops`, on a CPU or an unknown GPU, the peak is
+a GEMM rate probed at start (the best of many short trials, the highest over the ranks), which a busy host
+can under-measure several times over; with it, the user's figure may simply be too low. Either way the peak
+is then raised to the fastest step rate seen (a measured lower bound of the real peak), rank 0 warns once,
+and each metrics row carries the `peak_tflops` its `mfu` was computed against, so mfu = tflops / peak_tflops
+holds in every row. The raise is per process, with no collective per step: only global rank 0 logs metrics.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+import warnings
 
 import torch
 
@@ -81,6 +90,7 @@ def measured_gemm_tflops(device: torch.device, seconds: float = 0.5) -> float:
 
 
 _AGREED: dict[torch.device, float] = {}  # device -> the peak every rank of this job uses (agree_peak_tflops)
+_RAISED: dict[tuple, float] = {}  # (device, configured) -> the fastest step rate of this process, above the peak
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,15 +118,48 @@ def agree_peak_tflops(configured: float | None, device: torch.device) -> float:
 
 def peak_tflops(configured: float | None, device: torch.device) -> float:
     """`logging.peak_tflops` if set; else the job's agreed peak (agree_peak_tflops), or the table's bf16 peak of
-    a known GPU, or a GEMM rate measured once per process (float32 on CPU, bf16 on an unknown GPU)."""
+    a known GPU, or a GEMM rate measured once per process (float32 on CPU, bf16 on an unknown GPU); raised to
+    the fastest step rate of this process where a step beat it (`reported_peak`)."""
+    base = configured if configured is not None else _AGREED.get(device) or _auto_peak(device.type, device.index)
+    return max(base, _RAISED.get((device, configured), 0.0))
+
+
+def peak_source(configured: float | None, device: torch.device) -> str:
+    """Where the peak comes from, as the run summary and the warning name it."""
     if configured is not None:
-        return configured
-    return _AGREED.get(device) or _auto_peak(device.type, device.index)
+        return "logging.peak_tflops"
+    known = gpu_table_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    return "the data sheet's dense bf16 peak" if known is not None else "a GEMM rate measured at start"
+
+
+def reported_peak(achieved: float, configured: float | None, device: torch.device) -> float:
+    """The peak a step's `achieved` TFLOP/s is reported against: `peak_tflops`, raised to `achieved` when the
+    step beat it (warned once, on global rank 0), so that MFU never exceeds 1."""
+    peak = peak_tflops(configured, device)
+    if achieved <= peak:
+        return peak
+    key = (device, configured)
+    if key not in _RAISED and ps.get_global_rank() == 0:
+        warnings.warn(_too_fast(achieved, peak, configured, device), RuntimeWarning, stacklevel=3)
+    _RAISED[key] = achieved
+    return achieved
+
+
+def _too_fast(achieved: float, peak: float, configured: float | None, device: torch.device) -> str:
+    seen = f"a step ran at {achieved:.4g} model TFLOP/s per device, above the peak of {peak:.4g} TFLOP/s"
+    if configured is not None:
+        why = (f"logging.peak_tflops={configured:g} is too low for {device}: set it to the device's real peak for "
+               "the training dtype")
+    else:
+        why = (f"{peak_source(None, device)} on {device} is below it (a probe under-measures on a busy host): set "
+               "logging.peak_tflops to the device's real peak to compare MFU across runs")
+    return f"{seen}: {why}. MFU is reported against the fastest step rate seen from now on, so it stays <= 1."
 
 
 def step_rates(cfg: PretrainConfig, device: torch.device, tokens_per_step: int, seconds: float) -> dict:
-    """tokens/s of the whole job, achieved model TFLOP/s per device and MFU, for a step's metrics record."""
+    """tokens/s of the whole job, achieved model TFLOP/s per device, MFU, and the peak MFU was computed against
+    (`reported_peak`), for a step's metrics record."""
     world = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
     tflops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step / seconds / world / 1e12
-    return {"tokens_per_s": tokens_per_step / seconds, "tflops": tflops,
-            "mfu": tflops / peak_tflops(cfg.logging.peak_tflops, device)}
+    peak = reported_peak(tflops, cfg.logging.peak_tflops, device)
+    return {"tokens_per_s": tokens_per_step / seconds, "tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak}

@@ -8,8 +8,9 @@ of two displays, chosen once at construction:
 - `PlainLines`: one line per logged step, `[###---] step N/M loss X T tok/s ETA Ss [val V]`, otherwise
   (a log file, CI, tests and scripts parse these lines, so their format stays fixed).
 
-A record's `tflops` is the achieved model TFLOP/s per device and `mfu` the model FLOPs utilisation as a
-fraction of the device's peak (0.42 = 42%); `flops.py` says what is counted.
+A record's `tflops` is the achieved model TFLOP/s per device, `peak_tflops` the device peak it is measured
+against and `mfu` = tflops / peak_tflops, the model FLOPs utilisation (0.42 = 42%), never above 1; `flops.py`
+says what is counted and why a step faster than the peak raises it.
 
 metrics.jsonl holds at most one row per step, each valid JSON: a non-finite value (a diverged loss)
 is written as `null`. A run opened at step N (a fresh run at 0, a resumed one at its checkpoint's
@@ -139,7 +140,8 @@ def keep_history(path: Path, start_step: int) -> None:
     """Rewrite metrics.jsonl with one row per step up to the step a run continues from.
 
     A run that continues after step N keeps rows 0..N; a fresh run (N = 0) keeps none, as it logs step 0
-    again. The last row of a step wins, and a torn last line (a killed write) is dropped.
+    again. The last row of a step wins, and a torn last line (a killed write) is dropped. The rewrite replaces
+    the file: safe because only the run directory's lock holder (`run_lock`) ever writes it.
     """
     if not path.exists():
         return

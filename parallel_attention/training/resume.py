@@ -13,18 +13,26 @@ from ..checkpointing.format import CheckpointError, read_manifest
 from ..checkpointing.reshard import load_resharded
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.rng import manual_seed
-from .config import PretrainConfig
+from .config import ConfigError, PretrainConfig
 
 RUN_CONFIG_SECTIONS = ("model", "parallel")  # what a resume reads from a checkpoint's config
+
+
+class ResumeRefusedError(ConfigError, CheckpointError):
+    """No checkpoint this run can continue from (another model, none valid): a config error, exit 2, said once."""
 
 
 def resume_from_checkpoint(cfg: PretrainConfig, where: str, model: nn.Module, optimizer) -> dict | None:
     """Load the checkpoint to continue from (`auto`: the newest under the run's checkpoints/ that loads, trying
     older ones past corrupt ones, at the same layout or another; else that step directory). Every rank lands on
     the same checkpoint. Returns its manifest, or None when there is none."""
-    if where != "auto":
-        return _load(cfg, Path(where), model, optimizer)
-    return load_newest_valid(Path(cfg.logging.run_dir) / "checkpoints", lambda path: _load(cfg, path, model, optimizer))
+    try:
+        if where != "auto":
+            return _load(cfg, Path(where), model, optimizer)
+        return load_newest_valid(Path(cfg.logging.run_dir) / "checkpoints",
+                                 lambda path: _load(cfg, path, model, optimizer))
+    except CheckpointError as error:  # the same verdict on every rank (every load ends in a collective one)
+        raise ResumeRefusedError(f"cannot resume (checkpoint.resume={where!r}): {error}") from None
 
 
 def _load(cfg: PretrainConfig, path: Path, model: nn.Module, optimizer) -> dict:

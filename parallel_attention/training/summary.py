@@ -7,9 +7,12 @@
       batch        global 16 sequences = micro 8 x data parallel 2 x 1 accumulation step(s)
       tokens       2,048 per step (sequences of 128), 819,200 in 400 steps
       ...
+      peak         0.312 TFLOP/s per device (a GEMM rate measured at start): MFU's denominator
 
 Pure text from the config and the built model, no communication: the total counts the canonical
-(unsharded, unpadded) weights, "on each rank" what this rank holds (vocabulary padding included).
+(unsharded, unpadded) weights, "on each rank" what this rank holds (vocabulary padding included). The peak
+is the one the ranks agreed on at start (`flops.agree_peak_tflops`); a step that runs faster raises it,
+which metrics.jsonl's `peak_tflops` records.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .config import PretrainConfig
+from .flops import peak_source, peak_tflops
 
 
 def _millions(n: int) -> str:
@@ -63,9 +67,14 @@ def _precision(cfg: PretrainConfig, device: torch.device) -> str:
     return f"float32 on {device}"
 
 
+def _peak_line(cfg: PretrainConfig, device: torch.device) -> str:
+    peak = peak_tflops(cfg.logging.peak_tflops, device)
+    return f"{peak:.4g} TFLOP/s per device ({peak_source(cfg.logging.peak_tflops, device)}): MFU's denominator"
+
+
 def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
                 device: torch.device | str = "cpu") -> str:
-    """A few lines: model size, parallel layout, batch and tokens per step, data, outputs, precision.
+    """A few lines: model size, parallel layout, batch and tokens per step, data, outputs, precision, peak.
 
     `model` is this rank's GPTModel (anything with `parameters()` and `canonical_shapes()`)."""
     run_dir, o = Path(cfg.logging.run_dir), cfg.optimizer
@@ -82,5 +91,6 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
         "checkpoints": f"{run_dir / 'checkpoints'} every {cfg.checkpoint.interval} steps, keep "
                        f"{cfg.checkpoint.keep_last}, resume {cfg.checkpoint.resume}",
         "precision": _precision(cfg, torch.device(device)),
+        "peak": _peak_line(cfg, torch.device(device)),
     }
     return "\n".join(["run summary", *(f"  {name:<12} {text}" for name, text in rows.items())])

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "Gpt2Tokenizer", "HFTokenizer", "TokenizerUnavailableError", "get_tokenizer",
-           "tokenizer_file", "tokenizer_vocab_size", "train_bpe"]
+__all__ = ["ByteTokenizer", "Gpt2Tokenizer", "HFTokenizer", "TokenizerFileError", "TokenizerUnavailableError",
+           "get_tokenizer", "tokenizer_file", "tokenizer_vocab_size", "train_bpe"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what travels with a model
 BPE_EOS = "<|endoftext|>"  # the end-of-text token of the byte-level BPE that train_bpe writes
@@ -140,7 +140,7 @@ class HFTokenizer:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = tokenizer_file(path)
         self.name = str(self.path)
-        self._tokenizer = _tokenizers(f"tokenizer {path}").Tokenizer.from_file(str(self.path))
+        self._tokenizer = _read_tokenizer_json(self.path)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.eot_token = self._eos_id()
 
@@ -148,7 +148,7 @@ class HFTokenizer:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             config = self.path.parent / name
             if config.is_file():
-                eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+                eos = _read_json_config(config).get("eos_token")
                 eos = eos.get("content") if isinstance(eos, dict) else eos
                 if isinstance(eos, str) and self._tokenizer.token_to_id(eos) is not None:
                     return self._tokenizer.token_to_id(eos)
@@ -169,6 +169,37 @@ class HFTokenizer:
 
     def decode(self, tokens) -> str:
         return self._tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer.json (or a config beside it) that cannot be read; the message names the file and the fix."""
+
+
+_REMEDY = ("copy the tokenizer's files again (an interrupted copy or download leaves a truncated file), or give "
+           "'byte', 'gpt2', 'bpe' or another tokenizer.json")
+
+
+def _read_tokenizer_json(path: Path):
+    """The `tokenizers` Tokenizer in `path`. Its parser raises a bare Exception (e.g. "EOF while parsing an
+    object") with no file name, so every failure becomes a TokenizerFileError naming the file."""
+    lib = _tokenizers(f"tokenizer {path}")
+    try:
+        return lib.Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers' errors are plain Exceptions; OSError too: this names the file
+        raise TokenizerFileError(f"tokenizer {str(path)!r} cannot be read: it is not a valid tokenizers JSON file "
+                                 f"({error}): {_REMEDY}.") from None
+
+
+def _read_json_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise TokenizerFileError(f"tokenizer config {str(path)!r} cannot be read: it is not a valid JSON file "
+                                 f"({error}): {_REMEDY}.") from None
+    if not isinstance(config, dict):
+        raise TokenizerFileError(f"tokenizer config {str(path)!r} holds a {type(config).__name__}, not a JSON "
+                                 f"object: {_REMEDY}.")
+    return config
 
 
 def tokenizer_file(path: str | os.PathLike) -> Path:

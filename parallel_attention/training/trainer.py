@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import torch
 
 from ..checkpointing.checkpoint import save_checkpoint
 from ..tensor_parallel import parallel_state as ps
-from ..tensor_parallel.collectives import all_reduce_, any_rank, barrier, enable_collective_log
+from ..tensor_parallel.collectives import all_reduce_, any_rank, enable_collective_log
 from ..tensor_parallel.param_kinds import finalize_grads
 from ..tensor_parallel.rng import dropout_coordinates, manual_seed
 from ..transformer.cross_entropy import IGNORE_INDEX
@@ -37,13 +36,15 @@ from .flops import agree_peak_tflops, step_rates
 from .guards import check_config_agreement, check_replicas
 from .batches import GlobalBatchSampler, validation_batches
 from .data import TokenDataset, ensure_prepared
+from .data_agreement import agreed, open_splits
 from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, learning_rate, set_learning_rate
 from .resume import resume_from_checkpoint
-from .run_dir import prepare_run_dir
+from .run_dir import ensure_run_dir_held, lock_run_dir, prepare_run_dir, release_run_dir, write_run_config
+from .sigterm import SigtermFlag
 from .summary import run_summary
 
 
@@ -89,20 +90,6 @@ class Run:
         return self.cfg.training.global_batch_size * self.cfg.data.seq_len
 
 
-class _SigtermFlag:
-    """Turns SIGTERM into a flag checked between steps, so the run can checkpoint and exit cleanly."""
-
-    def __init__(self) -> None:
-        self.raised = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.raised = True
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
-
-
 def _mean_over(value: torch.Tensor, group) -> float:
     return (all_reduce_(value, group) / ps.group_size(group)).item()
 
@@ -116,17 +103,14 @@ def _autocast(cfg: PretrainConfig, device: torch.device):
 # ---------------------------------------------------------------------------------- build
 def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, TokenDataset]:
     """Prepare the token files once (global rank 0), keeping a copy of the tokenizer in <run_dir>/tokenizer for
-    generation and export, then open them on every rank."""
-    if ps.get_global_rank() == 0:
-        ensure_prepared(cfg.data, tokenizer_dir=Path(cfg.logging.run_dir) / "tokenizer")
-    barrier()
-    train_split = TokenDataset(cfg.data.data_dir, "train")
-    if train_split.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the data's tokenizer {train_split.meta['tokenizer']} has {train_split.vocab_size} tokens "
-                         f"but model.vocab_size={cfg.model.vocab_size}: set model.vocab_size >= "
-                         f"{train_split.vocab_size}.")
+    generation and export, then open them on every rank, checked against meta.json's sha256; a refusal on any
+    rank is every rank's (data_agreement.py)."""
+    data_dir, rank_0 = cfg.data.data_dir, ps.get_global_rank() == 0
+    agreed(lambda: rank_0 and ensure_prepared(cfg.data, tokenizer_dir=Path(cfg.logging.run_dir) / "tokenizer"),
+           data_dir)  # the barrier too: no rank opens the files before rank 0 has prepared them
+    train_split, val_split = agreed(lambda: open_splits(data_dir, cfg.model.vocab_size), data_dir)
     sampler = GlobalBatchSampler(train_split, cfg.data.seq_len, cfg.training.global_batch_size, cfg.training.seed)
-    return sampler, TokenDataset(cfg.data.data_dir, "val")
+    return sampler, val_split
 
 
 def build(cfg: PretrainConfig) -> Run:
@@ -136,7 +120,8 @@ def build(cfg: PretrainConfig) -> Run:
     backend = None if cfg.parallel.distributed_backend == "auto" else cfg.parallel.distributed_backend
     device = ps.init_distributed(cfg.parallel.tensor_parallel_size, backend=backend, timeout=cfg.parallel.timeout_s)
     check_config_agreement(cfg)  # before anything is written or drawn: every rank must run this same config
-    prepare_run_dir(cfg)  # rank 0 makes it and writes config.yaml; every rank refuses an unwritable one, now
+    lock_run_dir(cfg)  # one run per directory: refused before anything is written if another run holds it
+    prepare_run_dir(cfg)  # rank 0 makes it and clears a dead run's leftovers; every rank refuses an unwritable one
     sampler, val_data = build_data(cfg)
     agree_peak_tflops(cfg.logging.peak_tflops, device)  # every rank measures now, together: MFU's denominator
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -155,7 +140,8 @@ def build(cfg: PretrainConfig) -> Run:
 
 
 def resume_run(run: Run, where: str) -> None:
-    """Continue from a checkpoint (`auto`, a step directory, or `none`), then open the metrics log."""
+    """Continue from a checkpoint (`auto`, a step directory, or `none`), then write config.yaml and open the
+    metrics log: a refused resume (ResumeRefusedError, exit 2) leaves the run directory as it was."""
     manifest = None if where == "none" else resume_from_checkpoint(run.cfg, where, run.model, run.optimizer)
     if manifest is not None:
         run.step = manifest["step"]
@@ -164,6 +150,7 @@ def resume_run(run: Run, where: str) -> None:
         run.guard.load_state_dict(manifest["extra"])
         if ps.get_global_rank() == 0:
             print(f"resumed from {manifest['path']} at step {run.step}", file=sys.stderr, flush=True)
+    write_run_config(run.cfg)
     if ps.get_global_rank() == 0:
         log = run.cfg.logging
         run.logger = MetricsLogger(run.run_dir, run.cfg.training.max_steps, run.step, log.progress_bar,
@@ -241,13 +228,15 @@ def checkpoint(run: Run) -> None:
                     tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group())
 
 
-def after_step(run: Run, record: dict, sigterm: _SigtermFlag) -> bool:
+def after_step(run: Run, record: dict, sigterm: SigtermFlag) -> bool:
     """Evaluate, log, audit, checkpoint; returns True when the run must stop now (SIGTERM on any rank).
 
     A diverged step is logged, then raises DivergenceError; a failed audit raises ReplicaMismatchError:
     both before any checkpoint is written."""
     cfg, step = run.cfg, run.step
     last, diverged = step == cfg.training.max_steps, run.guard.stop_reason is not None
+    if run.logger is not None:  # rank 0, before it writes this step's outputs
+        ensure_run_dir_held(cfg)
     if not diverged and (step % cfg.training.eval_interval == 0 or last):
         run.val_losses[step] = record["val_loss"] = evaluate(run)
     if run.logger is not None and (step % cfg.logging.log_interval == 0 or "val_loss" in record
@@ -270,12 +259,19 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     if resume is not None:  # --resume overrides checkpoint.resume: the same rule, before any process group
         check_resume(resume, "--resume")
-    run = build(cfg)
+    try:
+        return _train_built(cfg, build(cfg), resume)
+    finally:
+        release_run_dir(cfg)
+
+
+def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResult:
+    """Summary, resume, then the steps; the caller releases the run directory on every way out."""
     if ps.get_global_rank() == 0:
         world = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
         print(run_summary(cfg, run.model, world, run.device), file=sys.stderr, flush=True)
     resume_run(run, resume or cfg.checkpoint.resume)
-    sigterm = _SigtermFlag()
+    sigterm = SigtermFlag()
     try:
         if run.step == 0:  # the starting point the validation curve falls from
             run.val_losses[0] = evaluate(run)

@@ -1,0 +1,158 @@
+"""Whether a prepared data directory can be trained on: meta.json, the sizes it records, the sha256 of the token
+files, and the ids read from them. Every refusal names the file and how to prepare it again.
+
+Two kinds of trouble, two answers. A missing or unreadable meta.json, or a token file whose size differs from the
+one recorded, is an unfinished or outdated preparation: `meta_and_reason` says why, and `ensure_prepared` prepares
+again, saying so. A token file of the recorded size whose sha256 differs was changed after preparation (a bad copy,
+a disk fault, someone else's write): that is refused with `DataFileError`, since guessing which copy is right is
+the user's call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .config_checks import ConfigError
+from .tokenizer import TokenizerUnavailableError
+
+__all__ = ["REFUSALS", "DataFileError", "check_ids_in_vocab", "meta_and_reason", "prepare_again", "refusal_message",
+           "settings_changed", "sha256_of", "verify_sha256"]
+
+META = "meta.json"
+SHA_CACHE = ".sha256-cache.json"
+_RACY_NS = 2_000_000_000  # a hash taken this soon after the file's last write is not trusted next time
+_CHUNK = 1 << 22
+
+
+class DataFileError(ConfigError):
+    """A prepared data file that cannot be trained on; the message names the file and the fix."""
+
+
+# what preparing or opening the data raises for a cause the user must fix: every rank then refuses the run alike
+REFUSALS = (ValueError, OSError, TokenizerUnavailableError)
+
+
+def refusal_message(error: BaseException, data_dir) -> str:
+    """One line for a REFUSALS error: its own message when it names the value and the fix (ValueErrors do)."""
+    if isinstance(error, ValueError):
+        return str(error)
+    return (f"data.data_dir={str(data_dir)!r} cannot be prepared or read ({type(error).__name__}: {error}): check "
+            f"that the directory is writable with room to spare, or point data.data_dir elsewhere.")
+
+
+def prepare_again(data_dir, meta: dict | None = None) -> str:
+    """The fix for a bad data directory: what makes `ensure_prepared` (the trainer) prepare it again."""
+    source, tokenizer = (meta or {}).get("source", "SOURCE"), (meta or {}).get("tokenizer", "TOKENIZER")
+    return (f"prepare it again: delete {Path(data_dir) / META} and start the run again (it prepares data.data_dir "
+            f"from data.source), or run `python scripts/prepare_data.py --source {source} --tokenizer {tokenizer} "
+            f"--out {data_dir}`, or point data.data_dir at a new directory")
+
+
+def meta_and_reason(data_dir) -> tuple[dict | None, str]:
+    """(meta, "") for a complete preparation whose token and offset files have the recorded sizes, else
+    (None, why not). Directories prepared before offsets were kept have no .idx files and still read."""
+    path = Path(data_dir) / META
+    if not path.is_file():
+        return None, f"{META} missing"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        sizes = {f"{s}.bin": meta[f"num_{s}_tokens"] * itemsize for s in ("train", "val")}
+        sizes.update({f"{s}.idx": meta[f"num_{s}_documents"] * 8 for s in ("train", "val")
+                      if f"num_{s}_documents" in meta})
+    except (OSError, UnicodeDecodeError) as error:
+        return None, f"{path} cannot be read ({error})"
+    except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError is a ValueError
+        return None, f"{path} is not a valid {META} ({type(error).__name__}: {error})"
+    for name, recorded in sizes.items():
+        file = Path(data_dir) / name
+        if not file.is_file():
+            return None, f"{name} missing"
+        if file.stat().st_size != recorded:
+            return None, f"{name} has {file.stat().st_size} bytes, {META} records {recorded}"
+    return meta, ""
+
+
+def settings_changed(meta: dict, wanted: dict) -> str:
+    """Why `meta` was prepared with other settings than `wanted`, or "" when it was not."""
+    for key, value in wanted.items():
+        if meta.get(key) != value:
+            what = "the tokenizer file changed" if key == "tokenizer_sha256" else f"data.{key} changed"
+            return f"{what} ({META} records {meta.get(key)!r}, the config gives {value!r})"
+    return ""
+
+
+def verify_sha256(data_dir, meta: dict, split: str) -> None:
+    """DataFileError unless `split`.bin has the sha256 that meta.json records (nothing to check if it records
+    none, as data prepared by old versions may)."""
+    recorded = meta.get(f"{split}_sha256")
+    if recorded is None:
+        return
+    path = Path(data_dir) / f"{split}.bin"
+    actual = sha256_of(path)
+    if actual != recorded:
+        raise DataFileError(f"{path} has sha256 {actual} but {Path(data_dir) / META} records {recorded}: the file "
+                            f"changed after it was prepared (a bad copy, a disk fault, another write); "
+                            f"{prepare_again(data_dir, meta)}.")
+
+
+def check_ids_in_vocab(rows: np.ndarray, vocab_size: int, path: Path, offsets) -> None:
+    """DataFileError naming `path` if a token id read from it lies outside [0, vocab_size) of its meta.json."""
+    if rows.size and int(rows.max()) >= vocab_size:
+        row = int(np.argmax(rows.max(axis=1) >= vocab_size))
+        value = int(rows[row].max())
+        raise DataFileError(f"{path} holds token id {value} (in the window at token {int(offsets[row])}), outside "
+                            f"the vocabulary [0, {vocab_size}) its meta.json records: the file is corrupt, not "
+                            f"the tokenizer; {prepare_again(path.parent)}.")
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 of `path`, from the directory's cache when the file is unchanged since it was hashed.
+
+    Hashing a large corpus on every start costs minutes, so each hash is kept in .sha256-cache.json beside the
+    files, keyed by (size, mtime_ns, ctime_ns, inode): writing a file in place changes its mtime and ctime,
+    replacing it changes its inode, and ctime cannot be set back by hand. A hash taken within _RACY_NS of the
+    file's last write is not trusted later (a write in the same clock tick could keep the mtime: git's racy-clean
+    rule), so it is taken again then. What the cache cannot see is corruption beneath the filesystem (bit rot);
+    delete the cache file to re-hash everything. A read-only directory means no cache, never an error.
+    """
+    stat, cache = path.stat(), _read_cache(path.parent)
+    key = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+    entry = cache.get(path.name)
+    if isinstance(entry, dict) and entry.get("key") == key and entry.get("hashed_at_ns", 0) - _RACY_NS > key[1]:
+        return entry["sha256"]
+    hashed_at = time.time_ns()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+    cache[path.name] = {"key": key, "hashed_at_ns": hashed_at, "sha256": digest.hexdigest()}
+    _write_cache(path.parent, cache)
+    return digest.hexdigest()
+
+
+def _read_cache(data_dir: Path) -> dict:
+    try:
+        cache = json.loads((data_dir / SHA_CACHE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or a torn or foreign file: start afresh
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache(data_dir: Path, cache: dict) -> None:
+    """Atomically (a unique temporary, renamed over it): ranks on several hosts may write at once."""
+    tmp = data_dir / f".{SHA_CACHE}.tmp-{secrets.token_hex(6)}"
+    try:
+        tmp.write_text(json.dumps(cache, indent=1), encoding="utf-8")
+        os.replace(tmp, data_dir / SHA_CACHE)
+    except OSError:  # a read-only data directory: no cache, the hash is simply taken again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink()

@@ -1,0 +1,210 @@
+"""Prepared data that cannot be trained on is refused before any step, naming the file and the fix: a token file
+changed after preparation (its sha256), ids outside the vocabulary, an unreadable tokenizer.json; a preparation
+that is redone says why, in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distributed import run_distributed
+from launch import ROOT, environment, torchrun_command
+from parallel_attention.training import ConfigError, DataConfig, TokenDataset, ensure_prepared, load_config, \
+    prepare_data, train_bpe
+from parallel_attention.training import token_files
+from parallel_attention.training.token_files import SHA_CACHE, DataFileError, sha256_of
+
+MAX_BYTES, VAL_FRACTION = 20_000, 0.05
+
+
+@pytest.fixture
+def data_cfg(tmp_path) -> DataConfig:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the quick brown fox\n" * 200, encoding="utf-8")
+    (corpus / "b.txt").write_text("jumps over the lazy dog\n" * 200, encoding="utf-8")
+    cfg = DataConfig(source=str(corpus), tokenizer="byte", data_dir=str(tmp_path / "data"), val_fraction=0.3,
+                     max_bytes=None)
+    ensure_prepared(cfg)
+    return cfg
+
+
+def _zero(path: Path) -> None:
+    path.write_bytes(bytes(path.stat().st_size))
+
+
+def test_a_same_size_zeroed_token_file_is_refused_naming_the_file_and_both_hashes(data_cfg):
+    train = Path(data_cfg.data_dir) / "train.bin"
+    recorded = json.loads((train.parent / "meta.json").read_text())["train_sha256"]
+    TokenDataset(data_cfg.data_dir, "train")  # hashed (and cached) while intact
+    _zero(train)
+    for open_it in (lambda: TokenDataset(data_cfg.data_dir, "train"), lambda: ensure_prepared(data_cfg)):
+        with pytest.raises(DataFileError) as info:
+            open_it()
+        message = str(info.value)
+        assert isinstance(info.value, ConfigError)  # pretrain.py: `config error: ...`, exit 2
+        assert str(train) in message and recorded in message and sha256_of(train) in message, message
+        assert f"delete {train.parent / 'meta.json'}" in message and "scripts/prepare_data.py" in message
+    assert train.read_bytes() == bytes(train.stat().st_size)  # refused, not silently prepared again
+
+
+def test_the_hash_cache_is_used_only_while_the_file_is_unchanged(data_cfg, monkeypatch):
+    train = Path(data_cfg.data_dir) / "train.bin"
+    monkeypatch.setattr(token_files, "_RACY_NS", 0)  # the file was written just now: trust the hash at once
+    real = sha256_of(train)
+    cache = json.loads((train.parent / SHA_CACHE).read_text())
+    cache["train.bin"]["sha256"] = "f" * 64
+    (train.parent / SHA_CACHE).write_text(json.dumps(cache))
+    assert sha256_of(train) == "f" * 64  # unchanged (size, mtime, ctime, inode): not read again
+    stat = train.stat()
+    _zero(train)
+    os.utime(train, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size and mtime: the ctime still moved
+    assert sha256_of(train) not in ("f" * 64, real)
+
+
+def test_a_hash_taken_right_after_a_write_is_taken_again(data_cfg):
+    train = Path(data_cfg.data_dir) / "train.bin"
+    sha256_of(train)
+    cache = json.loads((train.parent / SHA_CACHE).read_text())
+    cache["train.bin"]["sha256"] = "f" * 64  # racy: hashed within _RACY_NS of the last write
+    (train.parent / SHA_CACHE).write_text(json.dumps(cache))
+    assert sha256_of(train) != "f" * 64
+
+
+def test_a_read_only_data_dir_just_has_no_cache(data_cfg, monkeypatch):
+    def refuse(*args):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(token_files.os, "replace", refuse)
+    TokenDataset(data_cfg.data_dir, "train")
+    assert not list(Path(data_cfg.data_dir).glob(f"*{SHA_CACHE}*"))
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda d: (d / "meta.json").unlink(), "meta.json missing"),
+    (lambda d: (d / "meta.json").write_text('{"vocab_size": 2'), "is not a valid meta.json (JSONDecodeError"),
+    (lambda d: (d / "train.bin").write_bytes(b"0123456789"), "train.bin has 10 bytes, meta.json records "),
+    (lambda d: (d / "val.idx").unlink(), "val.idx missing"),
+])
+def test_preparing_again_says_why_in_one_line(data_cfg, capfd, damage, why):
+    data_dir = Path(data_cfg.data_dir)
+    capfd.readouterr()
+    ensure_prepared(data_cfg)
+    assert capfd.readouterr().err == ""  # reused: nothing said
+    damage(data_dir)
+    ensure_prepared(data_cfg)
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("preparing data in ")]
+    assert len(lines) == 1 and lines[0].startswith(f"preparing data in {data_dir}: ") and why in lines[0], lines
+    TokenDataset(data_dir, "train")  # prepared again, and intact
+
+
+def test_changed_settings_or_tokenizer_are_named(data_cfg, capfd, tmp_path):
+    capfd.readouterr()
+    ensure_prepared(replace(data_cfg, max_bytes=500))
+    assert "data.max_bytes changed (meta.json records None, the config gives 500)" in capfd.readouterr().err
+    train_bpe(iter(["hello world " * 40, "abc " * 30]), 300, tmp_path / "tok" / "tokenizer.json")
+    path_cfg = replace(data_cfg, tokenizer=str(tmp_path / "tok" / "tokenizer.json"), num_workers=1)
+    ensure_prepared(path_cfg)
+    assert "data.tokenizer changed (meta.json records 'byte'" in capfd.readouterr().err
+    train_bpe(iter(["other text " * 40]), 280, tmp_path / "tok" / "tokenizer.json")
+    ensure_prepared(path_cfg)
+    assert "the tokenizer file changed" in capfd.readouterr().err
+
+
+def test_ids_outside_the_vocabulary_name_the_data_file(data_cfg):
+    data_dir = Path(data_cfg.data_dir)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    del meta["train_sha256"]  # as data prepared by an old version, which recorded no hash
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    tokens = np.fromfile(data_dir / "train.bin", dtype="<u2")
+    tokens[5] = 300  # the byte tokenizer has 256
+    tokens.tofile(data_dir / "train.bin")
+    dataset = TokenDataset(data_dir, "train")
+    with pytest.raises(DataFileError, match=f"{data_dir / 'train.bin'} holds token id 300 .* outside the vocabulary "
+                                            r"\[0, 256\) its meta.json records: the file is corrupt"):
+        dataset.windows([0], 16)
+    assert dataset.windows([6], 16).shape == (1, 16)
+
+
+@pytest.mark.parametrize("broken", ["tokenizer.json", "tokenizer_config.json"])
+def test_an_unreadable_tokenizer_file_is_a_config_error_naming_the_key_and_the_file(tmp_path, broken):
+    train_bpe(iter(["hello world " * 40, "abc " * 30]), 300, tmp_path / "tokenizer.json")
+    path = tmp_path / broken
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])  # an interrupted copy
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", [f"--data.tokenizer={tmp_path}", "--model.vocab_size=300"])
+    with pytest.raises(ConfigError) as info:
+        cfg.validate(2)
+    message = str(info.value)
+    assert message.startswith("data.tokenizer: tokenizer ") and f"{str(path)!r} cannot be read" in message, message
+    assert "EOF while parsing" in message or "JSON" in message, message
+
+
+def _build_data_on_each_rank(cfg, bad_dir_on_rank_1):
+    """build_data's verdict on this rank: the error message, or None."""
+    from parallel_attention.tensor_parallel import parallel_state as ps
+    from parallel_attention.training.trainer import build_data
+
+    if bad_dir_on_rank_1 and ps.get_global_rank() == 1:  # rank 1 sees other files than rank 0 (another mount)
+        cfg.data.data_dir = bad_dir_on_rank_1
+    try:
+        build_data(cfg)
+    except DataFileError as error:
+        return str(error)
+    return None
+
+
+def _pretrain_config(data_dir: Path, run_dir: Path, *extra: str):
+    return load_config(ROOT / "configs" / "gpt_tiny.yaml", [
+        "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=8",
+        "--training.micro_batch_size=2", "--training.max_steps=2", "--logging.progress_bar=false",
+        "--logging.tensorboard=false", "--parallel.tensor_parallel_size=1", "--data.source=stdlib",
+        f"--data.max_bytes={MAX_BYTES}", f"--data.val_fraction={VAL_FRACTION}", f"--data.data_dir={data_dir}",
+        f"--logging.run_dir={run_dir}", *extra])
+
+
+def test_every_rank_refuses_alike_whichever_rank_finds_the_fault(tmp_path):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for path in (good, bad):
+        prepare_data("stdlib", "byte", path, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
+    _zero(bad / "val.bin")
+    cfg = _pretrain_config(good, tmp_path / "run")
+    assert run_distributed(_build_data_on_each_rank, 2, 1, cfg, None) == [None, None]
+    said = run_distributed(_build_data_on_each_rank, 2, 1, cfg, str(bad))  # only rank 1 finds it: no hang
+    assert said[0] == said[1] and str(bad / "val.bin") in said[0], said
+    said = run_distributed(_build_data_on_each_rank, 2, 1, _pretrain_config(bad, tmp_path / "run"), None)
+    assert said[0] == said[1] and str(bad / "val.bin") in said[0], said  # rank 0 found it while preparing
+
+
+def test_pretraining_on_a_zeroed_token_file_stops_before_any_step_with_exit_2(tmp_path):
+    data_dir = tmp_path / "data"
+    prepare_data("stdlib", "byte", data_dir, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
+    _zero(data_dir / "train.bin")
+    args = ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
+            "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=4",
+            "--training.micro_batch_size=2", "--training.max_steps=2", "--logging.progress_bar=false",
+            "--logging.tensorboard=false", "--parallel.tensor_parallel_size=1", "--data.source=stdlib",
+            f"--data.max_bytes={MAX_BYTES}", f"--data.val_fraction={VAL_FRACTION}", f"--data.data_dir={data_dir}",
+            f"--logging.run_dir={tmp_path / 'run'}"]
+    result = subprocess.run(torchrun_command("pretrain.py", 2, args), cwd=ROOT, env=environment(),
+                            capture_output=True, text=True, timeout=240)
+    said = [line for line in result.stderr.splitlines() if line.startswith("config error: ")]
+    assert len(said) == 1 and f"{data_dir / 'train.bin'} has sha256 " in said[0], result.stderr[-4000:]
+    exit_codes = [line.split(":")[1].split()[0] for line in result.stderr.splitlines() if "exitcode  :" in line]
+    assert exit_codes == ["2", "2"], result.stderr[-4000:]
+    # torchrun prints its own ChildFailedError traceback; none comes from the package or the script
+    assert "parallel_attention/" not in result.stderr and 'pretrain.py", line' not in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_data_prepared_for_a_larger_vocabulary_than_the_model_is_a_config_error(data_cfg):
+    from parallel_attention.training.data_agreement import open_splits
+
+    with pytest.raises(DataFileError, match=r"prepared with the tokenizer byte of 256 tokens .* model.vocab_size=100: "
+                                            r"set model.vocab_size >= 256"):
+        open_splits(data_cfg.data_dir, 100)

@@ -1,0 +1,53 @@
+"""End to end under torchrun: a second run on a live run directory is refused before it writes anything, the
+first run finishes whole, and a refused resume leaves config.yaml as it was, said in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+from launch import ROOT, environment, metrics, torchrun, torchrun_command
+from test_hang import _wait_for_step
+from test_pretrain import data_dir, tiny_args  # noqa: F401  (data_dir is a fixture)
+
+from parallel_attention.checkpointing.format import list_checkpoints
+
+def _package_frames(stderr: str) -> list[str]:
+    """Traceback lines in our code (torchrun prints its own traceback for any failed worker: that one is not ours)."""
+    return [line for line in stderr.splitlines() if line.lstrip().startswith("File ") and "parallel_attention" in line
+            or "scripts/pretrain.py" in line and line.lstrip().startswith("File ")]
+
+
+STEPS = 150  # long enough to be still running when the second launch has started (about 10 s)
+
+
+def test_a_second_run_is_refused_and_the_first_finishes_whole(data_dir, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    args = tiny_args(data_dir, run, 2, STEPS, "--checkpoint.interval=10", "--training.eval_interval=100")
+    first = subprocess.Popen(torchrun_command("pretrain.py", 2, args), cwd=ROOT, env=environment(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(run, 2, time.monotonic() + 180)
+        started = time.monotonic()
+        second = torchrun("pretrain.py", 2, [*args, "--training.seed=777"], timeout=120, check=False)
+        refused_in = time.monotonic() - started
+        _, first_err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert second.returncode != 0 and refused_in < 60, (second.returncode, refused_in)
+    assert f"config error: logging.run_dir='{run}' is in use by pid " in second.stderr, second.stderr[-3000:]
+    assert not _package_frames(second.stderr), second.stderr[-3000:]
+    assert first.returncode == 0, first_err[-3000:]
+    steps = [r["step"] for r in metrics(run)]
+    assert steps == list(range(STEPS + 1)), steps  # one row per step, the initial evaluation's included
+    written = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert written == [p.name for p in list_checkpoints(run / "checkpoints")], written  # every one complete
+    assert "seed: 1234" in (run / "config.yaml").read_text()
+
+    config = (run / "config.yaml").read_bytes()
+    refused = torchrun("pretrain.py", 2, [*args, "--resume", "--model.num_layers=3"], timeout=180, check=False)
+    assert refused.returncode != 0
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("config error: cannot resume")]
+    assert len(lines) == 1 and "num_layers" in lines[0], refused.stderr[-3000:]
+    assert not _package_frames(refused.stderr), refused.stderr[-3000:]
+    assert (run / "config.yaml").read_bytes() == config, "a refused resume rewrote config.yaml"
