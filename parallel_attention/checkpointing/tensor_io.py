@@ -81,7 +81,8 @@ class TensorFileError(ValueError):
     names it and its size. A ValueError, so the scripts report it as one line like any bad input."""
 
 
-def _size_of(path: Path) -> str:
+def size_of(path: Path) -> str:
+    """`N bytes`, or `no such file`: how an error names a file it could not read."""
     try:
         return f"{path.stat().st_size} bytes"
     except OSError:
@@ -98,7 +99,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
     except (SafetensorError, OSError) as error:
         raise TensorFileError(
-            f"{path} ({_size_of(Path(path))}) is not a readable safetensors file ({error}): it is truncated "
+            f"{path} ({size_of(Path(path))}) is not a readable safetensors file ({error}): it is truncated "
             "(an interrupted copy, download or save), empty, or not safetensors; copy or download it again "
             "(a checkpoint: load an older one)") from error
 

@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..checkpointing.tensor_io import size_of
 from ..transformer.model_config import ModelConfig
 
 FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
@@ -59,8 +60,7 @@ def read_json_object(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        size = f"{path.stat().st_size} bytes" if path.is_file() else "unreadable"
-        raise ValueError(f"{path} ({size}) is not valid UTF-8 JSON ({error}): it is truncated or damaged; "
+        raise ValueError(f"{path} ({size_of(path)}) is not valid UTF-8 JSON ({error}): it is truncated or damaged; "
                          "copy or download it again.") from error
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object: is it the file save_pretrained "

@@ -289,8 +289,8 @@ class TokenDataset:
     def windows(self, offsets, length: int) -> torch.Tensor:
         """LongTensor [len(offsets), length]: the tokens starting at each offset."""
         offsets = np.asarray(offsets).tolist()
-        rows = [np.asarray(self.tokens[o:o + length], dtype=np.int64) for o in offsets]
-        if not rows:
+        if not offsets:
             return torch.empty(0, length, dtype=torch.long)
-        check_ids_in_vocab(np.stack(rows), self.vocab_size, self.path, offsets)
-        return torch.from_numpy(np.stack(rows))
+        rows = np.stack([np.asarray(self.tokens[o:o + length], dtype=np.int64) for o in offsets])
+        check_ids_in_vocab(rows, self.vocab_size, self.path, offsets)
+        return torch.from_numpy(rows)

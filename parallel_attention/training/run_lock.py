@@ -24,6 +24,7 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..checkpointing.tensor_io import write_atomic
 from .config_checks import ConfigError
 
 LOCK_NAME, LEASE_NAME = ".lock", ".lease.json"
@@ -105,9 +106,7 @@ class RunDirLock:
                                 "it, or point --logging.run_dir= at another directory.")
 
     def _write_lease(self) -> None:
-        tmp = self.lease_path.with_name(f"{LEASE_NAME}.tmp-{self.lease['token']}")
-        tmp.write_text(json.dumps(self.lease), encoding="utf-8")
-        os.replace(tmp, self.lease_path)
+        write_atomic(self.lease_path, [json.dumps(self.lease).encode("utf-8")])
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

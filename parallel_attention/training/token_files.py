@@ -11,7 +11,6 @@ the user's call.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import secrets
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpointing.tensor_io import file_digest
 from .config_checks import ConfigError
 from .tokenizer import TokenizerUnavailableError
 
@@ -29,7 +29,6 @@ __all__ = ["REFUSALS", "DataFileError", "check_ids_in_vocab", "meta_and_reason",
 META = "meta.json"
 SHA_CACHE = ".sha256-cache.json"
 _RACY_NS = 2_000_000_000  # a hash taken this soon after the file's last write is not trusted next time
-_CHUNK = 1 << 22
 
 
 class DataFileError(ConfigError):
@@ -130,13 +129,10 @@ def sha256_of(path: Path) -> str:
     if isinstance(entry, dict) and entry.get("key") == key and entry.get("hashed_at_ns", 0) - _RACY_NS > key[1]:
         return entry["sha256"]
     hashed_at = time.time_ns()
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(chunk)
-    cache[path.name] = {"key": key, "hashed_at_ns": hashed_at, "sha256": digest.hexdigest()}
+    sha256 = file_digest(path)["sha256"]
+    cache[path.name] = {"key": key, "hashed_at_ns": hashed_at, "sha256": sha256}
     _write_cache(path.parent, cache)
-    return digest.hexdigest()
+    return sha256
 
 
 def _read_cache(data_dir: Path) -> dict:
