@@ -12,11 +12,11 @@ transformers' Trainer on torch >= 2.8).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import shutil
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from parallel_attention.hf import canonical_to_hf
@@ -38,30 +38,37 @@ def _autocast(cfg, device: torch.device):
 
 
 def _loss(hf_model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of the next-token `labels` [b, s] (already shifted, -100 ignored), as ours."""
-    logits = hf_model(input_ids=tokens).logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    """Mean cross entropy of the next-token `labels` [b, s] (already shifted, -100 ignored), as ours: the model's
+    own `.loss` (what transformers' Trainer reads), `shift_labels` saying they need no shift."""
+    return hf_model(input_ids=tokens, labels=labels, shift_labels=labels).loss
 
 
-def _load(run, workdir: Path):
-    """Export our weights (rank 0 writes), then load them into transformers."""
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise Skipped("transformers is not installed: pip install -e '.[bench]'") from None
-    p = ps.get_tensor_model_parallel_world_size()
+def export_weights(run, workdir: Path) -> tuple[Path, str]:
+    """Our initial weights as a transformers directory, rank 0 writing (a collective): (directory, architecture).
+    Skipped where transformers is missing, dp > 1 or the config has no transformers counterpart."""
+    if importlib.util.find_spec("transformers") is None:
+        raise Skipped("transformers is not installed: pip install -e '.[bench]'")
     if ps.get_data_parallel_world_size() > 1:
         raise Skipped("transformers' tp_plan covers every launched rank: run the baseline at data-parallel size 1")
     try:
         architecture = infer_architecture(run.cfg.model)
     except ValueError as error:
         raise Skipped(f"no transformers counterpart: {error}") from None
-    canonical = run.model.canonical_state_dict()  # a collective over the tensor-parallel group
     hf_dir = workdir / "hf_weights"
+    canonical = run.model.canonical_state_dict()  # a collective over the tensor-parallel group
     if ps.get_global_rank() == 0:
         shutil.rmtree(hf_dir, ignore_errors=True)  # a previous benchmark's export
         canonical_to_hf(run.cfg.model, {k: v.cpu() for k, v in canonical.items()}, hf_dir, architecture)
     barrier()
+    return hf_dir, architecture
+
+
+def _load(run, workdir: Path):
+    """Export our weights (rank 0 writes), then load them into transformers."""
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, architecture = export_weights(run, workdir)
+    p = ps.get_tensor_model_parallel_world_size()
     kwargs = {"tp_plan": "auto"} if p > 1 else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa",
@@ -116,8 +123,9 @@ def _clip_by_global_norm(hf_model, max_norm: float) -> None:
         g.mul_(coefficient)
 
 
-def _step_function(run, hf_model):
-    """One training step of the transformers model on the micro-batches our step of the same index uses."""
+def _step_function(run, hf_model, clip=_clip_by_global_norm):
+    """One training step of the transformers model on the micro-batches our step of the same index uses;
+    `clip(hf_model, max_norm)` clips where optimizer.grad_clip is set."""
     o, t = run.cfg.optimizer, run.cfg.training
     # fused: what transformers' Trainer picks on torch >= 2.8 (optim="adamw_torch_fused"), and what ours runs;
     # one kernel call per group, and a call may not mix DTensors (tp_plan's shards) with plain tensors
@@ -137,7 +145,7 @@ def _step_function(run, hf_model):
             loss.backward()
             total += loss.detach()
         if o.grad_clip:
-            _clip_by_global_norm(hf_model, o.grad_clip)
+            clip(hf_model, o.grad_clip)
         optimizer.step()
         state["step"] += 1
         return float(total)

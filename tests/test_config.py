@@ -10,7 +10,8 @@ import torch
 from parallel_attention import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = {"gpt_tiny.yaml": 2, "quickstart.yaml": 2, "gpt2_124m.yaml": 8, "llama_1b_tp8.yaml": 8}  # config -> world size it is sized for
+SHIPPED = {"gpt_tiny.yaml": 2, "quickstart.yaml": 2, "gpt2_124m.yaml": 8, "llama_1b_tp8.yaml": 8,
+           "llama_1b_32k_tp2_cp4.yaml": 8}  # config -> world size it is sized for
 
 
 def test_every_shipped_config_is_listed_here():

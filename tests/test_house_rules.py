@@ -158,7 +158,7 @@ def test_import_registers_no_exit_handler():
 def test_attention_forward_is_short_and_takes_no_cache():
     tree = _tree(PACKAGE / "transformer" / "attention.py")
     (fn,) = [f for cls, f in _module_forwards(tree) if cls == "ParallelSelfAttention"]
-    assert [a.arg for a in fn.args.args] == ["self", "hidden_states", "attention_mask", "position_ids"]
+    assert [a.arg for a in fn.args.args] == ["self", "hidden_states", "attention_mask", "position_ids", "documents"]
     assert _code_lines(fn) <= 30
     assert not any(isinstance(n, (ast.If, ast.IfExp)) for n in ast.walk(fn))
 

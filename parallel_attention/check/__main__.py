@@ -19,11 +19,13 @@ from .. import __version__
 from ..launch.agreement import disagreements
 from ..launch.launcher_watch import stop_with_launcher
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
-from ..tensor_parallel.parallel_state import group_rank, shutdown_distributed
+from ..tensor_parallel.parallel_state import (destroy_model_parallel, group_rank, initialize_model_parallel,
+                                              shutdown_distributed)
 from ..transformer import active_paths
 from ..transformer.dropout import dropout_paths
 from .collectives_check import check_collectives
 from .context import CheckContext
+from .context_parallel_check import check_context_parallel
 from .counts import check_collective_count
 from .equivalence import check_attention, check_model
 from .replicas import check_init, check_replicas
@@ -35,6 +37,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m parallel_attention.check", description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel size: also check CP attention of both kinds on (dp, cp, tp) groups")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="parameter dtype of the checked modules (the reference is always float64 on CPU)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -74,8 +78,9 @@ def run_checks(ctx: CheckContext, bandwidth_bytes: int) -> list[Result]:
 
 
 def _header(ctx: CheckContext, args: argparse.Namespace) -> list[str]:
+    cp = f", cp {args.cp} (its own check, last)" if args.cp > 1 else ""
     lines = [f"# parallel_attention {__version__} self-check: world {ctx.world_size}, tp {ctx.tp_size}, "
-             f"dp {ctx.world_size // ctx.tp_size}, backend {dist.get_backend()}, device {ctx.device.type}, "
+             f"dp {ctx.world_size // ctx.tp_size}{cp}, backend {dist.get_backend()}, device {ctx.device.type}, "
              f"dtype {args.dtype}, torch {torch.__version__}"]
     paths = {**active_paths(), **dropout_paths()}
     lines += [f"# path: {family}: {path}" for family, path in paths.items()]
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
     args = parse_args(argv)
     start = time.perf_counter()
-    tp = args.tp if args.tp is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    tp = args.tp if args.tp is not None else int(os.environ.get("WORLD_SIZE", "1")) // max(args.cp, 1)
     try:
         return _check(args, tp, start)
     finally:
@@ -110,7 +115,12 @@ def _check(args: argparse.Namespace, tp: int, start: float) -> int:
         return _setup_failure(ValueError("arguments differ across ranks: " + "; ".join(d.strip() for d in differing)))
     ctx = build_context(args, device)
     default_mib = 256 if device.type == "cuda" else 4
-    results = agree(run_checks(ctx, int((args.bandwidth_mib or default_mib) * 2**20)))
+    results = run_checks(ctx, int((args.bandwidth_mib or default_mib) * 2**20))
+    if args.cp > 1:  # after the others, which build their blocks on the default groups at cp = 1
+        destroy_model_parallel()
+        initialize_model_parallel(tp, timeout=args.timeout, context_parallel_size=args.cp)
+        results.append(run_guarded("context-parallel", check_context_parallel, build_context(args, device)))
+    results = agree(results)
     if ctx.global_rank == 0:
         lines = _header(ctx, args) + [f"# done in {time.perf_counter() - start:.1f} s"] + report_lines(results)
         print("\n".join(lines), flush=True)

@@ -3,7 +3,8 @@
 Model and optimizer state are sharded across the p tensor-parallel ranks and replicated across the
 dp data-parallel ranks, so the data-parallel rank 0 of each tensor-parallel group writes its shard;
 every global rank writes its own RNG states. Optimizer state sharded across the data-parallel ranks
-(ZeRO-1) is first consolidated in memory on that writer, so the files do not depend on dp or on
+(ZeRO-1) is first consolidated in memory on that writer, and parameters and optimizer state sharded
+by FSDP2 (zero_stage 3) are gathered over the data-parallel group, so the files do not depend on dp or on
 sharding. This module owns who writes and reads what, and how
 the ranks agree; the files and the commit are `format`, their contents `state_encoding`, the bytes
 `tensor_io`, and whether a checkpoint fits this run `compatibility`.
@@ -40,7 +41,8 @@ from .compatibility import check_config, check_layout
 from .format import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointCorruptError, CheckpointError, check_shard_shapes,
                      commit, latest_checkpoint, list_checkpoints, list_incomplete, model_file, optim_file, prune,
                      read_manifest, read_shard, rng_file, step_dir_name, verify_file, write_manifest)
-from .state_encoding import full_optimizer_state, optim_state_dict, optim_tensors, rng_tensors, set_rng
+from .state_encoding import (full_optimizer_state, gathered, optim_state_dict, optim_tensors, placed_like,
+                             rng_tensors, set_rng)
 from .tensor_io import cpu_tensors, read_safetensors, write_safetensors
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
@@ -74,10 +76,10 @@ def _write(directory: Path, name: str, tensors: dict, meta: dict | None = None) 
     return {name: write_safetensors(directory / name, tensors, meta)}
 
 
-def _write_shards(tmp: Path, at: _Placement, model: nn.Module, optimizer, packed: dict | None) -> dict:
+def _write_shards(tmp: Path, at: _Placement, model: nn.Module, weights: dict, optimizer, packed: dict | None) -> dict:
     files, shapes = {}, None
     if at.dp_rank == 0:  # model and (consolidated) optimizer are the same on every data-parallel rank
-        tensors = cpu_tensors(model.state_dict())
+        tensors = cpu_tensors(weights)
         files.update(_write(tmp, model_file(at.tp_rank), tensors))
         shapes = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in tensors.items()}
         if optimizer is not None:
@@ -122,8 +124,9 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: nn.Module, o
     tmp = root / f"{final.name}.tmp-{nonce}"
     # a collective for a sharded optimizer, so outside the per-rank try below
     packed = full_optimizer_state(optimizer, at.dp_rank == 0) if optimizer is not None else None
+    weights = gathered(model.state_dict(), at.dp_rank == 0)  # FSDP2's dp shards made whole: a collective too
     try:
-        report = {"ok": True, **_write_shards(tmp, at, model, optimizer, packed)}
+        report = {"ok": True, **_write_shards(tmp, at, model, weights, optimizer, packed)}
     except Exception as e:  # reported to every rank below, so no rank is left waiting in a collective
         report, local_failure = {"ok": False, "error": f"rank {at.rank}: {type(e).__name__}: {e}"}, e
     reports = all_gather_objects(report)
@@ -229,7 +232,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     except Exception as e:  # every rank must hear of it, or the others would go on alone
         loaded, failure = None, e
     raise_unless_all_passed(path, failure)
-    model.load_state_dict(loaded["weights"])
+    model.load_state_dict(placed_like(loaded["weights"], model.state_dict()))
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optim"])
     set_rng(*loaded["rng"])

@@ -27,7 +27,7 @@ from ..transformer.model_layout import canonical_sources, shard_state_dict, stat
 from .checkpoint import raise_unless_all_passed
 from .format import (FORMAT, FORMAT_VERSION, CheckpointError, check_shard_shapes, commit, model_file, optim_file,
                      read_manifest, read_shard, step_dir_name, write_manifest)
-from .state_encoding import optim_state_dict
+from .state_encoding import optim_state_dict, placed_like
 from .tensor_io import write_safetensors
 
 _SCALAR_STATE = ("step",)  # per-parameter optimizer scalars: the same on every shard
@@ -158,7 +158,7 @@ def load_resharded(step_dir: str | Path, model: nn.Module, optimizer: torch.opti
         loaded, failure = None, e
     raise_unless_all_passed(step_dir, failure)
     manifest, weights, optim = loaded
-    model.load_state_dict(weights)
+    model.load_state_dict(placed_like(weights, model.state_dict()))
     if optim is not None:
         optimizer.load_state_dict(optim)
     elif optimizer is not None:  # weights only (an import, say): the optimizer starts fresh

@@ -5,7 +5,8 @@ them by parameter name instead (`exp_avg/<name>`), so a checkpoint does not depe
 which parameters were handed to the optimizer and can be resharded by name. An optimizer whose state
 is sharded across the data-parallel group (torch's ZeroRedundancyOptimizer API) is consolidated in
 memory on the writing rank first, so its files are those of an unsharded one; loading hands every rank
-the full state dict and the optimizer keeps its own partition. Generators are saved
+the full state dict and the optimizer keeps its own partition. Under FSDP2 (zero_stage 3) the DTensor moments
+are gathered over the data-parallel group (`gathered`) and cut again on load (`placed_like`). Generators are saved
 as uint8 tensors and JSON, never pickled, so loading a checkpoint runs no code.
 """
 
@@ -17,6 +18,7 @@ import random
 import torch
 
 from ..tensor_parallel import rng as tp_random
+from ..tensor_parallel.collectives import full_tensor
 from .format import CheckpointError
 from .tensor_io import cpu_tensors
 
@@ -44,7 +46,42 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, writer: bool) -> dict
     consolidate = getattr(optimizer, "consolidate_state_dict", None)
     if consolidate is not None:
         consolidate(to=0)
-    return optimizer.state_dict() if writer else None
+        return optimizer.state_dict() if writer else None
+    packed = optimizer.state_dict()  # FSDP2 (zero_stage 3): DTensor moments, gathered over dp by every rank
+    state = {i: gathered(per_param, writer) for i, per_param in sorted(packed["state"].items())}
+    return {**packed, "state": state} if writer else None
+
+
+def gathered(tensors: dict, writer: bool) -> dict:
+    """`tensors` with each DTensor (FSDP2's data-parallel shards) replaced by its whole value, one at a time: a
+    collective, so every rank calls it; only the writer keeps the gathered copies (the others get {})."""
+    out = {}
+    for name, value in tensors.items():
+        whole = full_tensor(value) if isinstance(value, torch.Tensor) else value
+        if writer:
+            out[name] = whole
+    return out
+
+
+def placed_like(tensors: dict, current: dict) -> dict:
+    """Whole tensors read from a file, each cut like the tensor of the same name in `current` where that one is a
+    DTensor (FSDP2: this rank's data-parallel shard, no communication); the others as they are."""
+    from torch.distributed.tensor import distribute_tensor
+
+    def place(name, value):
+        like = current.get(name)
+        if getattr(like, "placements", None) is None or not isinstance(value, torch.Tensor) \
+                or value.shape != like.shape:
+            return value
+        return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return {name: place(name, value) for name, value in tensors.items()}
+
+
+def placed_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """An optimizer state dict of whole tensors with the moments of DTensor parameters cut like them."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {i: placed_like(values, {k: params[i] for k in values}) for i, values in state_dict["state"].items()}
+    return {**state_dict, "state": state}
 
 
 def _packed_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -111,7 +148,7 @@ def optim_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, t
             state.setdefault(index_of[rest], {})[kind] = value
     for name, values in scalars.items():
         state.setdefault(index_of[name], {}).update(values)
-    return {"state": state, "param_groups": groups}
+    return placed_optimizer_state(optimizer, {"state": state, "param_groups": groups})
 
 
 def rng_tensors() -> tuple[dict, dict]:

@@ -6,7 +6,8 @@
     (ModelConfig, canonical)  -- GPTModel(cfg).load_canonical_state_dict(canonical) at any p
 
 and back with `canonical_to_hf`, which writes a directory `AutoModelForCausalLM.from_pretrained` loads.
-Supported: LlamaForCausalLM, MistralForCausalLM (sliding window folded into max_seq_len), GPT2LMHeadModel.
+Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (sliding windows folded into
+max_seq_len), GPT2LMHeadModel (see family_tables).
 Vocabulary: Hugging Face vocab_size is ModelConfig.vocab_size (GPTModel pads internally; canonical
 tensors are unpadded). Tensors keep their stored dtype. Needs safetensors only, not transformers.
 """

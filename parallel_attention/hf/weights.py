@@ -4,11 +4,12 @@ A `Rule` ties one Hugging Face tensor to the canonical tensor(s) it holds, with 
 (derived from the config) and the two layout maps, each the other's inverse. Shape legend: h hidden,
 f ffn, V vocab, P positions, nh/nkv heads, d head dim, i layer.
 
-    Llama / Mistral (nn.Linear [out, in], as canonical: plain copies)
+    Llama / Mistral / Qwen2 / Qwen3 (nn.Linear [out, in], as canonical: plain copies)
       model.embed_tokens.weight                 [V, h]       embed_tokens.weight
       model.layers.i.input_layernorm.weight     [h]          layers.i.input_norm.weight
       model.layers.i.self_attn.q_proj.{weight,bias} [nh d, h]    layers.i.attention.q_proj.*  (also k, v [nkv d, h])
       model.layers.i.self_attn.o_proj.{weight,bias} [h, nh d]    layers.i.attention.o_proj.*
+      model.layers.i.self_attn.{q,k}_norm.weight [d]   layers.i.attention.{q,k}_norm.weight  (Qwen3, qk_norm)
       model.layers.i.post_attention_layernorm.weight             layers.i.post_attention_norm.weight
       model.layers.i.mlp.{gate,up}_proj.*       [f, h]       layers.i.mlp.{gate,up}_proj.*
       model.layers.i.mlp.down_proj.*            [h, f]       layers.i.mlp.down_proj.*
@@ -95,6 +96,8 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
             rules.append(_copy(f"{src}self_attn.{name}.weight", f"{dst}attention.{name}.weight", shape))
             if cfg.out_bias if name == "o_proj" else cfg.qkv_bias:
                 rules.append(_copy(f"{src}self_attn.{name}.bias", f"{dst}attention.{name}.bias", shape[:1]))
+        if cfg.qk_norm:  # Qwen3: one RMSNorm weight [d] each for q and k, shared by the heads
+            rules += [_copy(f"{src}self_attn.{n}_norm.weight", f"{dst}attention.{n}_norm.weight", (d,)) for n in "qk"]
         rules.append(_copy(f"{src}post_attention_layernorm.weight", f"{dst}post_attention_norm.weight", (h,)))
         for name, shape in {"gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}.items():
             rules.append(_copy(f"{src}mlp.{name}.weight", f"{dst}mlp.{name}.weight", shape))

@@ -24,6 +24,10 @@ from .collectives import (
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .parallel_state import (
     destroy_model_parallel,
+    get_context_parallel_group,
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
+    get_data_context_parallel_group,
     get_data_parallel_group,
     get_data_parallel_rank,
     get_data_parallel_world_size,

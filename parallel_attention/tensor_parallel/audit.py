@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .collectives import all_gather_along_dim
-from .param_kinds import Partial, Sharded, parameter_kinds
+from .param_kinds import Partial, Sharded, local_rows, local_shard, parameter_kinds
 from .parallel_state import ProcessGroup, get_global_rank, group_size
 
 __all__ = ["AuditEntry", "replica_entries", "replica_mismatches"]
@@ -43,12 +43,14 @@ class AuditEntry:
 def replica_entries(model: nn.Module) -> tuple[list[AuditEntry], list[AuditEntry]]:
     """(entries compared across the tensor-parallel group, entries compared across the data-parallel group)."""
     tensor_parallel = []
-    for name, (param, kind) in parameter_kinds(model).items():
+    for name, (param, kind) in parameter_kinds(model).items():  # FSDP2: the ranks of a tp group share a dp shard
         if isinstance(kind, Partial) and kind.sharded_dim is not None:
-            tensor_parallel.append(AuditEntry(f"{name}[k/v replica rows]", param[kind.rows], kind.slot))
+            tensor_parallel.append(AuditEntry(f"{name}[k/v replica rows]", local_rows(param, kind.rows), kind.slot))
         elif not isinstance(kind, Sharded):
-            tensor_parallel.append(AuditEntry(name, param))
-    data_parallel = [AuditEntry(name, param) for name, param in model.named_parameters()]
+            tensor_parallel.append(AuditEntry(name, local_shard(param)[0]))
+    # FSDP2's DTensors are split across the data-parallel ranks, not copied: one copy has no replica to differ from
+    data_parallel = [AuditEntry(name, param) for name, param in model.named_parameters()
+                     if getattr(param, "placements", None) is None]
     return tensor_parallel, data_parallel
 
 

@@ -141,11 +141,12 @@ def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    p = group_size(group)
-    moved = x.movedim(-1, 0).contiguous()  # all_gather_into_tensor concatenates along dim 0
-    out = torch.empty((p * moved.shape[0],) + moved.shape[1:], dtype=x.dtype, device=x.device)
-    _all_gather_tensor(out, moved, group)
-    return out.movedim(0, -1).contiguous()
+    """[..., n/p] -> [..., n]: gathered as [p, ..., n/p] (all_gather_into_tensor stacks along dim 0), then one
+    copy into rank order along the last dim (no transposed copy of the input)."""
+    p, x = group_size(group), x.contiguous()
+    out = torch.empty((p * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+    _all_gather_tensor(out, x, group)
+    return out.view(p, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], p * x.shape[-1])
 
 
 def _all_gather_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
@@ -244,6 +245,16 @@ def all_reduce_(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SU
         with _issue("all_reduce", x, group):
             dist.all_reduce(x, op=op, group=group)
     return x
+
+
+@torch.no_grad()
+def full_tensor(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value on every rank of its mesh (an all-gather of FSDP2's data-parallel shards, for
+    checkpoints); a plain tensor as it is. Every rank of the mesh calls it."""
+    if getattr(x, "placements", None) is None:
+        return x
+    with _issue("all_gather", None, x.device_mesh.get_group()):
+        return x.full_tensor()
 
 
 def all_gather_objects(obj, group: ProcessGroup | None = None) -> list:

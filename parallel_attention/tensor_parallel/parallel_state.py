@@ -1,10 +1,12 @@
 """The device mesh of the job and its process groups: the one owner of both.
 
-World = dp x tp, described by one `torch.distributed.device_mesh.DeviceMesh` with named dimensions
-`MESH_DIMS` (tp innermost). With world size W and tensor-parallel size p, ranks [0..p-1], [p..2p-1], ...
-form the tensor-parallel groups (consecutive ranks share a node, so the chatty TP collectives stay on
-NVLink); ranks {i, i+p, i+2p, ...} form the data-parallel groups. A caller that has its own mesh hands
-it to `initialize_model_parallel(mesh=...)`; `init_distributed` builds one otherwise. Without
+World = dp x cp x tp, described by one `torch.distributed.device_mesh.DeviceMesh` with named dimensions
+`MESH_DIMS` (tp innermost, then cp, then dp). With tensor-parallel size p and context-parallel size c, ranks
+[0..p-1], [p..2p-1], ... form the tensor-parallel groups (consecutive ranks share a node, so the chatty TP
+collectives stay on NVLink); ranks {i, i+p, ..., i+(c-1)p} (same dp index) the context-parallel groups; ranks
+with the same (cp, tp) index the data-parallel groups; and ranks with the same tp index the data x context
+group over which gradients are reduced (parameters are replicated across cp). A caller with its own mesh
+hands it to `initialize_model_parallel(mesh=...)`; `init_distributed` builds one otherwise. Without
 torch.distributed initialised everything is a single rank: sizes are 1, ranks are 0 and groups are None.
 
 Every `tp_group=` argument of the package takes a ProcessGroup or a 1-D DeviceMesh (`as_group`).
@@ -16,23 +18,23 @@ import atexit
 import datetime
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-ProcessGroup = dist.ProcessGroup
+from .mesh_groups import DP_CP, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size, group_timeout
 
-# outermost first; a context-parallel "cp" dimension goes between them (world = dp x cp x tp)
-MESH_DIMS = ("dp", "tp")
+ProcessGroup = dist.ProcessGroup
 
 
 @dataclass(frozen=True)
 class _State:
     mesh: DeviceMesh
-    groups: dict[str, ProcessGroup]  # this rank's group along each of MESH_DIMS
+    groups: dict[str, ProcessGroup | None]  # this rank's group along each of MESH_DIMS, and dp x cp (DP_CP)
     timeout: datetime.timedelta | None
+    dp_cp_mesh: DeviceMesh | None = None  # 1-D, over groups[DP_CP] (`mesh_groups.data_context_mesh`)
 
 
 _STATE: _State | None = None
@@ -48,18 +50,6 @@ def _as_timedelta(timeout) -> datetime.timedelta | None:
     return datetime.timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
 
 
-def _group_timeout(group: ProcessGroup | None) -> datetime.timedelta | None:
-    """The timeout `group` (None: the world) was created with, or None where torch does not say."""
-    try:  # private API; a torch without it says nothing
-        from torch.distributed import distributed_c10d
-
-        group = group if group is not None else distributed_c10d._get_default_group()
-        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-        return group._get_backend(device).options._timeout
-    except Exception:
-        return None
-
-
 def as_group(group: ProcessGroup | DeviceMesh | None) -> ProcessGroup | None:
     """A ProcessGroup as it is; a 1-D DeviceMesh as its group; None as None."""
     if isinstance(group, DeviceMesh):
@@ -70,46 +60,15 @@ def as_group(group: ProcessGroup | DeviceMesh | None) -> ProcessGroup | None:
     return group
 
 
-def _device_type() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
-
-
-def _build_mesh(sizes: dict[str, int], timeout) -> tuple[DeviceMesh, dict[str, ProcessGroup]]:
-    """The mesh of `sizes` (MESH_DIMS order, consecutive ranks along the last) and this rank's group along each
-    dimension, made with `timeout` (init_device_mesh would give its groups torch's 30-minute default instead)."""
-    ranks = torch.arange(dist.get_world_size()).view(*sizes.values())
-    groups = {}
-    for dim, name in enumerate(sizes):
-        for members in ranks.movedim(dim, -1).reshape(-1, sizes[name]).tolist():  # new_group: every rank, same order
-            group = dist.new_group(members, timeout=timeout)
-            if dist.get_rank() in members:
-                groups[name] = group
-    mesh = DeviceMesh.from_group([groups[n] for n in sizes], _device_type(), mesh=ranks, mesh_dim_names=tuple(sizes))
-    return mesh, groups
-
-
-def _adopt_mesh(mesh: DeviceMesh) -> dict[str, ProcessGroup]:
-    names = mesh.mesh_dim_names or ()
-    missing = [n for n in MESH_DIMS if n not in names]
-    extra = [n for n in names if n not in MESH_DIMS]
-    if missing or extra:
-        raise ValueError(f"initialize_model_parallel(mesh=...): the mesh's dimensions are {names}; it needs exactly "
-                         f"{MESH_DIMS} (outermost first): build it with init_device_mesh(device, shape, "
-                         f"mesh_dim_names={MESH_DIMS}).")
-    if mesh.size() != dist.get_world_size():
-        raise ValueError(f"initialize_model_parallel(mesh=...): the mesh holds {mesh.size()} ranks but the world has "
-                         f"{dist.get_world_size()}: make the mesh over every rank.")
-    return {name: mesh.get_group(name) for name in MESH_DIMS}
-
-
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               timeout: datetime.timedelta | float | None = None, *,
-                              mesh: DeviceMesh | None = None) -> None:
+                              context_parallel_size: int = 1, mesh: DeviceMesh | None = None) -> None:
     """Set up the job's mesh; call once after `init_process_group`, on every rank (group creation is collective).
 
-    mesh=None: build a ("dp", "tp") mesh with tp = tensor_model_parallel_size, whose groups get `timeout`
-    (default: the world group's). mesh=...: adopt the caller's DeviceMesh, whose dimensions are named
-    ("dp", "tp"); its groups are used as they are.
+    mesh=None: build a ("dp", "cp", "tp") mesh with tp = tensor_model_parallel_size and cp =
+    context_parallel_size, whose groups get `timeout` (default: the world group's). mesh=...: adopt the caller's
+    DeviceMesh, whose dimensions are named ("dp", "cp", "tp") or ("dp", "tp") (cp = 1); its groups are used as
+    they are (the dp x cp group of gradient reduction is made from the mesh's ranks, with the tp group's timeout).
     """
     global _STATE, _EXIT_HANDLER_REGISTERED
     if not is_distributed():
@@ -120,30 +79,19 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     if _STATE is not None:
         raise RuntimeError("initialize_model_parallel() was already called; call destroy_model_parallel() first.")
     if mesh is not None:
-        groups = _adopt_mesh(mesh)
-        _STATE = _State(mesh, groups, _group_timeout(groups["tp"]))
+        state = _State(mesh, *adopt_mesh(mesh))
     else:
-        sizes = {"dp": _data_parallel_size(tensor_model_parallel_size), "tp": tensor_model_parallel_size}
-        timeout = _as_timedelta(timeout) or _group_timeout(None)
-        _STATE = _State(*_build_mesh(sizes, timeout), timeout)
+        cp, tp = context_parallel_size, tensor_model_parallel_size
+        sizes = {"dp": data_parallel_size(tp, cp), "cp": cp, "tp": tp}
+        timeout = _as_timedelta(timeout) or group_timeout(None)
+        state = _State(*build_mesh(sizes, timeout), timeout)
+    _STATE = replace(state, dp_cp_mesh=data_context_mesh(state.mesh, state.groups))
     if not _EXIT_HANDLER_REGISTERED:
         # Forget the groups at the interpreter's exit where the caller destroyed only the process group: a gloo
         # group left to the C++ teardown can abort the process (SIGABRT, "terminate called without an active
         # exception"). Registered here, by the caller's own call, not at import; a no-op once the groups are gone.
         atexit.register(destroy_model_parallel)
         _EXIT_HANDLER_REGISTERED = True
-
-
-def _data_parallel_size(p: int) -> int:
-    world = dist.get_world_size()
-    if not isinstance(p, int) or isinstance(p, bool) or p < 1:
-        raise ValueError(f"tensor_model_parallel_size={p!r} must be a positive integer.")
-    if world % p != 0:
-        raise ValueError(
-            f"world size {world} is not a multiple of tensor_model_parallel_size={p}: "
-            f"launch a multiple of {p} processes or choose a tensor-parallel size that divides {world}."
-        )
-    return world // p
 
 
 def describe_group(group: ProcessGroup | None) -> str:
@@ -173,8 +121,14 @@ def destroy_model_parallel() -> None:
 
 
 def get_device_mesh() -> DeviceMesh | None:
-    """The job's ("dp", "tp") DeviceMesh (the caller's, where it brought one); None before initialize_model_parallel."""
+    """The job's ("dp", "cp", "tp") DeviceMesh (the caller's, where it brought one); None before initialize_model_parallel."""
     return None if _STATE is None else _STATE.mesh
+
+
+def get_data_context_parallel_mesh() -> DeviceMesh | None:
+    """A 1-D DeviceMesh over the dp x cp group (the mesh's "dp" dimension at cp = 1): what FSDP2 shards over at
+    zero_stage 3, as DDP and ZeRO-1 reduce over that group; None before initialize_model_parallel."""
+    return None if _STATE is None else _STATE.dp_cp_mesh
 
 
 def _group(name: str) -> ProcessGroup | None:
@@ -195,6 +149,24 @@ def get_tensor_model_parallel_group() -> ProcessGroup | None:
 
 def get_data_parallel_group() -> ProcessGroup | None:
     return _group("dp")
+
+
+def get_context_parallel_group() -> ProcessGroup | None:
+    """The default context-parallel group (None at cp = 1 on an adopted ("dp", "tp") mesh, or a single rank)."""
+    return _group("cp")
+
+
+def get_data_context_parallel_group() -> ProcessGroup | None:
+    """The dp x cp group (same tp rank) over which gradients of replicated-over-cp parameters are reduced."""
+    return _group(DP_CP)
+
+
+def get_context_parallel_world_size() -> int:
+    return group_size(get_context_parallel_group())
+
+
+def get_context_parallel_rank() -> int:
+    return group_rank(get_context_parallel_group())
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -237,12 +209,21 @@ def resolve_tp_group(tp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup
     return as_group(tp_group) if tp_group is not None else get_tensor_model_parallel_group()
 
 
+def resolve_cp_group(cp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup | None:
+    """As resolve_tp_group, for a layer's `cp_group` argument (None: the default context-parallel group, or no
+    context parallelism when initialize_model_parallel was not called: a caller passing only tp_group= gets cp = 1)."""
+    if cp_group is not None:
+        return as_group(cp_group)
+    return get_context_parallel_group() if _STATE is not None else None
+
+
 def init_distributed(
     tensor_model_parallel_size: int = 1,
     backend: str | None = None,
     timeout: datetime.timedelta | float = datetime.timedelta(minutes=10),
+    context_parallel_size: int = 1,
 ) -> torch.device:
-    """Initialise torch.distributed from the torchrun environment, then the job's ("dp", "tp") mesh.
+    """Initialise torch.distributed from the torchrun environment, then the job's ("dp", "cp", "tp") mesh.
 
     Picks NCCL when CUDA is available and gloo otherwise (`backend=` overrides), binds this
     process to cuda:LOCAL_RANK, and returns the device the caller should put tensors on.
@@ -271,7 +252,7 @@ def init_distributed(
         else:
             store = dist.HashStore()
             dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
-    initialize_model_parallel(tensor_model_parallel_size, timeout=timeout)
+    initialize_model_parallel(tensor_model_parallel_size, timeout=timeout, context_parallel_size=context_parallel_size)
     return device
 
 

@@ -52,6 +52,9 @@ class Partial:
 
     Every rank of the group declares the same rows and `num_slots`; only `slot` differs. Outside
     `rows` the parameter is sharded along `sharded_dim` (None: `rows` is the whole parameter).
+    reduced_in_backward: the module sums the shares inside its own backward (transformers models made
+    parallel by `hf.parallelize`, whose training loops never call finalize_grads): the gradient is complete
+    when backward returns, finalize_grads leaves it alone, and the norm still counts the shared rows once.
     """
 
     group: ProcessGroup | None
@@ -59,6 +62,7 @@ class Partial:
     slot: int = 0
     num_slots: int = 1
     sharded_dim: int | None = None
+    reduced_in_backward: bool = False
 
 
 ParamKind = Sharded | Replicated | Partial
@@ -82,10 +86,33 @@ def is_distributed(kind: ParamKind) -> bool:
     return group_size(kind.group) > 1
 
 
+def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's part of `tensor`, the index in `tensor` of its first row): a DTensor (FSDP2 shards each
+    rank's tensor along dim 0 over the data-parallel mesh dimension) gives its local shard; a plain tensor is
+    all of itself, at row 0."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return tensor, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
+    return tensor.to_local(), (offset[0] if offset else 0)
+
+
+def local_rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
+    """The rows `rows` (dim 0 of the whole `tensor`) that this rank's part of it holds (see local_shard)."""
+    local, offset = local_shard(tensor)
+    if local.dim() == 0:
+        return local
+    start, stop, _ = rows.indices(tensor.shape[0])
+    start, stop = min(max(start - offset, 0), local.shape[0]), min(max(stop - offset, 0), local.shape[0])
+    return local[start:max(start, stop)]
+
+
 def _grad_rows(param: nn.Parameter, rows: slice) -> torch.Tensor:
     if param.grad is None:
         param.grad = torch.zeros_like(param)
-    return param.grad[rows]
+    return local_rows(param.grad, rows)
 
 
 @torch.no_grad()
@@ -95,14 +122,19 @@ def finalize_grads(module: nn.Module) -> None:
     All partial rows of one group go into one flat buffer, slot by slot, and one all-reduce sums
     them (ranks sharing a slot add their shares, the others add zeros). One all-reduce per group
     that needs it; none when nothing does (p = 1, no sequence parallelism, no k/v replication).
+    Under FSDP2 (zero_stage 3) the gradients are DTensors sharded over the data-parallel group: the
+    tensor-parallel sum and the data-parallel reduce-scatter commute, so each rank sums the partial rows
+    its local shard holds (`local_rows`; the ranks of one tensor-parallel group hold the same rows).
     """
     by_group: dict[int, list[tuple[nn.Parameter, Partial]]] = {}
     for param, kind in parameter_kinds(module).values():
-        if isinstance(kind, Partial) and is_distributed(kind):
+        if isinstance(kind, Partial) and is_distributed(kind) and not kind.reduced_in_backward:
             by_group.setdefault(id(kind.group), []).append((param, kind))
     for entries in by_group.values():
         views = [_grad_rows(param, kind.rows) for param, kind in entries]
         sizes = [v.numel() * kind.num_slots for v, (_, kind) in zip(views, entries)]
+        if not sum(sizes):  # FSDP2 left this rank no row of them (the ranks of one tp group share a dp rank)
+            continue
         buffer = torch.zeros(sum(sizes), dtype=views[0].dtype, device=views[0].device)
         offsets = [sum(sizes[:i]) + kind.slot * v.numel() for i, (v, (_, kind)) in enumerate(zip(views, entries))]
         for view, start in zip(views, offsets):

@@ -134,13 +134,16 @@ def layer_activation_bytes(cfg: ModelConfig, seq_len: int, batch: int, tp_size: 
     return sum(terms.values())
 
 
-def measured_layer_bytes(cfg: ModelConfig, seq_len: int, batch: int, sequence_parallel: bool = False) -> int:
+def measured_layer_bytes(cfg: ModelConfig, seq_len: int, batch: int, sequence_parallel: bool = False,
+                         **model_kwargs) -> int:
     """Saved bytes of one transformer layer, measured: a 2-layer model's forward minus a 1-layer one's (the
-    embedding, final norm and loss cancel), in this process's tensor-parallel group."""
+    embedding, final norm and loss cancel), in this process's tensor-parallel group. model_kwargs go to GPTModel
+    (cp_group=, context_parallel_kind=: the bytes of this rank's part of the sequence)."""
     saved = []
     for layers in (1, 2):
         manual_seed(0)
-        model = GPTModel(ModelConfig(**{**cfg.__dict__, "num_layers": layers}), sequence_parallel=sequence_parallel)
+        model = GPTModel(ModelConfig(**{**cfg.__dict__, "num_layers": layers}), sequence_parallel=sequence_parallel,
+                         **model_kwargs)
         tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
         saved.append(saved_activation_bytes(lambda: model(tokens[:, :-1], tokens[:, 1:])))
     return saved[1] - saved[0]

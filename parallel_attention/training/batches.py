@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..transformer.cross_entropy import IGNORE_INDEX
+from ..transformer.documents import mask_cross_document_labels
+
 if TYPE_CHECKING:
     from .data import TokenDataset
 
@@ -25,17 +28,46 @@ def _check_fits(dataset: TokenDataset, seq_len: int) -> None:
                          f"use a shorter data.seq_len, a larger corpus or a larger data.val_fraction.")
 
 
-def _split_rows(rows: torch.Tensor, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut [n, s+1] rows into micro-batches of (tokens [mb, s], labels [mb, s]), labels shifted by one."""
-    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in rows.split(micro_batch_size)]
+def _split_rows(rows: torch.Tensor, micro_batch_size: int,
+                documents: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Cut [n, s+1] rows into micro-batches of (tokens [mb, s], labels [mb, s]), labels shifted by one; with
+    `documents` [n, s+1] (each token's document index), (tokens, labels, document_ids [mb, s]) whose labels
+    that predict the next document's first token are IGNORE_INDEX (packed documents: data.document_masking)."""
+    if documents is None:
+        return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in rows.split(micro_batch_size)]
+    return [(chunk[:, :-1].contiguous(),
+             mask_cross_document_labels(chunk[:, 1:].contiguous(), docs[:, 1:], docs[:, :-1], IGNORE_INDEX),
+             docs[:, :-1].contiguous()) for chunk, docs in zip(rows.split(micro_batch_size),
+                                                               documents.split(micro_batch_size))]
+
+
+def window_documents(dataset: TokenDataset, offsets, length: int) -> torch.Tensor:
+    """LongTensor [len(offsets), length]: the index of the document (train.idx / val.idx) of each token."""
+    if dataset.doc_offsets is None:
+        raise ValueError(f"data.document_masking=true needs the document index beside {dataset.path} (its .idx): "
+                         "this data was prepared without one; prepare it again (delete its meta.json).")
+    positions = np.asarray(offsets, dtype=np.int64).reshape(-1, 1) + np.arange(length, dtype=np.int64)
+    return torch.from_numpy(np.searchsorted(dataset.doc_offsets, positions, side="right").astype(np.int64) - 1)
+
+
+def _micro_batches(dataset: TokenDataset, offsets, length: int, micro_batch_size: int,
+                   document_masking: bool) -> list[tuple[torch.Tensor, ...]]:
+    documents = window_documents(dataset, offsets, length) if document_masking else None
+    return _split_rows(dataset.windows(offsets, length), micro_batch_size, documents)
 
 
 class GlobalBatchSampler:
     """Global batches of `global_batch_size` random windows of seq_len+1 tokens, a pure function of (seed, step)."""
 
-    def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int) -> None:
+    def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int,
+                 document_masking: bool = False) -> None:
+        """document_masking: micro-batches are (tokens, labels, document_ids) with the labels across a
+        document boundary ignored (data.document_masking)."""
         _check_fits(dataset, seq_len)
         self.dataset, self.seq_len, self.global_batch_size, self.seed = dataset, seq_len, global_batch_size, seed
+        self.document_masking = document_masking
+        if document_masking:
+            window_documents(dataset, [0], 1)  # refused now, not at the first step, without a document index
 
     def offsets(self, step: int) -> torch.Tensor:
         """Start offsets of the global batch of `step`; cheap, so every rank computes all of them."""
@@ -55,7 +87,7 @@ class GlobalBatchSampler:
         """
         per_rank = _rows_per_rank(self.global_batch_size, dp_rank, dp_size, micro_batch_size)
         mine = self.offsets(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-        return _split_rows(self.dataset.windows(mine, self.seq_len + 1), micro_batch_size)
+        return _micro_batches(self.dataset, mine, self.seq_len + 1, micro_batch_size, self.document_masking)
 
 
 def _rows_per_rank(batch_size: int, dp_rank: int, dp_size: int, micro_batch_size: int) -> int:
@@ -68,7 +100,8 @@ def _rows_per_rank(batch_size: int, dp_rank: int, dp_size: int, micro_batch_size
 
 
 def validation_batches(dataset: TokenDataset, seq_len: int, batch_size: int, num_batches: int, *,
-                       dp_rank: int = 0, dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       dp_rank: int = 0, dp_size: int = 1,
+                       document_masking: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """This data-parallel rank's part of a fixed validation set of `num_batches` x `batch_size` windows.
 
     The windows are evenly spaced over the split and do not depend on the layout: the trainer passes
@@ -86,5 +119,5 @@ def validation_batches(dataset: TokenDataset, seq_len: int, batch_size: int, num
     for b in range(num_batches):
         mine = starts[b * batch_size + first: b * batch_size + last]
         if len(mine):
-            batches += _split_rows(dataset.windows(mine, seq_len + 1), len(mine))
+            batches += _micro_batches(dataset, mine, seq_len + 1, len(mine), document_masking)
     return batches

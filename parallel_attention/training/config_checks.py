@@ -73,13 +73,21 @@ RANGES: dict[str, Range] = {
     "model.norm_eps": EPSILON,
     "model.max_seq_len": COUNT,
     "model.rope_theta": Range(0, low_open=True, meaning="the base of the rotary frequencies"),
+    "model.rope_factor": Range(0, low_open=True, meaning="llama3 rope scaling: the low frequencies' divisor"),
+    "model.rope_low_freq_factor": Range(0, low_open=True, meaning="llama3 rope scaling: original length / it is "
+                                                                  "the longest wavelength kept unscaled"),
+    "model.rope_high_freq_factor": Range(0, low_open=True, meaning="llama3 rope scaling: original length / it is "
+                                                                   "the shortest wavelength scaled"),
+    "model.rope_original_max_seq_len": Range(1, meaning="llama3 rope scaling: the unscaled model's context length"),
     "model.hidden_dropout": PROBABILITY,
     "model.attention_dropout": PROBABILITY,
     "model.init_std": Range(0, low_open=True, meaning="the standard deviation of the initial weights"),
     "parallel.tensor_parallel_size": COUNT,
+    "parallel.context_parallel_size": COUNT,
     "parallel.timeout_s": Range(0, MAX_TIMEOUT_S, low_open=True, meaning="seconds a collective may wait"),
-    "parallel.zero_stage": Range(0, 1, meaning="0: every data-parallel rank holds the whole optimizer state; "
-                                               "1: it is sharded across them (ZeRO-1)"),
+    "parallel.zero_stage": Range(0, 3, meaning="0: every data-parallel rank holds the whole optimizer state; "
+                                               "1: it is sharded across them (ZeRO-1); 3: parameters, gradients "
+                                               "and optimizer state are sharded (FSDP2)"),
     "data.val_fraction": Range(0, 1, low_open=True, high_open=True,
                                meaning="the share of tokens held out; both splits must be non-empty"),
     "data.max_bytes": Range(1, null="the whole corpus"),
@@ -138,6 +146,10 @@ def check_ranges(cfg: Any) -> None:
         raise ConfigError(f"{key}={value!r} is out of range: it must be {what} {allowed.describe()}"
                           f"{' or null' if allowed.null else ''}{f' ({notes})' if notes else ''}; "
                           f"set it in the config file or with --{key}=VALUE.")
+    if cfg.parallel.zero_stage == 2:
+        raise ConfigError("parallel.zero_stage=2 is not supported: use 1 (optimizer state sharded, ZeRO-1) or 3 "
+                          "(parameters, gradients and optimizer state sharded with FSDP2); set "
+                          "--parallel.zero_stage=1 or --parallel.zero_stage=3.")
 
 
 def check_data_source(source: str) -> None:
@@ -172,3 +184,26 @@ def check_names(cfg: Any) -> None:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name).strip():
             raise ConfigError(f"{key} is empty: give it a name (see configs/gpt_tiny.yaml).")
+
+
+def check_context_parallel(cfg: Any) -> None:
+    """parallel.context_parallel_size / _kind against the model, the data and the other settings."""
+    par, m = cfg.parallel, cfg.model
+    cp, tp, kind = par.context_parallel_size, par.tensor_parallel_size, par.context_parallel_kind
+    if cp == 1:
+        return
+    chunks = 2 * cp * (tp if par.sequence_parallel else 1)
+    if cfg.data.seq_len % chunks != 0:
+        under = f" x tensor_parallel_size={tp} (sequence_parallel)" if par.sequence_parallel else ""
+        raise ValueError(f"parallel.context_parallel_size={cp} needs data.seq_len={cfg.data.seq_len} divisible by 2 x "
+                         f"context_parallel_size{under} = {chunks} (the zigzag split): change data.seq_len.")
+    if (m.attention_dropout > 0 or m.hidden_dropout > 0) and m.dropout_rng != "layout_invariant":
+        raise ValueError(f"parallel.context_parallel_size={cp} with dropout (model.attention_dropout="
+                         f"{m.attention_dropout}, model.hidden_dropout={m.hidden_dropout}) needs "
+                         f"model.dropout_rng=layout_invariant (got {m.dropout_rng}): the per_rank generators would "
+                         "draw the same masks on every context-parallel rank. Set --model.dropout_rng=layout_invariant "
+                         "or the dropouts to 0.")
+    if kind == "all_to_all" and (m.num_heads // tp) % cp != 0:
+        raise ValueError(f"parallel.context_parallel_kind=all_to_all needs the heads per tensor-parallel rank "
+                         f"(model.num_heads={m.num_heads} / tp {tp}) divisible by context_parallel_size={cp}: "
+                         "choose another cp, or context_parallel_kind=ring.")

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..tensor_parallel.collectives import named_timeouts
 from ..tensor_parallel.parallel_state import ProcessGroup, group_size
+from .fsdp import gradient_sync, mesh_of, shard_fully
 from .gradients import all_reduce_data_parallel
 
 BUCKET_CAP_MB = 25  # DDP's default: small enough that the first buckets start early in the backward
@@ -38,15 +39,19 @@ _NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
 
 
 def wrap_data_parallel(model: nn.Module, group: ProcessGroup | None, debug_collectives: bool = False,
-                       bucket_cap_mb: float = BUCKET_CAP_MB) -> nn.Module:
+                       bucket_cap_mb: float = BUCKET_CAP_MB, zero_stage: int = 0) -> nn.Module:
     """What the training forward runs through: DDP over `group` when it has more than one rank (ReducedAfterBackward
-    under debug_collectives), else `model`.
+    under debug_collectives), else `model`. zero_stage 3: `model` itself, sharded by FSDP2 over a 1-D mesh of
+    `group` (the trainer's: dp x cp, `fsdp.mesh_of`); build the optimizer after this call, over the sharded
+    parameters.
 
     gradient_as_bucket_view: the gradients are views into DDP's buckets (no copy in and out of them), which
     clipping and the optimizer read and scale in place like any gradient.
     """
     if group_size(group) == 1:
         return model
+    if zero_stage == 3:
+        return shard_fully(model, mesh_of(group))
     if debug_collectives:
         return ReducedAfterBackward(model, group)
     return DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
@@ -74,7 +79,9 @@ class ReducedAfterBackward(nn.Module):
 
 def reduce_gradients(module: nn.Module, reduce: bool) -> contextlib.AbstractContextManager:
     """The context of one micro-batch's forward and backward: DDP's no_sync() unless `reduce` (the last
-    micro-batch of a step), so that accumulation micro-batches issue no collective."""
+    micro-batch of a step), so that accumulation micro-batches issue no collective (FSDP2: no reduce-scatter)."""
+    if hasattr(module, "set_requires_gradient_sync"):
+        return gradient_sync(module, reduce)
     if reduce:  # DDP reduces from its hooks; ReducedAfterBackward when the backward is done
         sync = getattr(module, "sync", None)
         if sync is not None:

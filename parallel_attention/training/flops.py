@@ -159,7 +159,9 @@ def _too_fast(achieved: float, peak: float, configured: float | None, device: to
 def step_rates(cfg: PretrainConfig, device: torch.device, tokens_per_step: int, seconds: float) -> dict:
     """tokens/s of the whole job, achieved model TFLOP/s per device, MFU, and the peak MFU was computed against
     (`reported_peak`), for a step's metrics record."""
-    world = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
+    # every device of dp x cp x tp; seq_len is the full sequence's (CP splits it, its attention FLOPs do not shrink)
+    world = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+             * ps.get_data_parallel_world_size())
     tflops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step / seconds / world / 1e12
     peak = reported_peak(tflops, cfg.logging.peak_tflops, device)
     return {"tokens_per_s": tokens_per_step / seconds, "tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak}

@@ -2,10 +2,8 @@
 inside the backward, `data_parallel`; the tensor-parallel partial sums in `finalize_grads`).
 
 - `all_reduce_data_parallel`: the data-parallel average in flat buckets after the backward (the guarded path).
-- `global_grad_norm`: the norm of the whole model's gradient with each parameter counted once,
-  read off the declared parameter kinds: sharded parameters add up across the tensor-parallel
-  group, replicated ones count on its first rank, and partial rows shared by several ranks (k/v
-  replicas) count 1/replicas on each.
+- `global_grad_norm`: the norm of the whole model's gradient with each parameter counted once, read off the
+  declared parameter kinds (`tensor_parallel.grad_clip`, shared with `parallel_attention.clip_grad_norm_`).
 """
 
 from __future__ import annotations
@@ -14,8 +12,10 @@ import torch
 from torch import nn
 
 from ..tensor_parallel.collectives import all_reduce_
-from ..tensor_parallel.param_kinds import Partial, Sharded, parameter_kinds
-from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
+from ..tensor_parallel.grad_clip import global_grad_norm, scale_grads_
+from ..tensor_parallel.parallel_state import ProcessGroup, group_size
+
+__all__ = ["all_reduce_data_parallel", "clip_gradients", "global_grad_norm"]
 
 
 @torch.no_grad()
@@ -43,41 +43,9 @@ def all_reduce_data_parallel(params: list[nn.Parameter], group: ProcessGroup | N
     return len(buckets)
 
 
-def _squared(x: torch.Tensor) -> torch.Tensor:
-    """|x|^2 in float32: vector_norm reads x once (pow(2).sum() writes a squared copy first: 4x slower on CPU)
-    and accumulates more accurately."""
-    return torch.linalg.vector_norm(x, dtype=torch.float32).square()
-
-
-def _squared_norm_once(param: nn.Parameter, kind, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's share of |grad|^2 such that the sum over the tensor-parallel group counts it once."""
-    squared = _squared(param.grad)
-    if isinstance(kind, Sharded):
-        return squared
-    if isinstance(kind, Partial) and kind.sharded_dim is not None:  # shared rows inside a sharded tensor
-        replicas = tp_size // kind.num_slots
-        return squared - (1.0 - 1.0 / replicas) * _squared(param.grad[kind.rows])
-    return squared if tp_rank == 0 else torch.zeros_like(squared)  # identical on every rank
-
-
-@torch.no_grad()
-def global_grad_norm(model: nn.Module, tp_group: ProcessGroup | None) -> torch.Tensor:
-    """L2 norm of all gradients as if the model were on one rank (call after all reductions)."""
-    tp_rank, tp_size = group_rank(tp_group), group_size(tp_group)
-    total = None
-    for param, kind in parameter_kinds(model).values():
-        if param.grad is not None:
-            share = _squared_norm_once(param, kind, tp_rank, tp_size)
-            total = share if total is None else total + share
-    return all_reduce_(total, tp_group).sqrt()
-
-
 @torch.no_grad()
 def clip_gradients(model: nn.Module, max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale every gradient by min(1, max_norm / total_norm); max_norm <= 0 disables clipping."""
     if max_norm <= 0:
         return
-    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.mul_(coefficient.to(p.grad.dtype))
+    scale_grads_(model, max_norm, total_norm)

@@ -37,7 +37,7 @@ def resume_from_checkpoint(cfg: PretrainConfig, where: str, model: nn.Module, op
 
 def _load(cfg: PretrainConfig, path: Path, model: nn.Module, optimizer) -> dict:
     """`path` exactly at the same layout, else resharded (after which the RNG is reseeded from (seed, step))."""
-    groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group())
+    groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_context_parallel_group())
     saved = _agreed_manifest(path)
     if same_layout(saved, cfg.parallel.tensor_parallel_size, ps.get_world_size()):
         return load_checkpoint(path, model, optimizer, expected_config={"model": model_shape_config(cfg.model)},

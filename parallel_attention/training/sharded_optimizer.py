@@ -69,7 +69,8 @@ def _sharded_adamw_class() -> type:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer-state tensors this rank holds (numel x element size, each tensor once): the whole
-    AdamW state for torch's AdamW, this rank's partition for a ZeroRedundancyOptimizer."""
+    AdamW state for torch's AdamW, this rank's partition for a ZeroRedundancyOptimizer, the local shards of FSDP2's
+    DTensor moments."""
     seen, total = set(), 0
     local = getattr(optimizer, "optim", None)  # a ZeroRedundancyOptimizer's own optimizer: its partition
     for states in (optimizer.state, *((local.state,) if local is not None else ())):
@@ -77,5 +78,18 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             for value in (per_param or {}).values():
                 if isinstance(value, torch.Tensor) and id(value) not in seen:
                     seen.add(id(value))
-                    total += value.numel() * value.element_size()
+                    total += tensor_bytes(value)
     return total
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of `tensor`: a DTensor's local shard only (FSDP2's data-parallel part)."""
+    local = tensor.to_local() if getattr(tensor, "placements", None) is not None else tensor
+    return local.numel() * local.element_size()
+
+
+def parameter_and_gradient_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of the parameters, bytes of their gradients) this rank holds (DTensors: their local shards)."""
+    params = list(model.parameters())
+    return (sum(tensor_bytes(p) for p in params),
+            sum(tensor_bytes(p.grad) for p in params if p.grad is not None))

@@ -44,13 +44,14 @@ def _shape_line(cfg: PretrainConfig) -> str:
 
 
 def _layout_line(cfg: PretrainConfig, world_size: int) -> str:
-    p = cfg.parallel.tensor_parallel_size
-    text = f"world {world_size} = tensor parallel {p} x data parallel {world_size // p}"
+    p, cp = cfg.parallel.tensor_parallel_size, cfg.parallel.context_parallel_size
+    context = f" x context parallel {cp} ({cfg.parallel.context_parallel_kind})" if cp > 1 else ""
+    text = f"world {world_size} = tensor parallel {p}{context} x data parallel {world_size // (p * cp)}"
     return text + (" + sequence parallel" if cfg.parallel.sequence_parallel else "")
 
 
 def _batch_line(cfg: PretrainConfig, world_size: int) -> str:
-    t, dp = cfg.training, world_size // cfg.parallel.tensor_parallel_size
+    t, dp = cfg.training, world_size // (cfg.parallel.tensor_parallel_size * cfg.parallel.context_parallel_size)
     return (f"global {t.global_batch_size} sequences = micro {t.micro_batch_size} x data parallel {dp} x "
             f"{cfg.gradient_accumulation_steps(world_size)} accumulation step(s)")
 

@@ -4,7 +4,8 @@ Tensor parallelism p x data parallelism world/p, from a PretrainConfig. One step
 of `step` (a pure function of seed and step) split over the data-parallel ranks and into
 micro-batches; forward/backward per micro-batch through DDP (the data-parallel gradient average runs
 during the last micro-batch's backward); finalize_grads (tensor-parallel partial gradients); global
-norm, clipping, AdamW (its state sharded across data-parallel ranks at zero_stage 1), unless the
+norm, clipping, AdamW (its state sharded across data-parallel ranks at zero_stage 1; at zero_stage 3 FSDP2
+shards parameters, gradients and state, and reduce-scatters instead of DDP, `fsdp`), unless the
 divergence guard skips or stops the step. After a step: evaluate, log, stop on divergence, audit the
 replicated parameters (every `training.audit_interval` steps and before each checkpoint), checkpoint
 (every `checkpoint.interval` steps, at the end and on SIGTERM), stop. Resume is exact.
@@ -109,7 +110,8 @@ def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, TokenDataset]:
     agreed(lambda: rank_0 and ensure_prepared(cfg.data, tokenizer_dir=Path(cfg.logging.run_dir) / "tokenizer"),
            data_dir)  # the barrier too: no rank opens the files before rank 0 has prepared them
     train_split, val_split = agreed(lambda: open_splits(data_dir, cfg.model.vocab_size), data_dir)
-    sampler = GlobalBatchSampler(train_split, cfg.data.seq_len, cfg.training.global_batch_size, cfg.training.seed)
+    sampler = GlobalBatchSampler(train_split, cfg.data.seq_len, cfg.training.global_batch_size, cfg.training.seed,
+                                 cfg.data.document_masking)
     return sampler, val_split
 
 
@@ -118,7 +120,8 @@ def build(cfg: PretrainConfig) -> Run:
     if cfg.parallel.debug_collectives:  # before the groups exist, so that torch's own checks wrap them too
         enable_collective_log()
     backend = None if cfg.parallel.distributed_backend == "auto" else cfg.parallel.distributed_backend
-    device = ps.init_distributed(cfg.parallel.tensor_parallel_size, backend=backend, timeout=cfg.parallel.timeout_s)
+    device = ps.init_distributed(cfg.parallel.tensor_parallel_size, backend=backend, timeout=cfg.parallel.timeout_s,
+                                 context_parallel_size=cfg.parallel.context_parallel_size)
     check_config_agreement(cfg)  # before anything is written or drawn: every rank must run this same config
     lock_run_dir(cfg)  # one run per directory: refused before anything is written if another run holds it
     prepare_run_dir(cfg)  # rank 0 makes it and clears a dead run's leftovers; every rank refuses an unwritable one
@@ -127,16 +130,19 @@ def build(cfg: PretrainConfig) -> Run:
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     manual_seed(cfg.training.seed)
     model = GPTModel(cfg.model, cfg.parallel.sequence_parallel, tp_group=ps.get_tensor_model_parallel_group(),
-                     device=device, overlap_comm=cfg.parallel.overlap_comm)
+                     device=device, overlap_comm=cfg.parallel.overlap_comm,
+                     context_parallel_kind=cfg.parallel.context_parallel_kind)
     if cfg.model.compile:
         compile_layers(model)
     val_batches = validation_batches(val_data, cfg.data.seq_len, cfg.training.micro_batch_size,
-                                     cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size)
+                                     cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size,
+                                     document_masking=cfg.data.document_masking)
     scaler = DynamicLossScaler(enabled=device.type == "cuda" and cfg.training.dtype == "float16")
-    dp_group = ps.get_data_parallel_group()
-    optimizer = build_optimizer(model, cfg.optimizer, dp_group, cfg.parallel.zero_stage)
-    return Run(cfg, device, model, optimizer, scaler, sampler, val_batches,
-               data_parallel_model=wrap_data_parallel(model, dp_group, cfg.parallel.debug_collectives))
+    # parameters are replicated over dp x cp: their gradients are averaged (and ZeRO-1 shards) over both
+    dp_group, zero_stage = ps.get_data_context_parallel_group(), cfg.parallel.zero_stage
+    forward = wrap_data_parallel(model, dp_group, cfg.parallel.debug_collectives, zero_stage=zero_stage)
+    optimizer = build_optimizer(model, cfg.optimizer, dp_group, zero_stage)  # over FSDP2's shards at stage 3
+    return Run(cfg, device, model, optimizer, scaler, sampler, val_batches, data_parallel_model=forward)
 
 
 def resume_run(run: Run, where: str) -> None:
@@ -158,16 +164,21 @@ def resume_run(run: Run, where: str) -> None:
 
 
 # ---------------------------------------------------------------------------------- steps
+def _model_inputs(batch: tuple, device: torch.device) -> dict:
+    """A micro-batch (tokens, labels[, document_ids]) as the model's keyword arguments, on `device`."""
+    return {name: t.to(device) for name, t in zip(("tokens", "labels", "document_ids"), batch)}
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     """Mean validation loss per token over the fixed validation windows (the same for every layout):
     token-loss sums and token counts are summed over the data-parallel ranks, then divided."""
     run.model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # [sum of token losses, tokens]
-    for tokens, labels in run.val_batches:
+    for batch in run.val_batches:
         with _autocast(run.cfg, run.device):
-            mean = run.model(tokens.to(run.device), labels.to(run.device)).double()
-        count = float((labels != IGNORE_INDEX).sum())
+            mean = run.model(**_model_inputs(batch, run.device)).double()
+        count = float((batch[1] != IGNORE_INDEX).sum())
         sums += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
     run.model.train()
     all_reduce_(sums, ps.get_data_parallel_group())
@@ -184,12 +195,12 @@ def _forward_backward(run: Run) -> torch.Tensor:
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro_batches = run.sampler.local_micro_batches(run.step, dp_rank, dp_size, t.micro_batch_size)
     loss_sum, forward = torch.zeros((), device=run.device), run.data_parallel_model
-    for i, (tokens, labels) in enumerate(micro_batches):
+    for i, batch in enumerate(micro_batches):
         first_sample = dp_rank * (t.global_batch_size // dp_size) + i * t.micro_batch_size
         with dropout_coordinates(t.seed, run.step, first_sample), \
                 reduce_gradients(forward, reduce=i == len(micro_batches) - 1):
             with _autocast(run.cfg, run.device):
-                loss = forward(tokens.to(run.device), labels.to(run.device)) / len(micro_batches)
+                loss = forward(**_model_inputs(batch, run.device)) / len(micro_batches)
             run.scaler.scale_loss(loss).backward()
         loss_sum += loss.detach().float()
     return loss_sum
@@ -225,7 +236,7 @@ def checkpoint(run: Run) -> None:
              **run.guard.state_dict(), "finite": run.guard.consecutive == 0}
     save_checkpoint(Path(run.cfg.logging.run_dir) / "checkpoints", run.step, run.model, run.optimizer,
                     config=run.cfg.to_dict(), keep_last=run.cfg.checkpoint.keep_last, extra=extra,
-                    tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group())
+                    tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_context_parallel_group())
 
 
 def after_step(run: Run, record: dict, sigterm: SigtermFlag) -> bool:
@@ -268,8 +279,7 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
 def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResult:
     """Summary, resume, then the steps; the caller releases the run directory on every way out."""
     if ps.get_global_rank() == 0:
-        world = ps.get_tensor_model_parallel_world_size() * ps.get_data_parallel_world_size()
-        print(run_summary(cfg, run.model, world, run.device), file=sys.stderr, flush=True)
+        print(run_summary(cfg, run.model, ps.get_world_size(), run.device), file=sys.stderr, flush=True)  # dp x cp x tp
     resume_run(run, resume or cfg.checkpoint.resume)
     sigterm = SigtermFlag()
     try:

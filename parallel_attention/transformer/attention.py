@@ -11,6 +11,8 @@ Shape legend: s sequence, b batch, h hidden, p tensor-parallel size, nh heads, n
     q [b, nhl, s, d], k, v [b, nkvl, s, d]
       | local attention (SDPA / the CPU chunked kernel / math / apex), dropout from the tensor-parallel generator
       |   (dropout_rng='layout_invariant': explicit probabilities, masks hashed from global coordinates)
+      |   CP (cp > 1; x is this rank's zigzag part, [s/cp, b, h], SP [s/(cp p), b, h]): the ring or the all-to-all
+      |   around it (context_parallel/), rotary at the part's global positions
     context [s, b, nhl * d]
       | dense: RowParallelLinear nh d -> h, input_is_parallel
       |   fwd all-reduce / bwd identity  (SP: fwd reduce-scatter s / bwd all-gather s)
@@ -39,8 +41,11 @@ from .kv_cache import LayerKVCache
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.collectives import all_gather_along_dim
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
-from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
+from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_cp_group, resolve_tp_group
+from .context_parallel import ContextParallelPart, build_context_parallel_core
 from .rotary import build_position_embedding
+from .documents import DocumentLayout
+from .norms import build_head_norm
 
 
 def _as_is(t: torch.Tensor) -> torch.Tensor:
@@ -52,12 +57,28 @@ def _own_copy(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _check_documents(documents: DocumentLayout | None, b: int, s: int) -> None:
+    if documents is not None and documents.shape != (b, s):
+        raise ValueError(f"documents describe [b, s] = {list(documents.shape)} but the attention sees [{b}, {s}]: "
+                         "build the DocumentLayout from the full sequence's document_ids (also under SP).")
+
+
+def _check_mask(m: torch.Tensor, b: int, s: int) -> None:
+    if m.dtype != torch.bool:
+        raise ValueError(f"attention_mask must be boolean (True = may attend), got dtype {m.dtype}.")
+    if m.dim() != 4 or m.shape[0] not in (1, b) or m.shape[1] != 1 or m.shape[2] not in (1, s) or m.shape[3] != s:
+        raise ValueError(f"attention_mask of shape {tuple(m.shape)} is not broadcastable to [b, 1, s, s] = "
+                         f"[{b}, 1, {s}, {s}]: pass [b, 1, 1, s] key padding or a [b, 1, s, s] pattern.")
+
+
 class ParallelSelfAttention(nn.Module):
     def __init__(self, config: AttentionConfig, tp_group: ProcessGroup | DeviceMesh | None = None, device=None,
                  layer_number: int = 0, recompute_core: bool = False, *, sequence_parallel: bool | None = None,
-                 overlap_comm: bool | None = None) -> None:
+                 overlap_comm: bool | None = None, cp_group: ProcessGroup | DeviceMesh | None = None,
+                 context_parallel_kind: str = "all_to_all") -> None:
         """The block `config` describes, over `tp_group` (a ProcessGroup or a 1-D DeviceMesh such as mesh["tp"];
-        None: the default group of initialize_model_parallel).
+        None: the default group of initialize_model_parallel) and `cp_group` (likewise; at cp > 1 the input is
+        this rank's zigzag part of the sequence, and `context_parallel_kind` is "ring" or "all_to_all").
 
         sequence_parallel: the input and output are this rank's [s/p, b, h] chunk of the sequence (default False).
         overlap_comm: the projections' backward collectives overlap their GEMMs (default True).
@@ -88,7 +109,16 @@ class ParallelSelfAttention(nn.Module):
         # layer_number and this rank's first global head name its dropout masks (dropout_rng='layout_invariant')
         self.core_attention = build_core_attention(config, self.tp_rank * self.num_heads_per_rank, layer_number,
                                                    recompute_core, device)
+        self.cp_group = resolve_cp_group(cp_group)
+        self.context = ContextParallelPart(self.cp_group)  # this rank's part of the sequence (cp = 1: all of it)
+        if self.context.cp > 1:
+            self.core_attention = build_context_parallel_core(
+                context_parallel_kind, config, self.cp_group, self.tp_rank * self.num_heads_per_rank,
+                (self.num_heads_per_rank, self.num_kv_heads_per_rank), layer_number, recompute_core, device)
         self.position_embedding = build_position_embedding(config)
+        # qk_norm: RMSNorm over each head's q and k, before rotary (the identity otherwise)
+        self.q_norm, self.k_norm = (build_head_norm(config.qk_norm, d, config.qk_norm_eps, self.tp_group, device,
+                                                    config.params_dtype) for _ in range(2))
         # rotary makes q, k new tensors: a copy of v then frees mixed after the forward
         self._own_values = _own_copy if config.rotary else _as_is
         self.load_canonical_state_dict(self._initial_canonical_weights(device))
@@ -104,6 +134,8 @@ class ParallelSelfAttention(nn.Module):
             shapes.update({f"{n}.bias": shapes[f"{n}.weight"][:1] for n in ("q_proj", "k_proj", "v_proj")})
         if c.out_bias:
             shapes["o_proj.bias"] = (c.hidden_size,)
+        if c.qk_norm:
+            shapes.update({"q_norm.weight": (c.head_dim,), "k_norm.weight": (c.head_dim,)})
         return shapes
 
     def _initial_canonical_weights(self, device) -> dict[str, torch.Tensor]:
@@ -111,7 +143,10 @@ class ParallelSelfAttention(nn.Module):
         weights = {}
         for name, shape in self.canonical_shapes().items():
             t = torch.empty(shape, device=device, dtype=self.config.params_dtype)
-            weights[name] = t.normal_(0.0, self.config.init_std) if name.endswith("weight") else t.zero_()
+            if name.endswith("norm.weight"):  # q_norm, k_norm: ones, drawing nothing
+                weights[name] = t.fill_(1.0)
+            else:
+                weights[name] = t.normal_(0.0, self.config.init_std) if name.endswith("weight") else t.zero_()
         return weights
 
     def _fuse_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -130,7 +165,8 @@ class ParallelSelfAttention(nn.Module):
         c = self.config
         sharding.check_canonical(state_dict, self.canonical_shapes(), "canonical state dict",
                                  f" (hidden_size={c.hidden_size}, num_heads={c.num_heads}, num_kv_heads="
-                                 f"{c.num_kv_heads}, head_dim={c.head_dim}, qkv_bias={c.qkv_bias}, out_bias={c.out_bias})")
+                                 f"{c.num_kv_heads}, head_dim={c.head_dim}, qkv_bias={c.qkv_bias}, out_bias={c.out_bias}, "
+                                 f"qk_norm={c.qk_norm})")
         sd = {k: v.to(device=self.dense.weight.device, dtype=self.dense.weight.dtype) for k, v in state_dict.items()}
         qkv = self.query_key_value
         qkv.weight.copy_(self._fuse_local(sd["q_proj.weight"], sd["k_proj.weight"], sd["v_proj.weight"]))
@@ -139,6 +175,11 @@ class ParallelSelfAttention(nn.Module):
         self.dense.weight.copy_(sharding.row_shard(sd["o_proj.weight"], self.tp_size, self.tp_rank))
         if self.dense.bias is not None:
             self.dense.bias.copy_(sd["o_proj.bias"])
+        for name in self._head_norm_names():
+            getattr(self, name).weight.copy_(sd[f"{name}.weight"])
+
+    def _head_norm_names(self) -> tuple[str, ...]:
+        return ("q_norm", "k_norm") if self.config.qk_norm else ()
 
     @torch.no_grad()
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
@@ -152,6 +193,7 @@ class ParallelSelfAttention(nn.Module):
         out["o_proj.weight"] = all_gather_along_dim(self.dense.weight, 1, self.tp_group)
         if self.dense.bias is not None:
             out["o_proj.bias"] = self.dense.bias.detach().clone()
+        out.update({f"{name}.weight": getattr(self, name).weight.detach().clone() for name in self._head_norm_names()})
         return out
 
     def parameter_kinds(self) -> dict:
@@ -167,7 +209,7 @@ class ParallelSelfAttention(nn.Module):
 
     # ----------------------------------------------------------------------------- forward
     def _check_inputs(self, x, attention_mask, position_ids) -> int:
-        """Validate shapes; return the full sequence length s."""
+        """Validate shapes; return this rank's sequence length s (under SP the gathered one; under CP its part)."""
         h = self.config.hidden_size
         if x.dim() != 3 or x.shape[-1] != h:
             raise ValueError(f"hidden_states must be [s, b, h] with h={h}, got shape {tuple(x.shape)}"
@@ -175,15 +217,7 @@ class ParallelSelfAttention(nn.Module):
         s = x.shape[0] * self._sequence_chunks
         b = x.shape[1]
         if attention_mask is not None:
-            m = attention_mask
-            if m.dtype != torch.bool:
-                raise ValueError(f"attention_mask must be boolean (True = may attend), got dtype {m.dtype}.")
-            if m.dim() != 4 or m.shape[0] not in (1, b) or m.shape[1] != 1 or m.shape[2] not in (1, s) \
-                    or m.shape[3] != s:
-                raise ValueError(
-                    f"attention_mask of shape {tuple(m.shape)} is not broadcastable to [b, 1, s, s] = "
-                    f"[{b}, 1, {s}, {s}]: pass [b, 1, 1, s] key padding or a [b, 1, s, s] pattern."
-                )
+            _check_mask(attention_mask, b, self.context.full_length(s))  # over the full sequence, also under CP
         if position_ids is not None:
             if position_ids.dtype.is_floating_point or position_ids.shape not in ((s,), (b, s)):
                 raise ValueError(
@@ -200,7 +234,7 @@ class ParallelSelfAttention(nn.Module):
         # split, not three slices: its backward is one concatenation instead of three zero-filled
         # buffers of the fused size added together (measured: ~3% of a CPU step)
         q, k, v = (t.view(s, b, -1, d) for t in mixed.split([nhl * d, nkvl * d, nkvl * d], dim=-1))
-        q, k = self.position_embedding(q, k, position_ids, offset)
+        q, k = self.position_embedding(self.q_norm(q), self.k_norm(k), position_ids, offset)
         return tuple(t.permute(1, 2, 0, 3) for t in (q, k, self._own_values(v)))
 
     def _output(self, context: torch.Tensor) -> torch.Tensor:
@@ -209,11 +243,18 @@ class ParallelSelfAttention(nn.Module):
         return self.dense(context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_rank * d))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """[s, b, h] -> [s, b, h] (sequence parallel: this rank's [s/p, b, h] chunks)."""
+                position_ids: torch.Tensor | None = None, documents: DocumentLayout | None = None) -> torch.Tensor:
+        """[s, b, h] -> [s, b, h] (sequence parallel: this rank's [s/p, b, h] chunks).
+
+        documents: the batch's packed documents (DocumentLayout.from_ids, built once per batch, of the full
+        [b, s] sequence also under SP): attention never crosses a document, and unless `position_ids` are given
+        the rotary positions restart at 0 in each document."""
         s = self._check_inputs(hidden_states, attention_mask, position_ids)
-        q, k, v = self._project(hidden_states, s, position_ids, offset=0)
-        return self._output(self.core_attention(q, k, v, attention_mask, self.config.causal))
+        _check_documents(documents, hidden_states.shape[1], self.context.full_length(s))
+        self.context.check(s)
+        positions = self.context.positions(documents, position_ids, s, hidden_states.device)
+        q, k, v = self._project(hidden_states, s, positions, offset=0)
+        return self._output(self.core_attention(q, k, v, attention_mask, self.config.causal, documents))
 
     def decode(self, hidden_states: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
         """Incremental decoding: hidden_states [n, b, h] are the n new tokens after those in `cache`.
@@ -221,8 +262,9 @@ class ParallelSelfAttention(nn.Module):
         Keys and values of the new tokens are appended to the cache; the new queries attend every
         cached key, causally by position. Needs sequence_parallel=False and no padding mask.
         """
-        if self.sequence_parallel:
-            raise ValueError("decode() needs sequence_parallel=False: build the decoding model without it.")
+        if self.sequence_parallel or self.context.cp > 1:
+            raise ValueError("decode() needs sequence_parallel=False and context_parallel_size=1: build the decoding "
+                             "model without them.")
         s = self._check_inputs(hidden_states, None, None)
         q, k, v = self._project(hidden_states, s, None, offset=cache.offset)
         k, v = cache.update(k, v)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .apex_kernels import apex_available
+from .rotary import RopeScaling
 
 # auto: the chunked causal kernel on CPU (causal_chunks.py), SDPA elsewhere; sdpa: one SDPA call everywhere
 ATTENTION_KERNELS = ("auto", "sdpa", "math", "apex")
@@ -37,6 +38,9 @@ class AttentionConfig:
     init_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     attention_kernel: str = "auto"  # auto, sdpa, math or apex (ATTENTION_KERNELS)
+    rope_scaling: RopeScaling | None = None  # rotary frequency scaling (None: unscaled)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3); weights [d], shared by the heads
+    qk_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         self._resolve_heads()
@@ -81,6 +85,10 @@ class AttentionConfig:
             raise ValueError(
                 f"AttentionConfig: dropout_rng={self.dropout_rng!r} is unknown; choose one of {', '.join(DROPOUT_RNGS)}."
             )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"AttentionConfig: rope_scaling={self.rope_scaling!r} must be a RopeScaling or None.")
+        if not self.qk_norm_eps > 0:
+            raise ValueError(f"AttentionConfig: qk_norm_eps={self.qk_norm_eps!r} must be positive.")
         if not self.rope_theta > 0:
             raise ValueError(f"AttentionConfig: rope_theta={self.rope_theta!r} must be positive.")
         if not self.init_std > 0:

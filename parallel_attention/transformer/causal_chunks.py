@@ -17,11 +17,18 @@ one SDPA call instead (the kernel of before 0.2, for a run that must continue bi
 Every row sees the same keys with the same scale, so the values equal the single call's to float rounding
 (the kernel sums in other blocks). The chunking depends on s alone, not on the heads a rank holds, so
 every tensor-parallel layout computes each head the same way.
+
+Packed documents (`document_attention`, a DocumentLayout of documents.py): the same kernel runs once per
+document (each row on its own unless every row holds the same documents), in chunks where a document has
+2 * CHUNK_ROWS .. MAX_KEYS tokens: a pair of documents is never computed, so 512-token documents in a
+4096-token row cost about 1/8 of the row's causal attention. Each call is a `Piece`, and every query row lies
+in exactly one.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -43,19 +50,23 @@ def kernel_available() -> bool:
     return True
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
-    """Chunks pay for self-attention of 2 * CHUNK_ROWS .. MAX_KEYS tokens, without dropout (the kernel's dropout
-    draws its masks per call: chunks would draw other ones), outside torch.compile, for the inputs the CPU flash
-    kernel takes (one floating dtype, the head dimension contiguous, nh a multiple of nkv). torch.func's
-    transforms cannot differentiate through the chunks (the autograd function keeps the old forward-with-ctx
-    form): use attention_kernel='sdpa' for them."""
+def kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Whether the CPU flash kernel can run these pieces: without dropout (the kernel's dropout draws its masks per
+    call: pieces would draw other ones), outside torch.compile, for one floating dtype, the head dimension
+    contiguous, nh a multiple of nkv. torch.func's transforms cannot differentiate through the pieces (the
+    autograd function keeps the old forward-with-ctx form): use attention_kernel='sdpa' for them."""
     if torch.compiler.is_compiling() or not kernel_available():
         return False
-    s, heads, kv_heads = q.shape[2], q.shape[1], k.shape[1]
-    return (dropout_p == 0.0 and s == k.shape[2] and 2 * CHUNK_ROWS <= s <= MAX_KEYS
-            and q.dtype in _KERNEL_DTYPES and q.dtype == k.dtype == v.dtype
+    heads, kv_heads = q.shape[1], k.shape[1]
+    return (dropout_p == 0.0 and q.dtype in _KERNEL_DTYPES and q.dtype == k.dtype == v.dtype
             and v.shape[1] == kv_heads and heads % kv_heads == 0  # the operator does not check the grouping
             and all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    """Chunks pay for self-attention of 2 * CHUNK_ROWS .. MAX_KEYS tokens, for the inputs `kernel_takes`."""
+    s = q.shape[2]
+    return s == k.shape[2] and 2 * CHUNK_ROWS <= s <= MAX_KEYS and kernel_takes(q, k, v, dropout_p)
 
 
 @functools.lru_cache(maxsize=64)
@@ -63,6 +74,19 @@ def _lower_right_causal(rows: int, keys: int, dtype: torch.dtype) -> torch.Tenso
     """Additive mask [rows, keys]: query row r (global position keys - rows + r) sees keys <= its position."""
     visible = torch.ones(rows, keys, dtype=torch.bool).tril_(diagonal=keys - rows)
     return torch.zeros(rows, keys, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
+class Piece(NamedTuple):
+    """One kernel call: queries [q0, q1) of rows `rows` against keys [k0, k1); `top_left`: the kernel's own
+    causal mask (query q0 + i sees keys k0 .. k0 + i); `mask`: an additive [q1 - q0, k1 - k0] mask, or None."""
+
+    rows: slice
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    top_left: bool
+    mask: torch.Tensor | None
 
 
 def _chunks(s: int) -> list[tuple[int, int]]:
@@ -75,26 +99,44 @@ def _mask(start: int, end: int, dtype: torch.dtype) -> torch.Tensor | None:
     return None if start == 0 else _lower_right_causal(end - start, end, dtype)
 
 
-class _ChunkedCausalAttention(torch.autograd.Function):
-    """Each chunk through torch's CPU flash kernel and its backward (the operators F.scaled_dot_product_attention
+def causal_pieces(rows: slice, first: int, end: int, dtype: torch.dtype) -> list[Piece]:
+    """Causal self-attention of tokens [first, end): in chunks of query rows where they pay (2 * CHUNK_ROWS ..
+    MAX_KEYS tokens), else one call whose kernel skips the key blocks its causal mask hides."""
+    if not 2 * CHUNK_ROWS <= end - first <= MAX_KEYS:
+        return [Piece(rows, first, end, first, end, True, None)]
+    return [Piece(rows, first + a, first + e, first, first + e, a == 0, _mask(a, e, dtype))
+            for a, e in _chunks(end - first)]
+
+
+def _flash_forward(q, k, v, top_left: bool, mask):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, top_left, attn_mask=mask)
+
+
+def _flash_backward(grad, q, k, v, out, lse, top_left: bool, mask):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, top_left, attn_mask=mask)
+
+
+class _PiecewiseAttention(torch.autograd.Function):
+    """Each piece through torch's CPU flash kernel and its backward (the operators F.scaled_dot_product_attention
     calls on CPU), written into one output: what is kept for backward is what the single call keeps (q, k, v,
-    the output, the log-sum-exp rows). Composed from autograd's pieces instead, each chunk would keep its own
+    the output, the log-sum-exp rows). Composed from autograd's pieces instead, each would keep its own
     output beside their concatenation, an [s, b, h / p] more per layer, and the slices of k and v would each
-    add a zero-filled gradient of k's size in backward."""
+    add a zero-filled gradient of k's size in backward. Every query row lies in exactly one piece."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
         q, k, v = (_batch_major(t) for t in (q, k, v))
         b, nh, s, d = q.shape
         out = q.new_empty(b, s, nh, d).transpose(1, 2)  # [b, s, nh, d] in memory, as the single call's
         lse = []
-        for start, end in _chunks(s):
-            o, rows_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, :, start:end], k[:, :, :end], v[:, :, :end], 0.0, start == 0,
-                attn_mask=_mask(start, end, q.dtype))
-            out[:, :, start:end].copy_(o)
+        for p in pieces:
+            o, rows_lse = _flash_forward(q[p.rows, :, p.q0:p.q1], k[p.rows, :, p.k0:p.k1], v[p.rows, :, p.k0:p.k1],
+                                         p.top_left, p.mask)
+            out[p.rows, :, p.q0:p.q1].copy_(o)
             lse.append(rows_lse)
             del o
+        ctx.pieces = pieces
         ctx.save_for_backward(q, k, v, out, *lse)
         return out
 
@@ -104,19 +146,17 @@ class _ChunkedCausalAttention(torch.autograd.Function):
         q, k, v, out, *lse = ctx.saved_tensors
         b, nh, s, d = q.shape
         dq = q.new_empty(b, s, nh, d).transpose(1, 2)
-        dk = dv = None
-        for (start, end), rows_lse in reversed(list(zip(_chunks(s), lse))):  # the last chunk sees every key
-            dq_chunk, dk_chunk, dv_chunk = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out[:, :, start:end], q[:, :, start:end], k[:, :, :end], v[:, :, :end],
-                out[:, :, start:end], rows_lse, 0.0, start == 0, attn_mask=_mask(start, end, q.dtype))
-            dq[:, :, start:end].copy_(dq_chunk)
-            if dk is None:
-                dk, dv = dk_chunk, dv_chunk
-            else:
-                dk[:, :, :end] += dk_chunk
-                dv[:, :, :end] += dv_chunk
-            del dq_chunk, dk_chunk, dv_chunk  # before the next chunk's are allocated: a lower peak
-        return dq, dk, dv
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for p, rows_lse in reversed(list(zip(ctx.pieces, lse))):  # a causal sequence's last chunk sees every key
+            keys = (p.rows, slice(None), slice(p.k0, p.k1))
+            dq_piece, dk_piece, dv_piece = _flash_backward(
+                grad_out[p.rows, :, p.q0:p.q1], q[p.rows, :, p.q0:p.q1], k[keys], v[keys],
+                out[p.rows, :, p.q0:p.q1], rows_lse, p.top_left, p.mask)
+            dq[p.rows, :, p.q0:p.q1].copy_(dq_piece)
+            dk[keys] += dk_piece
+            dv[keys] += dv_piece
+            del dq_piece, dk_piece, dv_piece  # before the next piece's are allocated: a lower peak
+        return dq, dk, dv, None
 
 
 def _batch_major(t: torch.Tensor) -> torch.Tensor:
@@ -128,5 +168,23 @@ def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     """Causal softmax(q k^T / sqrt(d)) v for q [b, nh, s, d], k and v [b, nkv, s, d] (nh a multiple of nkv:
     the kernel maps query head i to k/v head i // (nh / nkv)); returns [b, nh, s, d], laid out [b, s, nh, d]
     in memory as the single kernel call returns it for the attention module's inputs."""
-    return _ChunkedCausalAttention.apply(q, k, v)
+    return _PiecewiseAttention.apply(q, k, v, causal_pieces(slice(None), 0, q.shape[2], q.dtype))
 
+
+def document_pieces(documents, causal: bool, dtype: torch.dtype) -> list[Piece]:
+    """The pieces of attention within each document of a `DocumentLayout` (documents.py): every row at once when
+    the rows hold the same documents, else row by row. Pairs of documents are never computed."""
+    b = documents.shape[0]
+    rows = [slice(None)] if documents.uniform() else [slice(r, r + 1) for r in range(b)]
+    pieces = []
+    for i, row in enumerate(rows):
+        for first, end in documents.spans(i):
+            pieces += causal_pieces(row, first, end, dtype) if causal else [Piece(row, first, end, first, end,
+                                                                                  False, None)]
+    return pieces
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents, causal: bool) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v within each document of `documents` (causal or not), for the inputs
+    `kernel_takes`; returns [b, nh, s, d] laid out [b, s, nh, d], as chunked_causal_attention."""
+    return _PiecewiseAttention.apply(q, k, v, document_pieces(documents, causal, q.dtype))

@@ -3,7 +3,9 @@
 Every backend takes q [b, nh, s, d], k and v [b, nkv, s, d] (nh a multiple of nkv; query head
 i uses k/v head i // (nh / nkv)), an optional boolean mask broadcastable to [b, 1, s, s] (True:
 may attend), the causal flag and the dropout probability, and returns [b, nh, s, d]. A query
-row with no key to attend outputs zeros in every backend.
+row with no key to attend outputs zeros in every backend. `documents` (a DocumentLayout, documents.py, or
+None): attention stays inside each packed document; the CPU kernel and SDPA (without a user mask) run per
+document and skip the rest, math, apex and layout-invariant dropout take the documents as an explicit mask.
 
 `build_core_attention` picks how attention dropout draws its masks (`dropout_rng`), once:
 `CoreAttention` runs the kernel inside the tensor-parallel generator; `LayoutInvariantCoreAttention`
@@ -36,11 +38,30 @@ def combine_masks(mask: torch.Tensor | None, causal: bool, s: int, device) -> to
     return tril if mask is None else mask & tril
 
 
-class SdpaAttention(nn.Module):
-    """torch.nn.functional.scaled_dot_product_attention, one call: flash / memory-efficient on CUDA."""
+def with_documents(mask: torch.Tensor | None, causal: bool, documents) -> torch.Tensor | None:
+    """The user's mask AND the documents' (a DocumentLayout, documents.py; causal included), for a kernel that
+    cannot skip what the documents hide; `mask` itself without documents."""
+    return mask if documents is None else documents.combine(mask, causal)
 
-    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+
+def _segmented_sdpa(q, k, v, documents, causal: bool, dropout_p: float, gqa: bool) -> torch.Tensor:
+    """One SDPA call per document (all rows at once when they hold the same documents): pairs of documents are
+    never computed."""
+    rows = [slice(None)] if documents.uniform() else [slice(r, r + 1) for r in range(q.shape[0])]
+    return torch.cat([torch.cat([F.scaled_dot_product_attention(
+        q[row, :, a:e], k[row, :, a:e], v[row, :, a:e], dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
+        for a, e in documents.spans(i)], dim=2) for i, row in enumerate(rows)], dim=0)
+
+
+class SdpaAttention(nn.Module):
+    """torch.nn.functional.scaled_dot_product_attention, one call: flash / memory-efficient on CUDA. With
+    documents and no mask of the user's, one call per document (SDPA per segment)."""
+
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
+        if documents is not None and mask is None:
+            return _segmented_sdpa(q, k, v, documents, causal, dropout_p, gqa)
+        mask = with_documents(mask, causal, documents)
         if mask is None:  # the is_causal fast path keeps flash attention eligible
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
         mask = combine_masks(mask, causal, q.shape[2], q.device)
@@ -49,12 +70,15 @@ class SdpaAttention(nn.Module):
 
 class CpuAttention(SdpaAttention):
     """The CPU kernel: causal self-attention of 128-512 tokens without a mask in chunks of query rows, on a
-    batch-major copy (causal_chunks.py); everything else as SdpaAttention."""
+    batch-major copy (causal_chunks.py); with documents and no mask, the same kernel per document (chunked where
+    it pays); everything else as SdpaAttention."""
 
-    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
-        if mask is None and causal and causal_chunks.applies(q, k, v, dropout_p):
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
+        if mask is None and documents is not None and causal_chunks.kernel_takes(q, k, v, dropout_p):
+            return causal_chunks.document_attention(q, k, v, documents, causal)
+        if mask is None and documents is None and causal and causal_chunks.applies(q, k, v, dropout_p):
             return causal_chunks.chunked_causal_attention(q, k, v)
-        return super().forward(q, k, v, mask, causal, dropout_p)
+        return super().forward(q, k, v, mask, causal, dropout_p, documents)
 
 
 class AutoAttention(nn.Module):
@@ -74,8 +98,8 @@ class AutoAttention(nn.Module):
         self._choose()
         return super()._apply(fn, recurse)
 
-    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
-        return self.kernel(q, k, v, mask, causal, dropout_p)
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
+        return self.kernel(q, k, v, mask, causal, dropout_p, documents)
 
 
 def _expand_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -97,11 +121,11 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, mask, causal: bool) -> tor
 
 
 class MathAttention(nn.Module):
-    """Explicit softmax(q k^T / sqrt(d)) v; softmax in float32 for half-precision inputs."""
+    """Explicit softmax(q k^T / sqrt(d)) v; softmax in float32 for half-precision inputs; documents as a mask."""
 
-    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
         k, v = _expand_kv(q, k), _expand_kv(q, v)
-        probs = attention_probs(q, k, mask, causal)
+        probs = attention_probs(q, k, with_documents(mask, causal, documents), causal)
         if dropout_p > 0:
             probs = F.dropout(probs, p=dropout_p)
         return torch.matmul(probs, v)
@@ -134,10 +158,11 @@ class ApexFusedSoftmaxAttention(nn.Module):
             )
         return self._softmax[key]
 
-    def forward(self, q, k, v, mask, causal: bool, dropout_p: float) -> torch.Tensor:
+    def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
         k, v = _expand_kv(q, k), _expand_kv(q, v)
         scale = 1.0 / math.sqrt(q.shape[-1])
         scores = torch.matmul(q, k.transpose(-1, -2))
+        mask = with_documents(mask, causal, documents)  # documents: the padding kind, as an explicit mask
         causal_only = causal and mask is None
         mask = combine_masks(mask, causal, q.shape[2], q.device)
         masked_out = None if causal_only or mask is None else ~mask.expand(q.shape[0], 1, -1, -1)
@@ -174,17 +199,18 @@ class CoreAttention(nn.Module):
         self.kernel, self.dropout_p = build_kernel(kernel, device), dropout_p
         self._attend = self._attend_with_dropout if dropout_p > 0 else self._attend_without_dropout
 
-    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        return self._attend(q, k, v, mask, causal)
+    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool, documents=None) -> torch.Tensor:
+        """`documents`: the batch's DocumentLayout (documents.py) or None: attention never crosses a document."""
+        return self._attend(q, k, v, mask, causal, documents)
 
-    def _attend_without_dropout(self, q, k, v, mask, causal: bool) -> torch.Tensor:
-        return self.kernel(q, k, v, mask, causal, 0.0)
+    def _attend_without_dropout(self, q, k, v, mask, causal: bool, documents=None) -> torch.Tensor:
+        return self.kernel(q, k, v, mask, causal, 0.0, documents)
 
-    def _attend_with_dropout(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+    def _attend_with_dropout(self, q, k, v, mask, causal: bool, documents=None) -> torch.Tensor:
         if not self.training:
-            return self._attend_without_dropout(q, k, v, mask, causal)
+            return self._attend_without_dropout(q, k, v, mask, causal, documents)
         with tensor_parallel_rng(q.device):
-            return self.kernel(q, k, v, mask, causal, self.dropout_p)
+            return self.kernel(q, k, v, mask, causal, self.dropout_p, documents)
 
 
 class LayoutInvariantCoreAttention(CoreAttention):
@@ -200,11 +226,11 @@ class LayoutInvariantCoreAttention(CoreAttention):
         super().__init__(kernel, dropout_p, device)
         self.num_heads, self.head_offset, self.layer = num_heads, head_offset, layer
 
-    def _attend_with_dropout(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+    def _attend_with_dropout(self, q, k, v, mask, causal: bool, documents=None) -> torch.Tensor:
         if not self.training:
-            return self._attend_without_dropout(q, k, v, mask, causal)
+            return self._attend_without_dropout(q, k, v, mask, causal, documents)
         k, v = _expand_kv(q, k), _expand_kv(q, v)
-        probs = attention_probs(q, k, mask, causal)
+        probs = attention_probs(q, k, with_documents(mask, causal, documents), causal)
         b, nh_local, s_q, s_k = probs.shape
         coords = current_dropout_coordinates()
         axes = [(coords.first_sample, b, self.num_heads * s_q * s_k), (self.head_offset, nh_local, s_q * s_k),
@@ -223,10 +249,10 @@ class RecomputedCoreAttention(nn.Module):
         super().__init__()
         self.core = core
 
-    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool, documents=None) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled()):  # nothing to save: run it plainly
-            return self.core(q, k, v, mask, causal)
-        return checkpoint_with_tp_rng(self.core, q, k, v, mask, causal)
+            return self.core(q, k, v, mask, causal, documents)
+        return checkpoint_with_tp_rng(self.core, q, k, v, mask, causal, documents)
 
 
 def build_core_attention(config: AttentionConfig, head_offset: int, layer: int,

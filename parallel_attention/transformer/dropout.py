@@ -85,10 +85,48 @@ class LayoutInvariantDropout(nn.Module):
         return f"p={self.p}, layer={self.layer}, site={DropoutSite(self.site).name}, chunk={self.chunk}/{self.chunks}"
 
 
+def _zigzag_runs(s_local: int, pieces: int, piece: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """(first global position, count) of each contiguous run of the tokens this rank holds: piece `piece` (of
+    `pieces`, the tensor-parallel split under SP) of its zigzag part, chunks cp_rank and 2 cp - 1 - cp_rank of 2 cp
+    chunks of m tokens (context_parallel.zigzag)."""
+    m = s_local * pieces // 2
+    first, end = piece * s_local, (piece + 1) * s_local  # this piece's positions within the part [0, 2m)
+    runs = []
+    for base, (low, high) in ((cp_rank * m, (0, m)), ((2 * cp - 1 - cp_rank) * m - m, (m, 2 * m))):
+        a, b = max(first, low), min(end, high)
+        if a < b:
+            runs.append((base + a, b - a))
+    return runs
+
+
+class ContextParallelDropout(LayoutInvariantDropout):
+    """LayoutInvariantDropout on this rank's zigzag part of the sequence (context parallelism, cp > 1): the
+    positions hashed are the global ones it holds (one or two runs), so every cp draws the masks of cp = 1."""
+
+    def __init__(self, p: float, layer: int, site: DropoutSite, chunks: int, chunk: int, cp: int,
+                 cp_rank: int) -> None:
+        super().__init__(p, layer, site, chunks, chunk)
+        self.cp, self.cp_rank = cp, cp_rank
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        coords, total = current_dropout_coordinates(), s * self.chunks * self.cp
+        keep = torch.cat([coords.keep_mask(self.p, self.layer, self.site,
+                                           [(coords.first_sample, b, total * h), (start, count, h), (0, h, 1)],
+                                           x.device)
+                          for start, count in _zigzag_runs(s, self.chunks, self.chunk, self.cp, self.cp_rank)], dim=1)
+        return hashed_dropout(x, keep.transpose(0, 1), self.p)
+
+
 def build_hidden_dropout(p: float, dropout_rng: str, sequence_parallel: bool, tp_group: ProcessGroup,
-                         layer: int, site: DropoutSite) -> nn.Module:
-    """The dropout module `dropout_rng` names ('per_rank' or 'layout_invariant') for one site."""
+                         layer: int, site: DropoutSite, cp_group: ProcessGroup | None = None) -> nn.Module:
+    """The dropout module `dropout_rng` names ('per_rank' or 'layout_invariant') for one site; `cp_group`: the
+    context-parallel group whose zigzag part of the sequence x is (None or one rank: all of it)."""
     if dropout_rng == "layout_invariant":
+        if group_size(cp_group) > 1:
+            pieces = group_size(tp_group) if sequence_parallel else 1
+            piece = group_rank(tp_group) if sequence_parallel else 0
+            return ContextParallelDropout(p, layer, site, pieces, piece, group_size(cp_group), group_rank(cp_group))
         if not sequence_parallel:
             return LayoutInvariantDropout(p, layer, site)
         return LayoutInvariantDropout(p, layer, site, group_size(tp_group), group_rank(tp_group))

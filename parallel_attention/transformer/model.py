@@ -23,10 +23,12 @@ from ..tensor_parallel import collectives, sharding
 from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..tensor_parallel.param_kinds import Partial, Replicated, Sharded, parameter_kinds
-from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
+from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_cp_group, resolve_tp_group
 from ..tensor_parallel.rng import checkpoint_with_tp_rng
 from .attention import ParallelSelfAttention
+from .context_parallel import ContextParallelPart
 from .cross_entropy import IGNORE_INDEX, check_ids, vocab_parallel_cross_entropy_
+from .documents import DocumentLayout
 from .dropout import DropoutSite, build_hidden_dropout
 from .kv_cache import KVCache
 from .mlp import ParallelMLP
@@ -39,24 +41,26 @@ class TransformerLayer(nn.Module):
     """Pre-norm block: x + dropout(attention(norm(x))), then x + dropout(mlp(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool, tp_group: ProcessGroup | None, device, dtype,
-                 layer_number: int = 0, overlap_comm: bool = OVERLAP_COMM):
+                 layer_number: int = 0, overlap_comm: bool = OVERLAP_COMM, **context_parallel):
+        """context_parallel: cp_group=, context_parallel_kind= of ParallelSelfAttention."""
         super().__init__()
         norm = lambda: build_norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sequence_parallel,  # noqa: E731
                                   tp_group, device, dtype)
         self.input_norm = norm()
         self.attention = ParallelSelfAttention(cfg.attention_config(dtype), tp_group, device, layer_number,
                                                _recomputes_core(cfg), sequence_parallel=sequence_parallel,
-                                               overlap_comm=overlap_comm)
+                                               overlap_comm=overlap_comm, **context_parallel)
         self.post_attention_norm = norm()
         self.mlp = ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
                                sequence_parallel, cfg.init_std, tp_group, device, dtype, overlap_comm)
+        cp_group = resolve_cp_group(context_parallel.get("cp_group"))  # hidden dropout hashes global positions
         dropout = lambda site: build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng,  # noqa: E731
-                                                    sequence_parallel, tp_group, layer_number, site)
+                                                    sequence_parallel, tp_group, layer_number, site, cp_group)
         self.attention_output_dropout = dropout(DropoutSite.ATTENTION_OUTPUT)
         self.mlp_output_dropout = dropout(DropoutSite.MLP_OUTPUT)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention_output_dropout(self.attention(self.input_norm(x)))
+    def forward(self, x: torch.Tensor, documents: DocumentLayout | None = None) -> torch.Tensor:
+        x = x + self.attention_output_dropout(self.attention(self.input_norm(x), documents=documents))
         return x + self.mlp_output_dropout(self.mlp(self.post_attention_norm(x)))
 
     def decode(self, x: torch.Tensor, cache) -> torch.Tensor:
@@ -72,23 +76,27 @@ def _recomputes_core(cfg: ModelConfig) -> bool:
     return cfg.recompute_activations and cfg.recompute_granularity == "selective"
 
 
-def _run_layer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return layer(x)
+def _run_layer(layer: nn.Module, x: torch.Tensor, documents: DocumentLayout | None) -> torch.Tensor:
+    return layer(x, documents)
 
 
-def _run_layer_recomputed(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _run_layer_recomputed(layer: nn.Module, x: torch.Tensor, documents: DocumentLayout | None) -> torch.Tensor:
     """Keep only the layer's input; recompute its activations in backward (TP dropout replayed)."""
     if not (layer.training and torch.is_grad_enabled()):
-        return layer(x)
-    return checkpoint_with_tp_rng(layer, x)
+        return layer(x, documents)
+    return checkpoint_with_tp_rng(layer, x, documents)
 
 
 class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False, tp_group: ProcessGroup | None = None,
-                 device=None, dtype: torch.dtype = torch.float32, overlap_comm: bool = OVERLAP_COMM) -> None:
-        """tp_group: a ProcessGroup or a 1-D DeviceMesh (None: the default group). sequence_parallel,
-        overlap_comm: the layout of the parallel linears (parallel.* of a run config)."""
+                 device=None, dtype: torch.dtype = torch.float32, overlap_comm: bool = OVERLAP_COMM, *,
+                 cp_group: ProcessGroup | None = None, context_parallel_kind: str = "all_to_all") -> None:
+        """tp_group, cp_group: a ProcessGroup or a 1-D DeviceMesh (None: the default group). sequence_parallel,
+        overlap_comm: the layout of the parallel linears (parallel.* of a run config). At cp > 1 forward takes
+        the full [b, s] on every rank of the cp group and keeps its zigzag part (context_parallel_kind: "ring" or
+        "all_to_all")."""
         super().__init__()
+        self.context = ContextParallelPart(resolve_cp_group(cp_group))
         self.config, self.sequence_parallel = cfg, sequence_parallel
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
@@ -104,9 +112,10 @@ class GPTModel(nn.Module):
         if cfg.position_embedding == "learned":
             self.embed_positions = nn.Parameter(self._normal((cfg.max_seq_len, h), std, device, dtype))
         self.embedding_dropout = build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng, sequence_parallel,
-                                                      self.tp_group, 0, DropoutSite.EMBEDDING)
+                                                      self.tp_group, 0, DropoutSite.EMBEDDING, self.context.group)
         self.layers = nn.ModuleList(TransformerLayer(cfg, sequence_parallel, self.tp_group, device, dtype, i,
-                                                     overlap_comm=overlap_comm)
+                                                     overlap_comm=overlap_comm, cp_group=self.context.group,
+                                                     context_parallel_kind=context_parallel_kind)
                                     for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.norm, h, cfg.norm_eps, sequence_parallel, self.tp_group, device, dtype)
         if cfg.tie_embeddings:  # no parameter of its own: nothing of it in the state dict
@@ -142,31 +151,39 @@ class GPTModel(nn.Module):
     def _my_positions(self, table: torch.Tensor) -> torch.Tensor:
         return table.chunk(self.tp_size, dim=0)[self.tp_rank]
 
-    def _embed(self, tokens: torch.Tensor, offset: int) -> torch.Tensor:
-        s = tokens.shape[1]
-        if s + offset > self.config.max_seq_len:
-            raise ValueError(f"sequence of {s + offset} tokens exceeds model.max_seq_len={self.config.max_seq_len}.")
+    def _embed(self, tokens: torch.Tensor, offset: int, documents: DocumentLayout | None = None) -> torch.Tensor:
+        s = tokens.shape[1]  # under CP this rank's part
+        if self.context.full_length(s) + offset > self.config.max_seq_len:
+            raise ValueError(f"sequence of {self.context.full_length(s) + offset} tokens exceeds "
+                             f"model.max_seq_len={self.config.max_seq_len}.")
         check_ids(tokens, self.vocab_size, "token")
         x = self.embed_tokens(tokens.t())  # [s, b, h]; SP: [s/p, b, h]
-        if self.embed_positions is not None:
-            x = x + self._positions(self.embed_positions[offset:offset + s]).unsqueeze(1)
+        if self.embed_positions is not None:  # with documents, positions restart in each
+            x = x + self._positions(self.context.position_table(self.embed_positions, documents, offset, s))
         return self.embedding_dropout(x)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                ignore_index: int = IGNORE_INDEX, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] -> mean loss over the labels [b, s] that are not `ignore_index`, or local logits
-        [s, b, V_padded/p] without labels."""
+        [s, b, V_padded/p] without labels.
+
+        document_ids [b, s]: packed documents (tokens of a row with equal ids form one, contiguous): attention
+        never crosses a document and positions restart at 0 in each; the layout is built here once per batch
+        and shared by every layer. The labels stay the caller's: ignore those that predict the next document's
+        first token (documents.mask_cross_document_labels) for the loss of each document alone."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [b, s], got shape {tuple(tokens.shape)}.")
-        x = self._embed(tokens, 0)
+        documents = None if document_ids is None else DocumentLayout.from_ids(document_ids, tuple(tokens.shape))
+        x = self._embed(self.context.keep_part(tokens, 1), 0, documents)
         for layer in self.layers:
-            x = self._run_layer(layer, x)
+            x = self._run_layer(layer, x, documents)
         logits = self.lm_head(self.final_norm(x))
         if labels is None:
             return logits
         # the logits exist for this loss alone: the loss overwrites them with their softmax (no second buffer)
+        labels = self.context.keep_part(labels, 1)
         losses = vocab_parallel_cross_entropy_(logits, labels.t(), self.vocab_size, self.tp_group, ignore_index)
-        return losses.sum() / (labels != ignore_index).sum()  # == mean() when nothing is ignored
+        return self.context.mean_loss(losses.sum(), (labels != ignore_index).sum())  # == mean() if nothing ignored
 
     # ------------------------------------------------------------------------------ decoding
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
@@ -177,8 +194,9 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Full-vocabulary logits [b, V] of the last of `tokens` [b, n], the n tokens after those in `cache`."""
-        if self.sequence_parallel:
-            raise ValueError("decoding needs a GPTModel built with sequence_parallel=False.")
+        if self.sequence_parallel or self.context.cp > 1:
+            raise ValueError("decoding needs a GPTModel built with sequence_parallel=False and context parallel "
+                             f"size 1 (this one: {self.context.cp}).")
         x = self._embed(tokens, cache.length)
         for layer, layer_cache in zip(self.layers, cache.layers):
             x = layer.decode(x, layer_cache)
@@ -188,6 +206,9 @@ class GPTModel(nn.Module):
     @torch.no_grad()
     def next_token_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [b, V] of the last position of `tokens` [b, s], without a cache."""
+        if self.context.cp > 1:  # each cp rank holds a part of the sequence, not its last token
+            raise ValueError(f"next_token_logits needs context parallel size 1 (this model: {self.context.cp}): "
+                             "build the generating model with cp_group of one rank.")
         return self._full_vocabulary(self.forward(tokens)[-1])
 
     def _full_vocabulary(self, local: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 
 from .attention_config import AttentionConfig
+from .rotary import RopeScaling
 
 
 @dataclass
@@ -47,9 +48,19 @@ class ModelConfig:
     recompute_granularity: Literal["full", "selective"] = "full"
     compile: bool = False  # torch.compile (inductor) each transformer layer; runtime-only, like dropout
     attention_kernel: Literal["auto", "sdpa", "math", "apex"] = "auto"
+    # rotary frequency scaling (rotary.py): "default" none; "llama3" Llama 3.1's, with the four numbers below
+    rope_type: Literal["default", "llama3"] = "default"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192  # the context length the unscaled model was trained at
+    qk_norm: bool = False  # RMSNorm (eps norm_eps) over each head's q and k before rotary, as Qwen3
 
     # keys renamed since 0.1.0: still read (configs and checkpoints in users' hands), with a warning
     RENAMED = {"attention_backend": "attention_kernel"}
+    # keys added since: a config or checkpoint written without them meant their defaults (read as such)
+    ADDED = ("rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+             "rope_original_max_seq_len", "qk_norm")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -69,7 +80,15 @@ class ModelConfig:
             attention_dropout=self.attention_dropout, dropout_rng=self.dropout_rng, causal=True,
             rotary=self.position_embedding == "rotary", rope_theta=self.rope_theta,
             init_std=self.init_std, attention_kernel=self.attention_kernel, params_dtype=params_dtype,
+            rope_scaling=self.rope_scaling(), qk_norm=self.qk_norm, qk_norm_eps=self.norm_eps,
         )
+
+    def rope_scaling(self) -> RopeScaling | None:
+        """The rotary frequency scaling the rope_* fields describe (None: rope_type 'default')."""
+        if self.rope_type == "default":
+            return None
+        return RopeScaling(self.rope_type, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                           self.rope_original_max_seq_len)
 
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:
@@ -80,9 +99,13 @@ class ModelConfig:
 
 
 def migrate_renamed_keys(cls, data: dict[str, Any], section: str, warn: bool = True) -> dict[str, Any]:
-    """`data` with the keys that `cls.RENAMED` lists under their new names (both at once is an error), and
-    without the keys `cls.REMOVED` lists: accepted at the value that behaves as if the key were absent (with a
-    FutureWarning), refused at any other value."""
+    """`data` with the keys that `cls.ADDED` lists at their defaults where absent, the keys that `cls.RENAMED`
+    lists under their new names (both at once is an error), and without the keys `cls.REMOVED` lists: accepted at
+    the value that behaves as if the key were absent (with a FutureWarning), refused at any other value."""
+    added = [name for name in getattr(cls, "ADDED", ()) if isinstance(data, dict) and name not in data]
+    if added:
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        data = {**data, **{name: defaults[name] for name in added}}
     renamed, removed = getattr(cls, "RENAMED", {}), getattr(cls, "REMOVED", {})
     if not isinstance(data, dict) or not (renamed.keys() | removed.keys()) & data.keys():
         return data

@@ -38,6 +38,7 @@ def state_dict_keys(cfg: ModelConfig) -> list[str]:
         keys += [f"layers.{i}.attention.query_key_value.weight"] + (
             [f"layers.{i}.attention.query_key_value.bias"] if cfg.qkv_bias else [])
         keys += [f"layers.{i}.attention.dense.weight"] + ([f"layers.{i}.attention.dense.bias"] if cfg.out_bias else [])
+        keys += [f"layers.{i}.attention.{n}_norm.weight" for n in ("q", "k") if cfg.qk_norm]
         keys += [f"layers.{i}.post_attention_norm.{n}" for n in norm]
         for module in ("fc_in", "fc_out"):
             keys += [f"layers.{i}.mlp.{module}.weight"] + ([f"layers.{i}.mlp.{module}.bias"] if cfg.mlp_bias else [])

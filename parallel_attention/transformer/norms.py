@@ -85,3 +85,25 @@ def build_norm(kind: str, hidden_size: int, eps: float, sequence_parallel: bool,
     if kind == "rmsnorm":
         return RMSNorm(hidden_size, eps, sequence_parallel, tp_group, device, dtype)
     raise ValueError(f"unknown norm {kind!r}; choose layernorm or rmsnorm.")
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over the head dim of q or k [s, b, heads, d] (Qwen3's q_norm / k_norm): one weight [d] shared by
+    every head. Each rank normalises only its own heads, so the gradient of the replicated weight is a partial
+    sum across the tensor-parallel group (with or without sequence parallelism): Partial, completed by
+    finalize_grads()."""
+
+    def parameter_kinds(self) -> dict:
+        return {"weight": Partial(self.tp_group)}
+
+
+class NoHeadNorm(nn.Module):
+    """q and k as they are (no qk_norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def build_head_norm(enabled: bool, head_dim: int, eps: float, tp_group, device, dtype) -> nn.Module:
+    """HeadRMSNorm when `enabled` (AttentionConfig.qk_norm), else the identity: chosen once, in __init__."""
+    return HeadRMSNorm(head_dim, eps, False, tp_group, device, dtype) if enabled else NoHeadNorm()

@@ -1,0 +1,163 @@
+"""The transformers families `parallelize` knows: where each keeps its pieces, and how to read its attention.
+
+    architecture         layers           attention   embedding            q/k/v              extra
+    LlamaForCausalLM     model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   rope scaling, biases
+    MistralForCausalLM   model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   sliding window
+    Qwen2ForCausalLM     model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   q/k/v bias, windows
+    Qwen3ForCausalLM     model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   q/k RMSNorm per head
+    GPT2LMHeadModel      transformer.h    attn        transformer.wte      c_attn (Conv1D)    learned positions
+
+Sliding windows are transformers' own masks (built by the model, passed to each layer): honoured as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .tp_mlp import Conv1DMLP, GatedMLP
+
+
+class _AttentionSource:
+    """What every family's attention module keeps under the same names."""
+
+    def head_dim(self, old):
+        return old.head_dim
+
+    def scaling(self, old):
+        return old.scaling
+
+    def num_heads(self, config):
+        return config.num_attention_heads
+
+
+class LlamaAttentionSource(_AttentionSource):
+    """Llama, Mistral, Qwen2, Qwen3: separate q/k/v/o projections, rotary embeddings from the model."""
+
+    rotary = True
+
+    def attention_dropout(self, old):
+        return old.config.attention_dropout
+
+    def sliding_window(self, old):
+        return getattr(old, "sliding_window", None)
+
+    def num_kv_heads(self, config):
+        return config.num_key_value_heads
+
+    def weights(self, old):
+        return tuple(getattr(old, n).weight.detach() for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+    def biases(self, old):
+        if old.q_proj.bias is None:
+            return None
+        return tuple(getattr(old, n).bias.detach() for n in ("q_proj", "k_proj", "v_proj"))
+
+    def o_bias(self, old):
+        return None if old.o_proj.bias is None else old.o_proj.bias.detach()
+
+    def head_norms(self, old):
+        return (old.q_norm, old.k_norm) if hasattr(old, "q_norm") else None
+
+    def state_dict(self, full, o_weight, o_bias) -> dict[str, torch.Tensor]:
+        out = {f"{n}.weight": t for n, t in zip(("q_proj", "k_proj", "v_proj"), full["weight"])}
+        if full["bias"] is not None:
+            out.update({f"{n}.bias": t for n, t in zip(("q_proj", "k_proj", "v_proj"), full["bias"])})
+        out["o_proj.weight"] = o_weight
+        if o_bias is not None:
+            out["o_proj.bias"] = o_bias
+        return out
+
+
+class MistralAttentionSource(LlamaAttentionSource):
+    def sliding_window(self, old):
+        return getattr(old.config, "sliding_window", None)
+
+
+class GPT2AttentionSource(_AttentionSource):
+    """GPT-2: one Conv1D c_attn ([h, 3h], x @ W) for q, k, v; no rotary (learned positions, replicated)."""
+
+    rotary = False
+
+    def attention_dropout(self, old):
+        return old.attn_dropout.p
+
+    def sliding_window(self, old):
+        return None
+
+    def num_kv_heads(self, config):
+        return config.num_attention_heads
+
+    def weights(self, old):
+        q, k, v = old.c_attn.weight.detach().t().chunk(3, dim=0)
+        return q, k, v, old.c_proj.weight.detach().t()
+
+    def biases(self, old):
+        return old.c_attn.bias.detach().chunk(3)
+
+    def o_bias(self, old):
+        return old.c_proj.bias.detach()
+
+    def head_norms(self, old):
+        return None
+
+    def state_dict(self, full, o_weight, o_bias) -> dict[str, torch.Tensor]:
+        return {"c_attn.weight": torch.cat(full["weight"]).t().contiguous(), "c_attn.bias": torch.cat(full["bias"]),
+                "c_proj.weight": o_weight.t().contiguous(), "c_proj.bias": o_bias}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a family keeps its pieces (attribute paths from the *ForCausalLM) and how to read them."""
+
+    decoder: str  # the base model inside the *ForCausalLM
+    layers: str
+    embedding: str
+    attention: str
+    attention_source: object
+    mlp: type[nn.Module]
+
+    def intermediate_size(self, config) -> int:
+        return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+
+
+_LLAMA_LIKE = dict(decoder="model", layers="layers", embedding="embed_tokens", attention="self_attn", mlp=GatedMLP)
+FAMILIES = {
+    "LlamaForCausalLM": Family(attention_source=LlamaAttentionSource(), **_LLAMA_LIKE),
+    "MistralForCausalLM": Family(attention_source=MistralAttentionSource(), **_LLAMA_LIKE),
+    "Qwen2ForCausalLM": Family(attention_source=LlamaAttentionSource(), **_LLAMA_LIKE),
+    "Qwen3ForCausalLM": Family(attention_source=LlamaAttentionSource(), **_LLAMA_LIKE),
+    "GPT2LMHeadModel": Family(decoder="transformer", layers="h", embedding="wte", attention="attn",
+                              attention_source=GPT2AttentionSource(), mlp=Conv1DMLP),
+}
+
+
+def family_of(model: nn.Module) -> Family:
+    """The family of a transformers *ForCausalLM; ValueError naming it and the supported list otherwise."""
+    name = type(model).__name__
+    if name not in FAMILIES:
+        raise ValueError(f"parallelize: architecture {name} is not supported; supported: {sorted(FAMILIES)}.")
+    return FAMILIES[name]
+
+
+def check_supported(model: nn.Module, family: Family, p: int) -> None:
+    """Refuse, naming the value and the fix, what parallelize cannot shard at p ranks."""
+    config, name = model.config, type(model).__name__
+    heads, kv = family.attention_source.num_heads(config), family.attention_source.num_kv_heads(config)
+    if heads % p:
+        raise ValueError(f"parallelize {name}: num_attention_heads={heads} is not divisible by tensor-parallel "
+                         f"size {p}: choose a size that divides it.")
+    if (kv >= p and kv % p) or (kv < p and p % kv):
+        raise ValueError(f"parallelize {name}: num_key_value_heads={kv} and tensor-parallel size {p}: one must "
+                         "divide the other.")
+    if family.intermediate_size(config) % p:
+        raise ValueError(f"parallelize {name}: intermediate_size={family.intermediate_size(config)} is not "
+                         f"divisible by tensor-parallel size {p}.")
+    for feature in ("add_cross_attention", "reorder_and_upcast_attn"):
+        if getattr(config, feature, False):
+            raise ValueError(f"parallelize {name}: {feature}=True is not supported; set it False.")
+    if any(type(p_).__name__ == "DTensor" for p_ in model.parameters()):
+        raise ValueError(f"parallelize {name}: the model already holds DTensor parameters (tp_plan, FSDP): load "
+                         "it without tp_plan and call parallelize before fully_shard.")

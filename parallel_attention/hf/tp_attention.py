@@ -1,0 +1,213 @@
+"""A transformers attention block made tensor parallel: one fused column-parallel QKV GEMM, this rank's heads
+through transformers' own attention function (its masks, sliding windows, cache and dropout), a row-parallel
+output projection. Shapes: `b` batch, `s` sequence, `h` hidden, `p` TP size, `nh`, `nkv` heads, `d` head dim.
+
+    x [b, s, h]                       (replicated; transformers' modules are batch-first)
+      | qkv: ColumnParallelLinear, forward identity, backward all-reduce dX
+    mixed [b, s, (nh/p + 2 nkv_r) d]  rows [its q heads | its k heads | its v heads] (sharding.fuse_qkv)
+      | views q [b, nh/p, s, d], k, v [b, nkv_r, s, d]; Qwen3: RMSNorm per head; rotary; cache.update(k, v)
+      | transformers' attention function on this rank's heads (on CPU without a mask: the chunked causal kernel)
+    context [b, s, nh/p d]
+      | o_proj: RowParallelLinear, forward all-reduce, backward identity
+    y [b, s, h]
+
+Gradients are complete when backward returns: k/v replicas (p > nkv) through `replica_grads`, the per-head q/k
+norm weights (replicated, each rank's gradient covers its heads) through one copy-to-region on both.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..tensor_parallel.collectives import all_gather_along_dim, copy_to_tensor_parallel_region
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.param_kinds import Partial, Replicated
+from ..tensor_parallel.parallel_state import group_rank, group_size
+from ..tensor_parallel.sharding import fuse_qkv, kv_heads_of_rank, row_shard, unfuse_qkv
+from ..transformer import causal_chunks
+from .replica_grads import complete_replica_grads
+
+
+class FusedQKVLinear(ColumnParallelLinear):
+    """The fused projection [its q | its k | its v]; with k/v replicas (p > nkv) their gradient rows are summed
+    over the replicas in the backward (`replica_grads`)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, group) -> None:
+        p, rank = group_size(group), group_rank(group)
+        self.kv_heads = kv_heads_of_rank(num_kv_heads, p, rank)
+        rows = (num_heads // p + 2 * len(self.kv_heads)) * head_dim
+        super().__init__(hidden, rows * p, bias=bias, init_std=None, tp_group=group)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        q_rows = num_heads // p * head_dim
+        self.kv_rows = slice(q_rows, rows)
+        self._complete = self._complete_replicas if p > num_kv_heads else _unchanged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._complete(self.weight, self.bias)
+        return self._exit(self._linear(x, weight, bias))
+
+    def _complete_replicas(self, weight, bias):
+        tensors = (weight,) if bias is None else (weight, bias)
+        done = complete_replica_grads(tensors, self.kv_rows, self.kv_heads[0], self.num_kv_heads, self.tp_group)
+        return done[0], (done[1] if bias is not None else None)
+
+    def load(self, q, k, v, attr: str) -> None:
+        """Copy this rank's rows of full q, k, v weights (or biases) into `attr`."""
+        with torch.no_grad():
+            getattr(self, attr).copy_(fuse_qkv(q, k, v, self.num_heads, self.num_kv_heads, self.head_dim,
+                                               self.tp_size, self.tp_rank))
+
+    def full(self, attr: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full q, k, v of `attr` gathered from every rank (a collective)."""
+        shards = all_gather_along_dim(getattr(self, attr).detach(), 0, self.tp_group).chunk(self.tp_size, 0)
+        return unfuse_qkv(list(shards), self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def parameter_kinds(self) -> dict:
+        kinds = super().parameter_kinds()
+        if self.tp_size > self.num_kv_heads:
+            replica = Partial(self.tp_group, rows=self.kv_rows, slot=self.kv_heads[0], num_slots=self.num_kv_heads,
+                              sharded_dim=0, reduced_in_backward=True)
+            kinds = {name: replica for name in kinds}
+        return kinds
+
+
+def _unchanged(weight, bias):
+    return weight, bias
+
+
+class HeadNorm(nn.Module):
+    """Qwen3's RMSNorm over each head's d features; the weight is replicated (its gradient is completed by the
+    attention block, which owns the collective)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.variance_epsilon = eps
+
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return weight * x.to(dtype)
+
+    def parameter_kinds(self) -> dict:
+        return {"weight": Replicated()}
+
+
+class TensorParallelAttention(nn.Module):
+    """transformers' attention of one decoder layer on this rank's heads (see the module docstring).
+
+    `source` is the family's reading of the original module (`families`): full weights, rotary, norms, scaling.
+    """
+
+    def __init__(self, old: nn.Module, source, group) -> None:
+        super().__init__()
+        config = old.config
+        self.config, self.layer_idx, self.is_causal = config, old.layer_idx, True
+        self.scaling, self.head_dim = source.scaling(old), source.head_dim(old)
+        self.attention_dropout = source.attention_dropout(old)
+        self.sliding_window = source.sliding_window(old)
+        num_heads, num_kv_heads, hidden = source.num_heads(config), source.num_kv_heads(config), config.hidden_size
+        self.tp_group, p = group, group_size(group)
+        q, k, v, o = source.weights(old)
+        biases = source.biases(old)
+        self.qkv = FusedQKVLinear(hidden, num_heads, num_kv_heads, self.head_dim, biases is not None, group)
+        self.qkv.load(q, k, v, "weight")
+        if biases is not None:
+            self.qkv.load(*biases, "bias")
+        o_bias = source.o_bias(old)
+        self.o_proj = RowParallelLinear(o.shape[1], hidden, bias=o_bias is not None, input_is_parallel=True,
+                                        init_std=None, tp_group=group)
+        with torch.no_grad():
+            self.o_proj.weight.copy_(row_shard(o, p, group_rank(group)))
+            if o_bias is not None:
+                self.o_proj.bias.copy_(o_bias)
+        heads, kv = num_heads // p, len(self.qkv.kv_heads)
+        self.num_key_value_groups = heads // kv
+        self._split = [heads * self.head_dim, kv * self.head_dim, kv * self.head_dim]
+        self._init_norms(old, source)
+        family_module = sys.modules[type(old).__module__]  # transformers' modeling file of this family
+        self._rotary = family_module.apply_rotary_pos_emb if source.rotary else None
+        self._eager = family_module.eager_attention_forward
+        self._position = self._rotate if source.rotary else _no_positions
+        self.resid_dropout = getattr(old, "resid_dropout", nn.Identity())
+        self._names = source
+        self._choose()
+
+    def _choose(self) -> None:
+        """The project's CPU chunked causal kernel (causal_chunks) where it computes what transformers' SDPA would:
+        on CPU, SDPA configured, no attention dropout, no sliding window, the default 1/sqrt(d) scale; per call it
+        still needs no mask (no padding) and self-attention of 128..512 tokens (`causal_chunks.applies`)."""
+        chunkable = (self.qkv.weight.device.type == "cpu" and self.config._attn_implementation == "sdpa"
+                     and self.attention_dropout == 0.0 and self.sliding_window is None
+                     and self.scaling == self.head_dim ** -0.5 and causal_chunks.kernel_available())
+        self._attend = self._chunked_or_transformers if chunkable else self._transformers_attention
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        self._choose()
+        return out
+
+    def _init_norms(self, old: nn.Module, source) -> None:
+        norms = source.head_norms(old)
+        self._head_norms = self._normalize_heads if norms is not None else _no_norms
+        if norms is not None:
+            self.q_norm, self.k_norm = (HeadNorm(n.weight, n.variance_epsilon) for n in norms)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                past_key_values=None, **kwargs):
+        batch_seq = hidden_states.shape[:-1]
+        q, k, v = self.qkv(hidden_states).split(self._split, dim=-1)
+        q, k = self._head_norms(q.view(*batch_seq, -1, self.head_dim), k.view(*batch_seq, -1, self.head_dim))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(*batch_seq, -1, self.head_dim).transpose(1, 2)
+        q, k = self._position(q, k, position_embeddings)
+        cache = cache if cache is not None else past_key_values
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        kwargs.pop("output_attentions", None)
+        out, weights = self._attend(q, k, v, attention_mask, **kwargs)
+        return self.resid_dropout(self.o_proj(out.reshape(*batch_seq, -1))), weights
+
+    def _transformers_attention(self, q, k, v, attention_mask, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
+        return attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+                      scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
+
+    def _chunked_or_transformers(self, q, k, v, attention_mask, **kwargs):
+        if attention_mask is None and causal_chunks.applies(q, k, v, 0.0):  # [b, nh, s, d] laid out [b, s, nh, d]
+            return causal_chunks.chunked_causal_attention(q, k, v).transpose(1, 2), None
+        return self._transformers_attention(q, k, v, attention_mask, **kwargs)
+
+    def _normalize_heads(self, q: torch.Tensor, k: torch.Tensor):
+        both = copy_to_tensor_parallel_region(torch.cat([self.q_norm.weight, self.k_norm.weight]), self.tp_group)
+        wq, wk = both.split(self.head_dim)
+        return self.q_norm.normalize(q, wq), self.k_norm.normalize(k, wk)
+
+    def _rotate(self, q, k, position_embeddings):
+        cos, sin = position_embeddings
+        return self._rotary(q, k, cos, sin)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights under the family's transformers names (a collective)."""
+        full = {"weight": self.qkv.full("weight"), "bias": self.qkv.full("bias") if self.qkv.bias is not None
+                else None}
+        o_weight = all_gather_along_dim(self.o_proj.weight.detach(), 1, self.tp_group)
+        o_bias = self.o_proj.bias.detach().clone() if self.o_proj.bias is not None else None
+        out = self._names.state_dict(full, o_weight, o_bias)
+        if self._head_norms is not _no_norms:
+            out.update({"q_norm.weight": self.q_norm.weight.detach().clone(),
+                        "k_norm.weight": self.k_norm.weight.detach().clone()})
+        return out
+
+
+def _no_norms(q, k):
+    return q, k
+
+
+def _no_positions(q, k, position_embeddings):
+    return q, k

@@ -1,0 +1,75 @@
+"""A transformers model's token embedding and output head, split by vocabulary rows.
+
+    tokens [b, s]   -> VocabParallelEmbedding (rows of r; forward all-reduce, backward identity) -> [b, s, h]
+    x [b, s, h]     -> VocabParallelHead: Y_r = x E_r^T (backward all-reduce dX), all-gather the last dim
+                       -> full-vocabulary logits [b, s, V] (`.logits`, generate), with Y_r pinned to them: the
+                          model's loss reads Y_r alone (`tp_loss`), so its gradient never spans the vocabulary
+
+The table is padded with zero rows to a multiple of p (V_padded); the padding's logits are cut off after the
+gather. With tied embeddings the head holds the embedding's very Parameter (one shard, one gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tensor_parallel.collectives import all_gather_along_dim
+from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from ..tensor_parallel.parallel_state import group_rank, group_size
+from ..tensor_parallel.sharding import vocab_shard, vocab_unshard
+from .tp_loss import attach_shard, no_shard
+
+
+def padded_vocab(vocab: int, p: int) -> int:
+    return -(-vocab // p) * p
+
+
+class HFVocabParallelEmbedding(VocabParallelEmbedding):
+    """The token embedding of a transformers model, rows split (and padded) across the group."""
+
+    def __init__(self, table: torch.Tensor, group) -> None:
+        p = group_size(group)
+        super().__init__(padded_vocab(table.shape[0], p), table.shape[1], init_std=None, tp_group=group,
+                         dtype=table.dtype, device=table.device)
+        self.vocab_size = table.shape[0]
+        with torch.no_grad():
+            self.weight.copy_(vocab_shard(table.detach(), self.num_embeddings, p, group_rank(group)))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {"weight": full_table(self.weight, self.tp_group, self.vocab_size)}
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The output head: this rank's vocabulary rows, logits gathered to the full vocabulary."""
+
+    def __init__(self, table: torch.Tensor, group) -> None:
+        p = group_size(group)
+        super().__init__(table.shape[1], padded_vocab(table.shape[0], p), bias=False, gather_output=True,
+                         init_std=None, tp_group=group, dtype=table.dtype, device=table.device)
+        self.vocab_size = table.shape[0]
+        with torch.no_grad():
+            self.weight.copy_(vocab_shard(table.detach(), self.out_features, p, group_rank(group)))
+        self._cut = _cut_padding if self.out_features != self.vocab_size else _keep
+        self._pin = attach_shard if p > 1 else no_shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shard = self._linear(x, self.weight, self.bias)
+        logits = self._cut(self._exit(shard), self.vocab_size)
+        self._pin(logits, shard)
+        return logits
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {"weight": full_table(self.weight, self.tp_group, self.vocab_size)}
+
+
+def full_table(weight: torch.Tensor, group, vocab_size: int) -> torch.Tensor:
+    """The [V, h] table from every rank's rows, padding dropped (a collective)."""
+    return vocab_unshard([all_gather_along_dim(weight.detach(), 0, group)], vocab_size)
+
+
+def _cut_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return logits[..., :vocab_size]
+
+
+def _keep(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return logits

@@ -1,0 +1,117 @@
+"""The global gradient norm and `clip_grad_norm_`, read off the declared parameter kinds (one implementation: the
+trainer's `training.gradients` and users' loops both call it).
+
+Each parameter counts once, as if the model were on one rank:
+
+    kind                          this rank's share of sum |g|^q (q = norm_type)
+    Sharded                       its whole local gradient (the shards add up over the group)
+    Replicated                    all of it on tensor-parallel rank 0, nothing elsewhere
+    Partial, sharded_dim          all of it, minus (1 - 1/replicas) of the shared rows (k/v replicas)
+    Partial, whole                as Replicated (call after the shares are summed)
+    a DTensor gradient (FSDP2)    its local shard; the sum also runs over each mesh dimension it is Shard on
+
+inf-norm: the maximum of |g| over every local gradient and every rank (replicas change nothing). Call after
+every reduction of the step (data-parallel average, `finalize_grads` where the model needs it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import all_reduce_
+from .param_kinds import Partial, Sharded, is_distributed, local_rows, local_shard, parameter_kinds
+from .parallel_state import ProcessGroup, group_rank, group_size
+
+
+def _shard_groups(grad: torch.Tensor) -> tuple:
+    """The groups a DTensor gradient's shards are spread over (the mesh dimensions it is Shard on); () else."""
+    placements = getattr(grad, "placements", None)
+    if placements is None:
+        return ()
+    return tuple(grad.device_mesh.get_group(i) for i, placement in enumerate(placements) if placement.is_shard())
+
+
+def _power_sum(x: torch.Tensor, q: float) -> torch.Tensor:
+    """sum |x|^q in float32 (vector_norm reads x once; pow(2).sum() would write a squared copy first)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    if math.isinf(q):
+        return torch.linalg.vector_norm(x, ord=q, dtype=torch.float32)
+    return torch.linalg.vector_norm(x, ord=q, dtype=torch.float32).pow(q)
+
+
+def _share(grad: torch.Tensor, kind, q: float, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's share of sum |g|^q such that the sum over the tensor-parallel group counts each entry once
+    (a DTensor gradient: of its local shard)."""
+    total = _power_sum(local_shard(grad)[0], q)
+    if isinstance(kind, Sharded) or math.isinf(q):
+        return total
+    if isinstance(kind, Partial) and kind.sharded_dim is not None:  # shared rows inside a sharded tensor
+        replicas = tp_size // kind.num_slots
+        return total - (1.0 - 1.0 / replicas) * _power_sum(local_rows(grad, kind.rows), q)
+    return total if tp_rank == 0 else torch.zeros_like(total)  # identical on every rank
+
+
+def tensor_parallel_group_of(model: nn.Module) -> ProcessGroup | None:
+    """The one tensor-parallel group the model's declared kinds name (None when no kind spans ranks)."""
+    groups = {id(kind.group): kind.group for _, kind in parameter_kinds(model).values() if is_distributed(kind)}
+    if len(groups) > 1:
+        raise ValueError(f"the model's parameters declare {len(groups)} different tensor-parallel groups: pass "
+                         "tp_group= to say which one the norm reduces over.")
+    return next(iter(groups.values()), None)
+
+
+def _combine(a: torch.Tensor | None, b: torch.Tensor, q: float) -> torch.Tensor:
+    return b if a is None else (torch.maximum(a, b) if math.isinf(q) else a + b)
+
+
+@torch.no_grad()
+def global_grad_norm(model: nn.Module, tp_group: ProcessGroup | None, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients as if the model were on one rank (see the module docstring), on every rank."""
+    q = float(norm_type)
+    tp_rank, tp_size = group_rank(tp_group), group_size(tp_group)
+    by_shards: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # per set of FSDP2 shard groups: its partial sum
+    for param, kind in parameter_kinds(model).values():
+        if param.grad is None:
+            continue
+        groups = _shard_groups(param.grad)
+        key = tuple(id(g) for g in groups)
+        share = _share(param.grad, kind, q, tp_rank, tp_size)
+        by_shards[key] = (groups, _combine(by_shards[key][1] if key in by_shards else None, share, q))
+    op = dist.ReduceOp.MAX if math.isinf(q) else dist.ReduceOp.SUM
+    total = None
+    for groups, partial in by_shards.values():
+        for group in groups:
+            all_reduce_(partial, group, op)
+        total = _combine(total, partial, q)
+    if total is None:
+        total = torch.zeros((), dtype=torch.float32)
+    total = all_reduce_(total, tp_group, op)
+    return total if math.isinf(q) else total.sqrt() if q == 2.0 else total.pow(1.0 / q)
+
+
+@torch.no_grad()
+def scale_grads_(model: nn.Module, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Multiply every gradient by min(1, max_norm / (total_norm + 1e-6)), in place (DTensors: their local shard)."""
+    grads = [local_shard(p.grad)[0] for p in model.parameters() if p.grad is not None]
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coefficient.to(device=g.device, dtype=g.dtype))
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    tp_group: ProcessGroup | None = None) -> torch.Tensor:
+    """Clip the model's gradients in place to a global norm of `max_norm` and return that norm before clipping,
+    like torch.nn.utils.clip_grad_norm_, but counting each parameter once across the tensor-parallel group
+    (read off the parameter kinds; `tp_group` defaults to the one they name) and across FSDP2's shards.
+
+    A collective: every rank of the model's groups calls it. Works for `parallelize`d transformers models and
+    for GPTModel (after finalize_grads)."""
+    group = tp_group if tp_group is not None else tensor_parallel_group_of(model)
+    total = global_grad_norm(model, group, norm_type)
+    scale_grads_(model, float(max_norm), total)
+    return total

@@ -1,0 +1,97 @@
+"""How the job's mesh and its groups are made: built from sizes, or adopted from the caller's DeviceMesh.
+
+Pure construction, no state: parallel_state keeps what these return. Shapes: the rank grid is [dp, cp, tp]
+(tp innermost, consecutive ranks); besides one group per mesh dimension, each rank gets the dp x cp group of
+its tp index (DP_CP), over which the gradients of parameters replicated across cp are reduced.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+ProcessGroup = dist.ProcessGroup
+
+# outermost first (world = dp x cp x tp); a caller's ("dp", "tp") mesh is adopted as cp = 1
+MESH_DIMS = ("dp", "cp", "tp")
+DP_CP = "dp_cp"  # the flattened dp x cp group of gradient reduction (not a mesh dimension)
+
+
+def group_timeout(group: ProcessGroup | None) -> datetime.timedelta | None:
+    """The timeout `group` (None: the world) was created with, or None where torch does not say."""
+    try:  # private API; a torch without it says nothing
+        from torch.distributed import distributed_c10d
+
+        group = group if group is not None else distributed_c10d._get_default_group()
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        return group._get_backend(device).options._timeout
+    except Exception:
+        return None
+
+
+def device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def build_mesh(sizes: dict[str, int], timeout) -> tuple[DeviceMesh, dict[str, ProcessGroup]]:
+    """The mesh of `sizes` (MESH_DIMS order, consecutive ranks along the last) and this rank's group along each
+    dimension, made with `timeout` (init_device_mesh would give its groups torch's 30-minute default instead)."""
+    ranks = torch.arange(dist.get_world_size()).view(*sizes.values())
+    groups = {name: new_groups(ranks.movedim(dim, -1).reshape(-1, sizes[name]), timeout)
+              for dim, name in enumerate(sizes)}
+    mesh = DeviceMesh.from_group([groups[n] for n in sizes], device_type(), mesh=ranks, mesh_dim_names=tuple(sizes))
+    # at cp = 1 the dp x cp group is the dp group itself (no extra groups, DDP on the group it always had)
+    groups[DP_CP] = groups["dp"] if sizes["cp"] == 1 else new_groups(ranks.flatten(0, 1).movedim(0, -1), timeout)
+    return mesh, groups
+
+
+def new_groups(rows: torch.Tensor, timeout) -> ProcessGroup:
+    """One group per row of global ranks (every rank creates each, in the same order); this rank's one."""
+    mine = None
+    for members in rows.tolist():
+        group = dist.new_group(members, timeout=timeout)
+        mine = group if dist.get_rank() in members else mine
+    return mine
+
+
+def adopt_mesh(mesh: DeviceMesh) -> tuple[dict[str, ProcessGroup | None], datetime.timedelta | None]:
+    """The caller's mesh's groups and their timeout; a ("dp", "tp") mesh has cp = 1 (cp group None) and
+    dp x cp = dp."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in (MESH_DIMS, ("dp", "tp")):
+        raise ValueError(f"initialize_model_parallel(mesh=...): the mesh's dimensions are {names}; it needs exactly "
+                         f"{MESH_DIMS} (outermost first), or ('dp', 'tp') without context parallelism: build it "
+                         f"with init_device_mesh(device, shape, mesh_dim_names={MESH_DIMS}).")
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"initialize_model_parallel(mesh=...): the mesh holds {mesh.size()} ranks but the world has "
+                         f"{dist.get_world_size()}: make the mesh over every rank.")
+    groups = {name: mesh.get_group(name) for name in names}
+    timeout = group_timeout(groups["tp"])
+    if "cp" not in groups or mesh.size(names.index("cp")) == 1:
+        return {"cp": None, **groups, DP_CP: groups["dp"]}, timeout
+    return {**groups, DP_CP: new_groups(mesh.mesh.flatten(0, 1).movedim(0, -1), timeout)}, timeout
+
+
+def data_context_mesh(mesh: DeviceMesh, groups: dict[str, ProcessGroup | None]) -> DeviceMesh:
+    """The 1-D mesh over this rank's dp x cp group (FSDP2's, at zero_stage 3): mesh["dp"] where that group is the
+    dp group (cp = 1), else a mesh on the DP_CP group itself (`DeviceMesh.from_group`: no new group, its timeout
+    kept; `_flatten` would make another group with torch's default timeout)."""
+    if groups[DP_CP] is groups["dp"]:
+        return mesh["dp"]
+    return DeviceMesh.from_group(groups[DP_CP], mesh.device_type, mesh_dim_names=(DP_CP,))
+
+
+def data_parallel_size(p: int, c: int) -> int:
+    world = dist.get_world_size()
+    for name, size in (("tensor_model_parallel_size", p), ("context_parallel_size", c)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name}={size!r} must be a positive integer.")
+    if world % (p * c) != 0:
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor_model_parallel_size={p} x context_parallel_size={c} "
+            f"= {p * c}: launch a multiple of {p * c} processes or choose sizes whose product divides {world}."
+        )
+    return world // (p * c)

@@ -1,0 +1,61 @@
+"""ZeRO-3 (parallel.zero_stage: 3): parameters, gradients and AdamW state sharded across the data-parallel ranks
+with torch's FSDP2 (`fully_shard`), on top of our tensor parallelism.
+
+    tensor-parallel  ours: each rank's parameters are plain-tensor shards (heads, MLP columns/rows, vocab)
+    data-parallel    FSDP2 over the 1-D dp x cp mesh (`get_data_context_parallel_mesh`: the mesh's "dp"
+                     dimension at cp = 1) shards each rank's local tensors along dim 0: every TransformerLayer
+                     is one group and the root (embeddings, final norm, head) another. Parameters are
+                     replicated across cp, so, as DDP and ZeRO-1 do, FSDP2 shards and reduces over dp x cp
+
+    forward:   each group all-gathers its parameters over dp (x cp) just before it runs, and frees them after
+    backward:  all-gathered again, then the gradients are reduce-scattered (averaged) over dp (x cp): each rank keeps
+               the dim-0 shard of its gradient, a DTensor. finalize_grads sums the tensor-parallel partial rows
+               on those shards (the two sums commute), the global norm adds the shards over dp
+               (`tensor_parallel.grad_clip`), and AdamW updates the local shards only
+    checkpoint: DTensors gathered over dp (`checkpointing.state_encoding.gathered`): the files are those of
+               zero_stage 0; loading cuts the whole tensors again, so any (p, dp, zero_stage) resumes any other
+
+Accumulation micro-batches skip the reduce-scatter (`set_requires_gradient_sync(False)`, data_parallel). The
+model object stays the one the trainer holds (FSDP2 changes its class in place): checkpoints, the audit and
+evaluation read it as at the other stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..tensor_parallel.mesh_groups import device_type
+from ..tensor_parallel.parallel_state import ProcessGroup, get_data_context_parallel_mesh
+
+
+def mesh_of(group: ProcessGroup | None) -> DeviceMesh:
+    """The 1-D mesh FSDP2 shards over for the gradient-reduction `group` (None: the world): the job's dp x cp mesh
+    where `group` is its group, else one made on `group` (`DeviceMesh.from_group`, no new group)."""
+    mesh = get_data_context_parallel_mesh()
+    if mesh is not None and mesh.get_group() is group:
+        return mesh
+    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type())
+
+
+def shard_fully(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """`fully_shard` each of `model.layers` and then the root over `dp_mesh` (a 1-D mesh); returns `model`."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, reduce: bool):
+    """One micro-batch of an FSDP2 model: reduce-scatter its gradients in the backward only when `reduce`."""
+    model.set_requires_gradient_sync(reduce)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,166 @@
+"""Ring attention: k/v blocks travel the context-parallel ring while each rank attends the block in hand.
+
+Shapes (per rank): q [b, nhl, 2m, d], k, v [b, nkvl, 2m, d]: this rank's zigzag part, chunks r and 2 cp - 1 - r of
+2 cp chunks of m = s / (2 cp) tokens. Step t (of cp) holds the k/v part of rank r - t; the next part is posted
+(ring_exchange: one isend + one irecv) before the block in hand is computed, so the transfer overlaps it.
+
+    forward:  per (q chunk, k chunk) pair: skipped when the mask hides it entirely (causal: k chunk after the
+              q chunk; documents: DocumentLayout.hidden), else scores = q k^T / sqrt(d), masked, and the
+              partial output merged with the running one by log-sum-exp (exact; the pair's kernel, `ring_blocks`:
+              torch's fused CPU flash kernel where it applies, else explicit-lse torch math); with
+              attention dropout (dropout_rng='layout_invariant', `ring_dropout`) each pair's probabilities are
+              dropped with the mask of its global (sample, head, query, key): the output of cp = 1
+    backward: recomputes each pair's probabilities from the final lse (and its dropout mask from the hash); dQ
+              stays here, dK/dV of a block travel with it around the ring and come home with one last exchange
+
+Collectives per layer: forward cp - 1 ring exchanges (k and v stacked); backward cp - 1 (k, v) + cp (dK, dV).
+Under the causal zigzag every rank computes the same number of pairs: 2 cp + 1 (2 diagonal, 2 cp - 1 full).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...tensor_parallel.context_collectives import ring_exchange
+from ...tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
+from .ring_blocks import MATH_BLOCKS, Pair, finite
+from .ring_dropout import NO_DROPOUT
+from .zigzag import chunk_ids
+
+
+class BlockMasks:
+    """Which (q chunk, k chunk) pairs run, and with what mask: causal by chunk number, or the documents'."""
+
+    def __init__(self, m: int, causal: bool, documents=None, device=None) -> None:
+        self.m, self.causal, self.documents, self.device = m, causal, documents, device
+        self._diagonal = torch.ones(m, m, dtype=torch.bool, device=device).tril()
+
+    def _index(self, chunk: int) -> torch.Tensor:
+        return torch.arange(chunk * self.m, (chunk + 1) * self.m, device=self.device)
+
+    def diagonal(self, q_chunk: int, k_chunk: int) -> bool:
+        """Whether the pair is the causal diagonal block (no documents): the fused kernels' is_causal."""
+        return self.causal and self.documents is None and q_chunk == k_chunk
+
+    def pair(self, q_chunk: int, k_chunk: int) -> tuple[bool, torch.Tensor | None, tuple | None]:
+        """(runs, mask, pieces): mask None = every key visible; otherwise bool broadcastable to [b, nh, m, m].
+        pieces: with documents, the pair's per-document sub-pairs (DocumentLayout.block_pieces), else None."""
+        if self.documents is not None:
+            qi, ki = self._index(q_chunk), self._index(k_chunk)
+            if self.documents.hidden(qi, ki, self.causal):
+                return False, None, None
+            pieces = self.documents.block_pieces(q_chunk * self.m, k_chunk * self.m, self.m, self.causal)
+            return True, self.documents.mask(qi, ki, self.causal), pieces
+        if not self.causal or k_chunk < q_chunk:
+            return True, None, None
+        return (True, self._diagonal, None) if k_chunk == q_chunk else (False, None, None)
+
+
+def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
+def _fold(t: torch.Tensor, group: int) -> torch.Tensor:
+    """The gradient of _expand: each k/v head sums its query group's."""
+    return t if group == 1 else t.unflatten(1, (-1, group)).sum(2)
+
+
+def _merge(out, lse, block_out, block_lse):
+    new = torch.logaddexp(lse, block_lse)
+    safe = finite(new)
+    weight_old, weight_new = torch.exp(lse - safe).unsqueeze(-1), torch.exp(block_lse - safe).unsqueeze(-1)
+    return out * weight_old + block_out * weight_new, new
+
+
+class RingPlan:
+    """What a ring attention call needs besides q, k, v: the group, the chunks each rank holds, the masks and
+    the attention dropout (`ring_dropout`: NO_DROPOUT or the hashed masks of this call) and the per-pair kernel
+    (`ring_blocks`)."""
+
+    def __init__(self, group: ProcessGroup, masks: BlockMasks, queries_per_group: int, dropout=NO_DROPOUT,
+                 blocks=MATH_BLOCKS) -> None:
+        self.group, self.masks, self.queries_per_group, self.dropout = group, masks, queries_per_group, dropout
+        self.blocks = blocks
+        self.size, self.rank = group_size(group), group_rank(group)
+
+    def pairs(self, step: int):
+        """The Pair (ring_blocks) of every pair that runs at ring step `step` (the k/v of rank rank - step)."""
+        source = (self.rank - step) % self.size
+        mine, theirs = chunk_ids(self.size, self.rank), chunk_ids(self.size, source)
+        for i, q_chunk in enumerate(mine):
+            for j, k_chunk in enumerate(theirs):
+                runs, mask, pieces = self.masks.pair(q_chunk, k_chunk)
+                if runs:
+                    yield Pair(i, j, mask, (q_chunk, k_chunk), self.masks.diagonal(q_chunk, k_chunk), pieces)
+
+    def drop(self, chunks: tuple[int, int], like: torch.Tensor):
+        """The dropout of the pair of `chunks` (the identity without attention dropout)."""
+        return self.dropout.for_pair(*chunks, like)
+
+    def computed_pairs(self) -> int:
+        """How many block pairs this rank computes in one forward (the balance the zigzag buys)."""
+        return sum(1 for step in range(self.size) for _ in self.pairs(step))
+
+
+def _halves(t: torch.Tensor, m: int):
+    return t[..., :m, :], t[..., m:, :]
+
+
+def _sequence_major(halves) -> torch.Tensor:
+    """The two halves [b, nh, m, d] as one [b, nh, 2m, d] laid out [2m, b, nh, d] in memory: the block's
+    permute + reshape to [2m, b, nh d] is then a view, and the dense layer's saved input shares this storage
+    with the output the ring keeps for backward (one copy of the attention output per layer, not two)."""
+    b, nh, m, d = halves[0].shape
+    out = halves[0].new_empty(2 * m, b, nh, d).permute(1, 2, 0, 3)
+    out[:, :, :m].copy_(halves[0])
+    out[:, :, m:].copy_(halves[1])
+    return out
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: RingPlan):
+        m, g, scale = plan.masks.m, plan.queries_per_group, 1.0 / math.sqrt(q.shape[-1])
+        b, nh, _, d = q.shape
+        out = [q.new_zeros(b, nh, m, d) for _ in range(2)]
+        lse = [q.new_full((b, nh, m), float("-inf")) for _ in range(2)]
+        kv = torch.stack([k, v])
+        for step in range(plan.size):
+            pending = ring_exchange(kv, plan.group) if step < plan.size - 1 else None
+            ks, vs = _halves(_expand(kv[0], g), m), _halves(_expand(kv[1], g), m)
+            for pair in plan.pairs(step):
+                i, j = pair.i, pair.j
+                block = plan.blocks.forward(_halves(q, m)[i], ks[j], vs[j], pair, scale, plan.drop(pair.chunks, q))
+                out[i], lse[i] = _merge(out[i], lse[i], *block)
+            kv = pending.wait() if pending is not None else kv
+        out, lse = _sequence_major(out), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        m, g, scale = plan.masks.m, plan.queries_per_group, 1.0 / math.sqrt(q.shape[-1])
+        delta = (grad_out * out).sum(-1)  # [b, nh, 2m]: rowsum(dO o O)
+        qs, dos, lses, deltas = _halves(q, m), _halves(grad_out, m), lse.split(m, -1), delta.split(m, -1)
+        outs = _halves(out, m)
+        dq = [torch.zeros_like(h) for h in qs]
+        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)
+        for step in range(plan.size):
+            pending = ring_exchange(kv, plan.group) if step < plan.size - 1 else None
+            ks, vs = _halves(_expand(kv[0], g), m), _halves(_expand(kv[1], g), m)
+            dk, dv = [[torch.zeros_like(h) for h in ks] for _ in range(2)]
+            for pair in plan.pairs(step):
+                i, j, drop = pair.i, pair.j, plan.drop(pair.chunks, q)  # the forward's dropout mask, hashed again
+                grads = plan.blocks.backward(qs[i], ks[j], vs[j], pair, scale, drop, dos[i], outs[i], lses[i],
+                                             deltas[i])
+                dq[i], dk[j], dv[j] = dq[i] + grads[0], dk[j] + grads[1], dv[j] + grads[2]
+            dkv = dkv + torch.stack([_fold(torch.cat(dk, 2), g), _fold(torch.cat(dv, 2), g)])
+            dkv_pending = ring_exchange(dkv, plan.group, tag=1)
+            kv = pending.wait() if pending is not None else kv
+            dkv = dkv_pending.wait() if dkv_pending is not None else dkv
+        return torch.cat(dq, dim=2), dkv[0], dkv[1], None

@@ -1,0 +1,159 @@
+"""Packed documents: the per-batch `DocumentLayout`, built once per batch from `document_ids` and handed to
+every layer's attention (never recomputed per layer).
+
+    document_ids [b, s]  integers; the tokens of a row with equal ids form one document, and a document is
+                         contiguous in its row (ids 7 7 3 3 3 9: three documents; 7 7 3 7: refused)
+      | DocumentLayout.from_ids (validates, one host sync for the spans)
+    segments   [b, s]  nondecreasing per row: 0 for the row's first document, 1 for its second, ...
+    positions  [b, s]  restarted positions: 0 at each document's first token (rotary and learned positions)
+    starts, ends [b, s] the global index of each token's document start, and its end (exclusive)
+    spans(row)          ((start, end), ...) of the row's documents, Python ints: for per-document kernels
+
+Contract for a kernel that works on blocks (the CPU per-document kernel here, the context-parallel ring):
+given GLOBAL token indices of a block of queries `q_index` and a block of keys `k_index` (1-D int64 tensors on
+the layout's device, any order, not necessarily contiguous: a zigzag chunk is two ranges),
+- `hidden(q_index, k_index, causal)` is True when no query of the block may attend any key of it in any row
+  (same document and, with `causal`, key index <= query index): the pair can be skipped. It costs
+  O(sq log sk) and one host sync, not O(sq sk).
+- `mask(q_index, k_index, causal)` is the bool [b, 1, sq, sk] mask of the pair (True = may attend), to AND with
+  a user's mask; `full_mask(causal)` is that mask over the whole sequence, built once per layout and kept.
+A query row whose every key is hidden outputs zeros (as in every backend); with causal attention inside
+documents there is none, since each token sees itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _first_repeat(row_ids: torch.Tensor, run_starts: torch.Tensor) -> int | None:
+    """Position of the first run whose id already occurred in an earlier run of the row, else None."""
+    values = row_ids[run_starts]
+    order = torch.sort(values, stable=True).indices
+    repeats = order[1:][values[order][1:] == values[order][:-1]]  # later occurrences: the stable sort keeps order
+    return None if repeats.numel() == 0 else int(run_starts[repeats.min()])
+
+
+def check_document_ids(document_ids: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+    """ValueError unless `document_ids` is an integer [b, s] tensor (of `shape`, when given) whose documents
+    are contiguous in each row; the message names the row and the position."""
+    if not isinstance(document_ids, torch.Tensor) or document_ids.dtype.is_floating_point \
+            or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
+        raise ValueError(f"document_ids must be an integer tensor [b, s], got "
+                         f"{getattr(document_ids, 'dtype', type(document_ids).__name__)}.")
+    if document_ids.dim() != 2 or (shape is not None and tuple(document_ids.shape) != tuple(shape)):
+        want = f" = {list(shape)}, the tokens' shape" if shape is not None else ""
+        raise ValueError(f"document_ids must be [b, s]{want}, got shape {tuple(document_ids.shape)}.")
+    ids = document_ids.cpu()
+    new_run = torch.ones_like(ids, dtype=torch.bool)
+    new_run[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    for row in range(ids.shape[0]):
+        position = _first_repeat(ids[row], new_run[row].nonzero().flatten())
+        if position is not None:
+            raise ValueError(
+                f"document_ids row {row}: document {int(ids[row, position])} resumes at position {position} after "
+                "another document: a document's tokens must be contiguous in its row (give each piece its own id).")
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentLayout:
+    """The documents of one batch (see the module docstring for the contract). Build with `from_ids`."""
+
+    segments: torch.Tensor  # [b, s] int64, nondecreasing per row
+    positions: torch.Tensor  # [b, s] int64, 0 at each document's first token
+    starts: torch.Tensor  # [b, s] int64, global index of the token's document start
+    ends: torch.Tensor  # [b, s] int64, global index one past the token's document end
+    row_spans: tuple[tuple[tuple[int, int], ...], ...]  # per row: the (start, end) of each document
+    _masks: dict = field(default_factory=dict, repr=False)  # full_mask(causal), kept once built
+
+    @classmethod
+    def from_ids(cls, document_ids: torch.Tensor, shape: tuple[int, ...] | None = None) -> DocumentLayout:
+        """The layout of integer `document_ids` [b, s] (of `shape`, when given; validated: ValueError naming the
+        row and position)."""
+        check_document_ids(document_ids, shape)
+        b, s = document_ids.shape
+        index = torch.arange(s, device=document_ids.device).expand(b, s)
+        first = torch.ones(b, s, dtype=torch.bool, device=document_ids.device)
+        first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        last = torch.ones_like(first)
+        last[:, :-1] = first[:, 1:]
+        starts = torch.where(first, index, 0).cummax(dim=1).values
+        ends = torch.where(last, index + 1, s).flip(1).cummin(dim=1).values.flip(1)
+        segments = first.long().cumsum(dim=1) - 1
+        firsts, lasts = first.cpu(), last.cpu()
+        spans = tuple(tuple(zip(firsts[r].nonzero().flatten().tolist(), (lasts[r].nonzero().flatten() + 1).tolist()))
+                      for r in range(b))
+        return cls(segments, index - starts, starts, ends, spans)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.segments.shape)
+
+    def spans(self, row: int) -> tuple[tuple[int, int], ...]:
+        """(start, end) of each document of `row`, in order; they tile [0, s)."""
+        return self.row_spans[row]
+
+    def uniform(self) -> bool:
+        """Whether every row holds the same documents (a per-document kernel can then run all rows at once)."""
+        return all(spans == self.row_spans[0] for spans in self.row_spans)
+
+    def hidden(self, q_index: torch.Tensor, k_index: torch.Tensor, causal: bool) -> bool:
+        """True when no query of `q_index` may attend any key of `k_index` in any row (see the contract)."""
+        keys = torch.sort(k_index).values
+        low = self.starts[:, q_index]  # [b, sq]: the first key each query may see
+        high = q_index.expand_as(low) + 1 if causal else self.ends[:, q_index]  # one past the last
+        seen = torch.searchsorted(keys, high.contiguous()) - torch.searchsorted(keys, low.contiguous())
+        return not bool((seen > 0).any())
+
+    def mask(self, q_index: torch.Tensor, k_index: torch.Tensor, causal: bool) -> torch.Tensor:
+        """Bool [b, 1, sq, sk]: True where query q_index[i] may attend key k_index[j] (same document, and with
+        `causal` k_index[j] <= q_index[i])."""
+        visible = self.segments[:, q_index].unsqueeze(-1) == self.segments[:, k_index].unsqueeze(-2)
+        if causal:
+            visible = visible & (k_index.unsqueeze(0) <= q_index.unsqueeze(1))
+        return visible.unsqueeze(1)
+
+    def block_pieces(self, q0: int, k0: int, m: int, causal: bool) -> tuple:
+        """The per-document sub-pairs of the block of queries [q0, q0 + m) and keys [k0, k0 + m) (contiguous
+        GLOBAL ranges): ((rows, qa, qb, ka, kb, diagonal), ...) with [qa, qb), [ka, kb) relative to q0 and k0,
+        rows a slice of the batch (all rows at once when `uniform`). Each is fully visible, or with `diagonal`
+        the causal (top-left) square; every other (query, key) of the block is hidden. A query lies in at most
+        one piece per row."""
+        if causal and k0 > q0:
+            return ()
+        rows = [slice(None)] if self.uniform() else [slice(r, r + 1) for r in range(self.shape[0])]
+        pieces = []
+        for i, row in enumerate(rows):
+            for start, end in self.spans(i):
+                qa, qb, ka, kb = max(start, q0), min(end, q0 + m), max(start, k0), min(end, k0 + m)
+                if qa < qb and ka < kb:
+                    pieces.append((row, qa - q0, qb - q0, ka - k0, kb - k0, causal and k0 == q0))
+        return tuple(pieces)
+
+    def full_mask(self, causal: bool) -> torch.Tensor:
+        """mask() over the whole sequence, built on first use and kept for the batch's other layers."""
+        if causal not in self._masks:
+            index = torch.arange(self.shape[1], device=self.segments.device)
+            self._masks[causal] = self.mask(index, index, causal)
+        return self._masks[causal]
+
+    def combine(self, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """The user's mask (broadcastable to [b, 1, s, s]) AND the documents' (AND causal)."""
+        documents = self.full_mask(causal)
+        return documents if mask is None else mask & documents
+
+
+def positions_of(documents: DocumentLayout | None, position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The positions attention applies: the caller's, else the documents' restarted ones, else None (the default)."""
+    if position_ids is not None or documents is None:
+        return position_ids
+    return documents.positions
+
+
+def mask_cross_document_labels(labels: torch.Tensor, next_document_ids: torch.Tensor,
+                               document_ids: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """labels [b, s] with `ignore_index` where the label's token (of document `next_document_ids`) starts another
+    document than the input token's (`document_ids`): a packed batch does not predict across a boundary."""
+    return labels.masked_fill(next_document_ids != document_ids, ignore_index)

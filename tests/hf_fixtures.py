@@ -1,0 +1,50 @@
+"""Tiny transformers *ForCausalLM fixtures, one per family parallelize supports: built locally from a config with a
+fixed seed (never downloaded), float32, dropout off. Awkward sizes: vocab 301 (divisible by neither 2 nor 4), so a
+mis-padded or mis-sliced vocabulary cannot pass; h 64, 2 layers, head dim 16."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 301
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=64, attention_dropout=0.0, tie_word_embeddings=False)
+
+
+def _config(name: str):
+    import transformers as tf
+
+    rope_llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    configs = {
+        "llama3_rope": lambda: tf.LlamaConfig(**_COMMON, num_key_value_heads=2, rope_parameters=rope_llama3),
+        "qwen2": lambda: tf.Qwen2Config(**_COMMON, num_key_value_heads=2),
+        "qwen3": lambda: tf.Qwen3Config(**_COMMON, num_key_value_heads=2, head_dim=16),
+        "mistral_window": lambda: tf.MistralConfig(**_COMMON, num_key_value_heads=2, sliding_window=5),
+        "llama_gqa": lambda: tf.LlamaConfig(**{**_COMMON, "num_attention_heads": 8}, num_key_value_heads=4,
+                                            head_dim=8),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+        "mqa_tied_bias": lambda: tf.LlamaConfig(**{**_COMMON, "tie_word_embeddings": True}, num_key_value_heads=1,
+                                                attention_bias=True, mlp_bias=True),
+    }
+    return configs[name]()
+
+
+FAMILIES = ["llama3_rope", "qwen2", "qwen3", "mistral_window", "llama_gqa", "gpt2", "mqa_tied_bias"]
+
+
+def build(name: str):
+    """The fixture `name`, its weights drawn from seed 0 (every rank builds the same model), in eval mode.
+    Biases and norm weights are randomised too, so that a dropped bias or norm cannot pass."""
+    import transformers as tf
+
+    config = _config(name)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name or "ln_" in param_name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
