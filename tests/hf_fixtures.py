@@ -48,3 +48,17 @@ def build(name: str):
             if param_name.endswith("bias") or "norm" in param_name or "ln_" in param_name:
                 param.add_(torch.randn_like(param) * 0.1)
     return model.eval()
+
+
+def gpt_model_logits(cfg, canonical: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [b, s, V] of GPTModel(cfg) holding `canonical`, on this rank's tensor-parallel group
+    (eval: an imported GPT-2 keeps its dropout rates)."""
+    import parallel_attention as pa
+    from parallel_attention.tensor_parallel.collectives import all_gather_along_dim
+
+    model = pa.GPTModel(cfg).eval()
+    model.load_canonical_state_dict(canonical)
+    with torch.no_grad():
+        local = model(tokens)  # [s, b, V_padded / p]
+    full = all_gather_along_dim(local, -1, pa.get_tensor_model_parallel_group())[..., :cfg.vocab_size]
+    return full.transpose(0, 1)

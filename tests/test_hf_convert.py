@@ -21,12 +21,11 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face import/export tests need transformers (pip install -e .[hf])")
 
-import parallel_attention as pa  # noqa: E402
 from distributed import run_distributed  # noqa: E402
+from hf_fixtures import gpt_model_logits  # noqa: E402
 from launch import ROOT, environment, torchrun  # noqa: E402
-from parallel_attention import GPTModel, ModelConfig, canonical_to_hf, hf_to_canonical, load_config  # noqa: E402
+from parallel_attention import ModelConfig, canonical_to_hf, hf_to_canonical, load_config  # noqa: E402
 from parallel_attention.hf import read_hf_config  # noqa: E402
-from parallel_attention.tensor_parallel import all_gather_along_dim  # noqa: E402
 from parallel_attention.checkpointing import read_canonical_checkpoint  # noqa: E402
 from parallel_attention.training import ConfigError  # noqa: E402
 
@@ -69,14 +68,8 @@ def _hf_logits(path: Path) -> torch.Tensor:
         return model(_tokens()).logits
 
 
-def _our_logits(cfg: ModelConfig, canonical: dict) -> torch.Tensor:
-    """Full-vocabulary logits [b, s, V] of GPTModel(cfg) on this rank's tensor-parallel group."""
-    model = GPTModel(cfg).eval()  # eval: the imported GPT-2 keeps its dropout rates
-    model.load_canonical_state_dict(canonical)
-    with torch.no_grad():
-        local = model(_tokens())  # [s, b, V_padded / p]
-    full = all_gather_along_dim(local, -1, pa.get_tensor_model_parallel_group())[..., :cfg.vocab_size]
-    return full.transpose(0, 1)
+def _our_logits(cfg, canonical: dict) -> torch.Tensor:
+    return gpt_model_logits(cfg, canonical, _tokens())
 
 
 def _logits_worker(cases):
