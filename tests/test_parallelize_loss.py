@@ -67,6 +67,34 @@ def test_the_loss_is_transformers_loss_from_this_ranks_columns():
         assert max(abs(c - calls[-1]) for c in calls) <= 1e-6 * abs(calls[-1]), calls
 
 
+def _full_logits_losses(model, ids, labels, clip):
+    """[(loss, norm)]: a loss of the caller's own on `.logits` (a z-loss), then with transformers' `.loss` added
+    (the head's gradient from both: the full logits' rows of this rank and its own columns')."""
+    out = []
+    for add_loss in (False, True):
+        model.zero_grad(set_to_none=True)
+        output = model(ids, labels=labels)
+        total = output.logits.logsumexp(-1).pow(2).mean() + (output.loss if add_loss else 0.0)
+        total.backward()
+        out.append((total.item(), float(clip(model))))
+    return out
+
+
+def _full_logits_checks():
+    reference = build("llama_gqa").train()
+    model = pa.parallelize(copy.deepcopy(reference))
+    ids, labels, _ = _labels()
+    return (_full_logits_losses(reference, ids, labels, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)),
+            _full_logits_losses(model, ids, labels, lambda m: pa.clip_grad_norm_(m, 1e9)))
+
+
+def test_a_loss_on_the_full_logits_gets_the_unsharded_gradients():
+    for expected, actual in run_distributed(_full_logits_checks, 2, 2):
+        for (loss, norm), (loss_p, norm_p) in zip(expected, actual, strict=True):
+            assert abs(loss_p - loss) <= 1e-6 * abs(loss) and abs(norm_p - norm) <= 1e-5 * norm, (expected, actual)
+        assert expected[0][1] != expected[1][1]
+
+
 def _one_step(seq: int, seed: int):
     """(losses, gradient norms) of one step of llama3_rope unsharded and parallelized, and the parallelized model."""
     reference = build("llama3_rope").train()

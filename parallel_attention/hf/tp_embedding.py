@@ -1,9 +1,11 @@
 """A transformers model's token embedding and output head, split by vocabulary rows.
 
     tokens [b, s]   -> VocabParallelEmbedding (rows of r; forward all-reduce, backward identity) -> [b, s, h]
-    x [b, s, h]     -> VocabParallelHead: Y_r = x E_r^T (backward all-reduce dX), all-gather the last dim
-                       -> full-vocabulary logits [b, s, V] (`.logits`, generate), with Y_r pinned to them: the
-                          model's loss reads Y_r alone (`tp_loss`), so its gradient never spans the vocabulary
+    x [b, s, h]     -> VocabParallelHead: Y_r^T = E_r x^T (backward all-reduce dX), all-gathered along the
+                       vocabulary (`vocab_major_head`) -> full-vocabulary logits [b, s, V] (`.logits`, generate):
+                       a view of the gathered [V, b s] buffer, not row-major (`.contiguous()` makes them so).
+                       Y_r is pinned to them: the model's loss reads Y_r alone (`tp_loss`), so its gradient never
+                       spans the vocabulary
 
 The table is padded with zero rows to a multiple of p (V_padded); the padding's logits are cut off after the
 gather. With tied embeddings the head holds the embedding's very Parameter (one shard, one gradient).
@@ -17,7 +19,8 @@ from ..tensor_parallel.collectives import all_gather_along_dim
 from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.parallel_state import group_rank, group_size
 from ..tensor_parallel.sharding import vocab_shard, vocab_unshard
-from .tp_loss import attach_shard, no_shard
+from .tp_loss import attach_shard
+from .vocab_major_head import vocab_major_logits
 
 
 def padded_vocab(vocab: int, p: int) -> int:
@@ -49,13 +52,19 @@ class VocabParallelHead(ColumnParallelLinear):
         self.vocab_size = table.shape[0]
         with torch.no_grad():
             self.weight.copy_(vocab_shard(table.detach(), self.out_features, p, group_rank(group)))
-        self._cut = _cut_padding if self.out_features != self.vocab_size else _keep
-        self._pin = attach_shard if p > 1 else no_shard
+        self._logits = self._gathered if p > 1 else self._whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shard = self._linear(x, self.weight, self.bias)
-        logits = self._cut(self._exit(shard), self.vocab_size)
-        self._pin(logits, shard)
+        return self._logits(x)
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """p = 1: the logits are the GEMM's output; transformers' loss reads them directly."""
+        return self._linear(x, self.weight, self.bias)
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        full, local = vocab_major_logits(x.reshape(-1, x.shape[-1]), self.weight, self.tp_group)
+        logits = full[:self.vocab_size].t().view(*x.shape[:-1], self.vocab_size)
+        attach_shard(logits, local.t().view(*x.shape[:-1], local.shape[0]))
         return logits
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -65,11 +74,3 @@ class VocabParallelHead(ColumnParallelLinear):
 def full_table(weight: torch.Tensor, group, vocab_size: int) -> torch.Tensor:
     """The [V, h] table from every rank's rows, padding dropped (a collective)."""
     return vocab_unshard([all_gather_along_dim(weight.detach(), 0, group)], vocab_size)
-
-
-def _cut_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return logits[..., :vocab_size]
-
-
-def _keep(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return logits

@@ -30,10 +30,6 @@ def attach_shard(logits: torch.Tensor, shard: torch.Tensor) -> None:
     setattr(logits, _SHARD, shard)
 
 
-def no_shard(logits: torch.Tensor, shard: torch.Tensor) -> None:
-    """p = 1: the logits are the head's output itself; transformers' loss reads them directly."""
-
-
 class VocabParallelCausalLMLoss:
     """A transformers `loss_function` for a parallelized *ForCausalLM (see the module docstring)."""
 
