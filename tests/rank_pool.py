@@ -24,12 +24,10 @@ def _serve(rank, world_size, init_file, inbox, results, timeout):
     import torch
     import torch.distributed as dist
 
-    import parallel_attention as pa
-
     torch.set_num_threads(1)  # ranks share two cores: do not oversubscribe them
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
-    pa.initialize_model_parallel(world_size)
+    _initialize(world_size)
     while True:  # until the pool kills this process
         fn, args, reset_tp = inbox.get()
         try:
@@ -44,22 +42,35 @@ def _serve(rank, world_size, init_file, inbox, results, timeout):
 _FRESH_SEED = 67280421310721
 
 
+# the model-parallel state _initialize made last, and its tp size
+_MADE: dict = {}
+
+
+def _initialize(tp_size: int) -> None:
+    import parallel_attention as pa
+    from parallel_attention.tensor_parallel import parallel_state
+
+    pa.destroy_model_parallel()
+    pa.initialize_model_parallel(tp_size)
+    _MADE.update(state=parallel_state._STATE, tp_size=tp_size)
+
+
 def _reset(tp_size: int) -> None:
     """What a freshly spawned rank would hold: default seed and dtype, gradients on, and the model-parallel
-    groups of `tp_size` (kept when the size is unchanged: creating gloo groups costs a connection round)."""
+    groups of `tp_size`: `initialize_model_parallel(tp_size)`'s, kept where the last test left them as made (a
+    test that re-initialized with a cp size, or from a mesh of its own, leaves another state, made again here;
+    creating gloo groups costs a connection round)."""
     import torch
 
-    import parallel_attention as pa
-    from parallel_attention.tensor_parallel import collectives, rng
+    from parallel_attention.tensor_parallel import collectives, parallel_state, rng
 
     torch.manual_seed(_FRESH_SEED)
     rng._tp_states.clear()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
     collectives._issue, collectives._LOG = collectives._plain, None
-    if not pa.model_parallel_is_initialized() or pa.get_tensor_model_parallel_world_size() != tp_size:
-        pa.destroy_model_parallel()
-        pa.initialize_model_parallel(tp_size)
+    if parallel_state._STATE is not _MADE["state"] or _MADE["tp_size"] != tp_size:
+        _initialize(tp_size)
 
 
 class RankPool:
