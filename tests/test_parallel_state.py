@@ -205,8 +205,17 @@ def _gloo_threads_after_shutdown() -> tuple[list[str], bool, bool]:
     dist.all_reduce(x, group=pa.get_tensor_model_parallel_group())  # the groups' threads are up
     dist.all_reduce(x, group=pa.get_data_parallel_group())
     ps.shutdown_distributed()
-    names = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+    names = [_thread_name(task) for task in os.listdir("/proc/self/task")]
     return [n for n in names if "gloo" in n], dist.is_initialized(), pa.model_parallel_is_initialized()
+
+
+def _thread_name(task: str) -> str:
+    """The thread's name; '' for one that ended after the listing (a gloo thread still finishing: not running)."""
+    try:
+        with open(f"/proc/self/task/{task}/comm") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc")
