@@ -24,7 +24,7 @@ from .config_checks import ConfigError
 from .tokenizer import TokenizerUnavailableError
 
 __all__ = ["REFUSALS", "DataFileError", "check_ids_in_vocab", "meta_and_reason", "prepare_again", "refusal_message",
-           "settings_changed", "sha256_of", "verify_sha256"]
+           "settings_changed", "sha256_of", "verify_files", "verify_sha256"]
 
 META = "meta.json"
 SHA_CACHE = ".sha256-cache.json"
@@ -95,7 +95,22 @@ def verify_sha256(data_dir, meta: dict, split: str) -> None:
     recorded = meta.get(f"{split}_sha256")
     if recorded is None:
         return
-    path = Path(data_dir) / f"{split}.bin"
+    _check_sha256(Path(data_dir) / f"{split}.bin", recorded, data_dir, meta)
+
+
+def verify_files(data_dir, meta: dict) -> None:
+    """DataFileError unless every file a run reads has the sha256 meta.json records: each shard's .bin and .idx
+    (format 2), or train.bin and val.bin (the previous format, whose .idx files were not hashed)."""
+    if "format_version" not in meta:
+        for split in ("train", "val"):
+            verify_sha256(data_dir, meta, split)
+        return
+    for shard in meta["shards"]:
+        for kind in ("bin", "idx"):
+            _check_sha256(Path(data_dir) / f"{shard['prefix']}.{kind}", shard[f"{kind}_sha256"], data_dir, meta)
+
+
+def _check_sha256(path: Path, recorded: str, data_dir, meta: dict) -> None:
     actual = sha256_of(path)
     if actual != recorded:
         raise DataFileError(f"{path} has sha256 {actual} but {Path(data_dir) / META} records {recorded}: the file "
