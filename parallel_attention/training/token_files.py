@@ -27,6 +27,7 @@ __all__ = ["REFUSALS", "DataFileError", "check_ids_in_vocab", "meta_and_reason",
            "settings_changed", "sha256_of", "verify_files", "verify_sha256"]
 
 META = "meta.json"
+FORMAT_VERSION = 2  # shards in Megatron-LM's indexed-dataset format; 1 (no "format_version" key): train/val .bin
 SHA_CACHE = ".sha256-cache.json"
 _RACY_NS = 2_000_000_000  # a hash taken this soon after the file's last write is not trusted next time
 
@@ -56,20 +57,24 @@ def prepare_again(data_dir, meta: dict | None = None) -> str:
 
 
 def meta_and_reason(data_dir) -> tuple[dict | None, str]:
-    """(meta, "") for a complete preparation whose token and offset files have the recorded sizes, else
-    (None, why not). Directories prepared before offsets were kept have no .idx files and still read."""
+    """(meta, "") for a complete preparation whose files have the recorded sizes, else (None, why not).
+
+    Format 2 (`"format_version": 2`) is a list of indexed-dataset shards; the previous format (no
+    "format_version") is train/val .bin files with .idx offsets, which directories prepared before offsets were
+    kept lack and still read."""
     path = Path(data_dir) / META
     if not path.is_file():
         return None, f"{META} missing"
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        sizes = {f"{s}.bin": meta[f"num_{s}_tokens"] * itemsize for s in ("train", "val")}
-        sizes.update({f"{s}.idx": meta[f"num_{s}_documents"] * 8 for s in ("train", "val")
-                      if f"num_{s}_documents" in meta})
+        version = meta.get("format_version", 1)
+        if version not in (1, FORMAT_VERSION):
+            return None, (f"{path} records format_version {version!r}, which this version cannot read (it knows 1 "
+                          f"and {FORMAT_VERSION}): a newer release wrote it")
+        sizes = _recorded_sizes(meta)
     except (OSError, UnicodeDecodeError) as error:
         return None, f"{path} cannot be read ({error})"
-    except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError is a ValueError
+    except (ValueError, KeyError, TypeError, AttributeError) as error:  # JSONDecodeError is a ValueError
         return None, f"{path} is not a valid {META} ({type(error).__name__}: {error})"
     for name, recorded in sizes.items():
         file = Path(data_dir) / name
@@ -78,6 +83,26 @@ def meta_and_reason(data_dir) -> tuple[dict | None, str]:
         if file.stat().st_size != recorded:
             return None, f"{name} has {file.stat().st_size} bytes, {META} records {recorded}"
     return meta, ""
+
+
+def _recorded_sizes(meta: dict) -> dict[str, int]:
+    """Each data file's size in bytes, from the counts meta.json records."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    if meta.get("format_version") == FORMAT_VERSION:
+        sizes = {}
+        for shard in meta["shards"]:
+            sizes[f"{shard['prefix']}.bin"] = int(shard["num_tokens"]) * itemsize
+            sizes[f"{shard['prefix']}.idx"] = index_bytes(int(shard["num_documents"]))
+        return sizes
+    sizes = {f"{s}.bin": meta[f"num_{s}_tokens"] * itemsize for s in ("train", "val")}
+    sizes.update({f"{s}.idx": meta[f"num_{s}_documents"] * 8 for s in ("train", "val") if f"num_{s}_documents" in meta})
+    return sizes
+
+
+def index_bytes(num_documents: int) -> int:
+    """The size of a shard's .idx of one sequence per document: a 34-byte header, an int32 length and an int64
+    pointer per sequence, and num_documents + 1 int64 document indices (indexed_dataset.py has the layout)."""
+    return 34 + 12 * num_documents + 8 * (num_documents + 1)
 
 
 def settings_changed(meta: dict, wanted: dict) -> str:
@@ -90,12 +115,11 @@ def settings_changed(meta: dict, wanted: dict) -> str:
 
 
 def verify_sha256(data_dir, meta: dict, split: str) -> None:
-    """DataFileError unless `split`.bin has the sha256 that meta.json records (nothing to check if it records
-    none, as data prepared by old versions may)."""
+    """DataFileError unless `split`.bin of the previous format has the sha256 that meta.json records (nothing to
+    check if it records none, as data prepared by old versions may)."""
     recorded = meta.get(f"{split}_sha256")
-    if recorded is None:
-        return
-    _check_sha256(Path(data_dir) / f"{split}.bin", recorded, data_dir, meta)
+    if recorded is not None:
+        _check_sha256(Path(data_dir) / f"{split}.bin", recorded, Path(data_dir), meta)
 
 
 def verify_files(data_dir, meta: dict) -> None:
@@ -116,6 +140,49 @@ def _check_sha256(path: Path, recorded: str, data_dir, meta: dict) -> None:
         raise DataFileError(f"{path} has sha256 {actual} but {Path(data_dir) / META} records {recorded}: the file "
                             f"changed after it was prepared (a bad copy, a disk fault, another write); "
                             f"{prepare_again(data_dir, meta)}.")
+
+
+def verify_files(data_dir, meta: dict) -> None:
+    """DataFileError unless every file a run reads has the sha256 meta.json records: each shard's .bin and .idx
+    (format 2), or train/val .bin (the previous format, which recorded no hash for its .idx files: their offsets
+    are checked instead), and the trained BPE's tokenizer.json."""
+    data_dir = Path(data_dir)
+    for name, recorded in recorded_hashes(meta).items():
+        _check_sha256(data_dir / name, recorded, data_dir, meta)
+    if meta.get("format_version") != FORMAT_VERSION:
+        for split in ("train", "val"):
+            _check_offsets(data_dir, meta, split)
+
+
+def recorded_hashes(meta: dict) -> dict[str, str]:
+    """{file name: sha256} of every hashed file meta.json names."""
+    if meta.get("format_version") == FORMAT_VERSION:
+        hashes = {f"{s['prefix']}.{kind}": s[f"{kind}_sha256"] for s in meta["shards"] for kind in ("bin", "idx")}
+    else:
+        hashes = {f"{s}.bin": meta[f"{s}_sha256"] for s in ("train", "val") if meta.get(f"{s}_sha256")}
+    if meta.get("tokenizer") == "bpe" and meta.get("tokenizer_sha256"):
+        hashes["tokenizer.json"] = meta["tokenizer_sha256"]
+    return hashes
+
+
+def _check_sha256(path: Path, recorded: str, data_dir: Path, meta: dict) -> None:
+    actual = sha256_of(path) if path.is_file() else "(missing)"
+    if actual != recorded:
+        raise DataFileError(f"{path} has sha256 {actual} but {data_dir / META} records {recorded}: the file "
+                            f"changed after it was prepared (a bad copy, a disk fault, another write); "
+                            f"{prepare_again(data_dir, meta)}.")
+
+
+def _check_offsets(data_dir: Path, meta: dict, split: str) -> None:
+    """A previous-format .idx: document starts from 0, increasing, inside the split's tokens."""
+    count, path = meta.get(f"num_{split}_documents"), data_dir / f"{split}.idx"
+    if not count:
+        return
+    starts = np.fromfile(path, dtype="<u8", count=count).astype(np.int64)
+    if starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= meta[f"num_{split}_tokens"]:
+        raise DataFileError(f"{path} does not hold increasing document offsets from 0 inside the "
+                            f"{meta[f'num_{split}_tokens']} tokens of {split}.bin: the file changed after it was "
+                            f"prepared; {prepare_again(data_dir, meta)}.")
 
 
 def check_ids_in_vocab(rows: np.ndarray, vocab_size: int, path: Path, offsets) -> None:
