@@ -124,26 +124,6 @@ def verify_sha256(data_dir, meta: dict, split: str) -> None:
 
 def verify_files(data_dir, meta: dict) -> None:
     """DataFileError unless every file a run reads has the sha256 meta.json records: each shard's .bin and .idx
-    (format 2), or train.bin and val.bin (the previous format, whose .idx files were not hashed)."""
-    if "format_version" not in meta:
-        for split in ("train", "val"):
-            verify_sha256(data_dir, meta, split)
-        return
-    for shard in meta["shards"]:
-        for kind in ("bin", "idx"):
-            _check_sha256(Path(data_dir) / f"{shard['prefix']}.{kind}", shard[f"{kind}_sha256"], data_dir, meta)
-
-
-def _check_sha256(path: Path, recorded: str, data_dir, meta: dict) -> None:
-    actual = sha256_of(path)
-    if actual != recorded:
-        raise DataFileError(f"{path} has sha256 {actual} but {Path(data_dir) / META} records {recorded}: the file "
-                            f"changed after it was prepared (a bad copy, a disk fault, another write); "
-                            f"{prepare_again(data_dir, meta)}.")
-
-
-def verify_files(data_dir, meta: dict) -> None:
-    """DataFileError unless every file a run reads has the sha256 meta.json records: each shard's .bin and .idx
     (format 2), or train/val .bin (the previous format, which recorded no hash for its .idx files: their offsets
     are checked instead), and the trained BPE's tokenizer.json."""
     data_dir = Path(data_dir)
