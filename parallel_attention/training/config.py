@@ -85,7 +85,7 @@ class TrainingConfig:
     global_batch_size: int = 16  # sequences per optimizer step, across data-parallel ranks
     micro_batch_size: int = 8  # sequences per forward on one rank
     seed: int = 1234
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # autocast dtype on GPUs
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # autocast dtype, CPU and CUDA alike
     eval_interval: int = 50
     eval_batches: int = 4
     max_skipped_steps: int = 10  # consecutive fp16 loss-scale overflows tolerated (other dtypes: none)

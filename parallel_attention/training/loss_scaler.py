@@ -42,6 +42,10 @@ class DynamicLossScaler:
             self.scale *= 2
         return True
 
+    def record(self) -> dict:
+        """What metrics.jsonl logs of the scaler: the scale in effect, when scaling is on."""
+        return {"loss_scale": self.scale} if self.enabled else {}
+
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.good_steps}
 

@@ -24,6 +24,7 @@ import torch
 
 from .config import PretrainConfig
 from .flops import peak_source, peak_tflops
+from .precision import Precision
 
 
 def _millions(n: int) -> str:
@@ -62,12 +63,6 @@ def _tokens_line(cfg: PretrainConfig) -> str:
             f"in {cfg.training.max_steps} steps")
 
 
-def _precision(cfg: PretrainConfig, device: torch.device) -> str:
-    if device.type == "cuda" and cfg.training.dtype != "float32":  # the trainer autocasts on GPUs only
-        return f"{cfg.training.dtype} autocast, float32 weights, on {device}"
-    return f"float32 on {device}"
-
-
 def _peak_line(cfg: PretrainConfig, device: torch.device) -> str:
     peak = peak_tflops(cfg.logging.peak_tflops, device)
     return f"{peak:.4g} TFLOP/s per device ({peak_source(cfg.logging.peak_tflops, device)}): MFU's denominator"
@@ -91,7 +86,7 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
         "run dir": f"{run_dir} (metrics.jsonl, loss.png{', tensorboard/ if installed' if cfg.logging.tensorboard else ''})",
         "checkpoints": f"{run_dir / 'checkpoints'} every {cfg.checkpoint.interval} steps, keep "
                        f"{cfg.checkpoint.keep_last}, resume {cfg.checkpoint.resume}",
-        "precision": _precision(cfg, torch.device(device)),
+        "precision": Precision(cfg.training.dtype, torch.device(device)).describe(),
         "peak": _peak_line(cfg, torch.device(device)),
     }
     return "\n".join(["run summary", *(f"  {name:<12} {text}" for name, text in rows.items())])

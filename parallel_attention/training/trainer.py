@@ -13,7 +13,6 @@ replicated parameters (every `training.audit_interval` steps and before each che
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -43,6 +42,7 @@ from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, learning_rate, set_learning_rate
+from .precision import Precision
 from .resume import resume_from_checkpoint
 from .run_dir import ensure_run_dir_held, lock_run_dir, prepare_run_dir, release_run_dir, write_run_config
 from .sigterm import SigtermFlag
@@ -96,9 +96,7 @@ def _mean_over(value: torch.Tensor, group) -> float:
 
 
 def _autocast(cfg: PretrainConfig, device: torch.device):
-    if device.type != "cuda" or cfg.training.dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast("cuda", dtype=getattr(torch, cfg.training.dtype))
+    return Precision(cfg.training.dtype, device).autocast()
 
 
 # ---------------------------------------------------------------------------------- build
@@ -137,7 +135,7 @@ def build(cfg: PretrainConfig) -> Run:
     val_batches = validation_batches(val_data, cfg.data.seq_len, cfg.training.micro_batch_size,
                                      cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size,
                                      document_masking=cfg.data.document_masking)
-    scaler = DynamicLossScaler(enabled=device.type == "cuda" and cfg.training.dtype == "float16")
+    scaler = DynamicLossScaler(enabled=Precision(cfg.training.dtype, device).loss_scaling)
     # parameters are replicated over dp x cp: their gradients are averaged (and ZeRO-1 shards) over both
     dp_group, zero_stage = ps.get_data_context_parallel_group(), cfg.parallel.zero_stage
     forward = wrap_data_parallel(model, dp_group, cfg.parallel.debug_collectives, zero_stage=zero_stage)
@@ -248,6 +246,7 @@ def after_step(run: Run, record: dict, sigterm: SigtermFlag) -> bool:
     last, diverged = step == cfg.training.max_steps, run.guard.stop_reason is not None
     if run.logger is not None:  # rank 0, before it writes this step's outputs
         ensure_run_dir_held(cfg)
+    record.update(run.scaler.record())  # fp16: the loss scale after this step
     if not diverged and (step % cfg.training.eval_interval == 0 or last):
         run.val_losses[step] = record["val_loss"] = evaluate(run)
     if run.logger is not None and (step % cfg.logging.log_interval == 0 or "val_loss" in record

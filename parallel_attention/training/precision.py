@@ -1,0 +1,53 @@
+"""The precision a run trains in, decided once from `training.dtype` and the device: the same on every device.
+
+    training.dtype   forward                         weights and optimizer   loss scaling
+    float32          float32                         float32                 none
+    bfloat16         torch.autocast(device, bf16)    float32 (master)        none
+    float16          torch.autocast(device, fp16)    float32 (master)        DynamicLossScaler
+
+torch autocasts on CPU as on CUDA (both half dtypes), so a CPU run trains in the precision it was asked for; a
+device torch cannot autocast on is refused, never silently run in float32. The run summary's precision line says
+what is in effect (`describe`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """`dtype` ('float32', 'bfloat16' or 'float16') on `device`."""
+
+    dtype: str
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        device_type = torch.device(self.device).type
+        if self.dtype in HALF_DTYPES and not torch.amp.is_autocast_available(device_type):
+            raise ValueError(f"training.dtype={self.dtype} trains under torch.autocast, which torch "
+                             f"{torch.__version__} does not offer on {device_type}: run on cpu or cuda, or set "
+                             "--training.dtype=float32.")
+
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether the dynamic loss scaler is on: float16 only (bf16 has float32's exponent range)."""
+        return self.dtype == "float16"
+
+    def autocast(self):
+        """The context each forward runs in: autocast to the half dtype, or nothing in float32."""
+        if self.dtype not in HALF_DTYPES:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=HALF_DTYPES[self.dtype])
+
+    def describe(self) -> str:
+        """The summary's words: what runs in which dtype, and where."""
+        if self.dtype not in HALF_DTYPES:
+            return f"float32 on {self.device}"
+        scaling = ", dynamic loss scaling" if self.loss_scaling else ""
+        return f"{self.dtype} autocast, float32 weights{scaling}, on {self.device}"
