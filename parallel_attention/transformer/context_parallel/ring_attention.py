@@ -7,7 +7,8 @@ Shapes (per rank): q [b, nhl, 2m, d], k, v [b, nkvl, 2m, d]: this rank's zigzag 
     forward:  per (q chunk, k chunk) pair: skipped when the mask hides it entirely (causal: k chunk after the
               q chunk; documents: DocumentLayout.hidden), else scores = q k^T / sqrt(d), masked, and the
               partial output merged with the running one by log-sum-exp (exact; the pair's kernel, `ring_blocks`:
-              torch's fused CPU flash kernel where it applies, else explicit-lse torch math); with
+              the device's fused flash operator where it applies, else explicit-lse torch math; merged in float32
+              for half inputs); with
               attention dropout (dropout_rng='layout_invariant', `ring_dropout`) each pair's probabilities are
               dropped with the mask of its global (sample, head, query, key): the output of cp = 1
     backward: recomputes each pair's probabilities from the final lse (and its dropout mask from the hash); dQ
@@ -25,6 +26,7 @@ import torch
 
 from ...tensor_parallel.context_collectives import ring_exchange
 from ...tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
+from .flash_ops import accumulation_dtype
 from .ring_blocks import MATH_BLOCKS, Pair, finite
 from .ring_dropout import NO_DROPOUT
 from .zigzag import chunk_ids
@@ -58,16 +60,8 @@ class BlockMasks:
         return (True, self._diagonal, None) if k_chunk == q_chunk else (False, None, None)
 
 
-def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
-    return t if group == 1 else t.repeat_interleave(group, dim=1)
-
-
-def _fold(t: torch.Tensor, group: int) -> torch.Tensor:
-    """The gradient of _expand: each k/v head sums its query group's."""
-    return t if group == 1 else t.unflatten(1, (-1, group)).sum(2)
-
-
 def _merge(out, lse, block_out, block_lse):
+    """The running (out, lse) with a pair's, by log-sum-exp, in the running pair's (accumulation) dtype."""
     new = torch.logaddexp(lse, block_lse)
     safe = finite(new)
     weight_old, weight_new = torch.exp(lse - safe).unsqueeze(-1), torch.exp(block_lse - safe).unsqueeze(-1)
@@ -77,7 +71,7 @@ def _merge(out, lse, block_out, block_lse):
 class RingPlan:
     """What a ring attention call needs besides q, k, v: the group, the chunks each rank holds, the masks and
     the attention dropout (`ring_dropout`: NO_DROPOUT or the hashed masks of this call) and the per-pair kernel
-    (`ring_blocks`)."""
+    (`ring_blocks`). `queries_per_group` (nh / nkv) is what the kernels also read from the shapes."""
 
     def __init__(self, group: ProcessGroup, masks: BlockMasks, queries_per_group: int, dropout=NO_DROPOUT,
                  blocks=MATH_BLOCKS) -> None:
@@ -120,22 +114,25 @@ def _sequence_major(halves) -> torch.Tensor:
 
 
 class RingAttention(torch.autograd.Function):
+    """k/v keep their own heads (the pair kernels take grouped heads); the running output, the lse and the
+    gradients that travel the ring are in the accumulation dtype (float32 for half inputs)."""
+
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan):
-        m, g, scale = plan.masks.m, plan.queries_per_group, 1.0 / math.sqrt(q.shape[-1])
+        m, scale, acc = plan.masks.m, 1.0 / math.sqrt(q.shape[-1]), accumulation_dtype(q.dtype)
         b, nh, _, d = q.shape
-        out = [q.new_zeros(b, nh, m, d) for _ in range(2)]
-        lse = [q.new_full((b, nh, m), float("-inf")) for _ in range(2)]
+        out = [q.new_zeros(b, nh, m, d, dtype=acc) for _ in range(2)]
+        lse = [q.new_full((b, nh, m), float("-inf"), dtype=acc) for _ in range(2)]
         kv = torch.stack([k, v])
         for step in range(plan.size):
             pending = ring_exchange(kv, plan.group) if step < plan.size - 1 else None
-            ks, vs = _halves(_expand(kv[0], g), m), _halves(_expand(kv[1], g), m)
+            ks, vs = _halves(kv[0], m), _halves(kv[1], m)
             for pair in plan.pairs(step):
                 i, j = pair.i, pair.j
                 block = plan.blocks.forward(_halves(q, m)[i], ks[j], vs[j], pair, scale, plan.drop(pair.chunks, q))
                 out[i], lse[i] = _merge(out[i], lse[i], *block)
             kv = pending.wait() if pending is not None else kv
-        out, lse = _sequence_major(out), torch.cat(lse, dim=2)
+        out, lse = _sequence_major([o.to(q.dtype) for o in out]), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return out
@@ -144,23 +141,23 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        m, g, scale = plan.masks.m, plan.queries_per_group, 1.0 / math.sqrt(q.shape[-1])
-        delta = (grad_out * out).sum(-1)  # [b, nh, 2m]: rowsum(dO o O)
+        m, scale, acc = plan.masks.m, 1.0 / math.sqrt(q.shape[-1]), accumulation_dtype(q.dtype)
+        delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # [b, nh, 2m]: rowsum(dO o O)
         qs, dos, lses, deltas = _halves(q, m), _halves(grad_out, m), lse.split(m, -1), delta.split(m, -1)
         outs = _halves(out, m)
-        dq = [torch.zeros_like(h) for h in qs]
-        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=k.dtype, device=k.device)
+        dq = [torch.zeros_like(h, dtype=acc) for h in qs]
+        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=acc, device=k.device)
         for step in range(plan.size):
             pending = ring_exchange(kv, plan.group) if step < plan.size - 1 else None
-            ks, vs = _halves(_expand(kv[0], g), m), _halves(_expand(kv[1], g), m)
-            dk, dv = [[torch.zeros_like(h) for h in ks] for _ in range(2)]
+            ks, vs = _halves(kv[0], m), _halves(kv[1], m)
+            dk, dv = [[torch.zeros_like(h, dtype=acc) for h in ks] for _ in range(2)]
             for pair in plan.pairs(step):
                 i, j, drop = pair.i, pair.j, plan.drop(pair.chunks, q)  # the forward's dropout mask, hashed again
                 grads = plan.blocks.backward(qs[i], ks[j], vs[j], pair, scale, drop, dos[i], outs[i], lses[i],
                                              deltas[i])
                 dq[i], dk[j], dv[j] = dq[i] + grads[0], dk[j] + grads[1], dv[j] + grads[2]
-            dkv = dkv + torch.stack([_fold(torch.cat(dk, 2), g), _fold(torch.cat(dv, 2), g)])
+            dkv = dkv + torch.stack([torch.cat(dk, 2), torch.cat(dv, 2)])
             dkv_pending = ring_exchange(dkv, plan.group, tag=1)
             kv = pending.wait() if pending is not None else kv
             dkv = dkv_pending.wait() if dkv_pending is not None else dkv
-        return torch.cat(dq, dim=2), dkv[0], dkv[1], None
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None

@@ -1,0 +1,85 @@
+"""The fused flash operators of one device, as the ring's pair kernel (`ring_blocks.FlashBlocks`) calls them.
+
+Both devices' operators return the log-sum-exp the ring's merge needs, and their backwards take the final (merged)
+output and lse, which is all a ring pair's backward has. Both take grouped k/v heads natively (nkv divides nh), so
+k/v are never expanded for them. What differs is a table row:
+
+    device  forward / backward                                             dtypes                  head dim
+    cpu     aten._scaled_dot_product_flash_attention_for_cpu[_backward]    fp32, fp64, bf16, fp16  any
+    cuda    aten._scaled_dot_product_flash_attention[_backward]            bf16, fp16              <= 256, % 8
+
+Every lse leaves here as one layout: contiguous [b, nh, m] in the accumulation dtype (float32, or float64 for
+float64 inputs); the CPU operator returns a [b, m, nh]-strided one, and the CUDA backward reads it contiguous.
+Causal alignment: with sq != sk, CUDA's kernel aligns a causal mask bottom-right and the CPU one top-left, so
+`is_causal` is only ever passed for a square block (the ring's causal diagonals), and `forward` refuses others.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ring merges outputs and sums gradients in: float32 for half inputs, else the input's."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def normalized_lse(lse: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
+    """An operator's lse as the ring keeps it: contiguous [b, nh, m] in the accumulation dtype of `dtype`."""
+    return lse[..., :m].to(accumulation_dtype(dtype)).contiguous()
+
+
+def _cpu_forward(q, k, v, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _cuda_forward(q, k, v, causal: bool, scale: float):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse
+
+
+def _cuda_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """Without dropout the philox seed and offset are never read: empty uint64 tensors of the forward's shapes."""
+    seed, offset = q.new_empty(2, dtype=torch.uint64), q.new_empty((), dtype=torch.uint64)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
+
+
+class FlashOps(NamedTuple):
+    """One device's fused flash operators (see the module docstring) and what they take."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: Callable[[int], bool]
+    raw_forward: Callable
+    raw_backward: Callable
+
+    def takes(self, q: torch.Tensor) -> bool:
+        """Whether the operators run q's dtype and head dim (else the ring's math runs the pair)."""
+        return q.dtype in self.dtypes and self.head_dims(q.shape[-1])
+
+    def forward(self, q, k, v, causal: bool, scale: float):
+        """(out [b, nh, sq, d] in q's dtype, lse: `normalized_lse`) of softmax attention, causal on a square only."""
+        assert not causal or q.shape[-2] == k.shape[-2], (
+            f"is_causal on a {q.shape[-2]} x {k.shape[-2]} block: the CPU and CUDA kernels align it differently")
+        out, lse = self.raw_forward(q, k, v, causal, scale)
+        return out, normalized_lse(lse, q.shape[-2], q.dtype)
+
+    def backward(self, grad_out, q, k, v, out, lse, causal: bool, scale: float):
+        """(dq, dk, dv) in q's dtype, dk/dv of k/v's own heads, from the final output and lse."""
+        return self.raw_backward(grad_out, q, k, v, out, lse.contiguous(), causal, scale)
+
+
+CPU_FLASH_OPS = FlashOps("aten._scaled_dot_product_flash_attention_for_cpu",
+                         (torch.float32, torch.float64, *_HALF), lambda d: True, _cpu_forward, _cpu_backward)
+CUDA_FLASH_OPS = FlashOps("aten._scaled_dot_product_flash_attention", _HALF, lambda d: d <= 256 and d % 8 == 0,
+                          _cuda_forward, _cuda_backward)
