@@ -20,6 +20,7 @@ from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.report_once import report_from_rank_0
 from parallel_attention.training import ConfigError, train
+from parallel_attention.training.config_loading import parse_with_overrides
 from parallel_attention.training.guards import GuardError
 
 
@@ -29,11 +30,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--resume", nargs="?", const="auto", default=None,
                         help="continue from the newest complete checkpoint (or from the step directory given); "
                              "default: the config's checkpoint.resume (auto: the newest complete checkpoint, if any)")
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}: overrides look like --section.key=value")
-    return args, overrides
+    return parse_with_overrides(parser, argv)
 
 
 def main(argv: list[str]) -> int:

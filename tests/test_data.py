@@ -17,12 +17,12 @@ import torch
 from parallel_attention.training import DataConfig
 from parallel_attention.training import (
     GlobalBatchSampler,
-    TokenDataset,
     ensure_prepared,
     prepare_data,
     read_meta,
     validation_batches,
 )
+from parallel_attention.training.token_source import open_source
 from launch import ROOT
 from parallel_attention.training import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
 
@@ -200,39 +200,40 @@ def test_stdlib_source_yields_train_and_val(tmp_path):
     meta = prepare_data("stdlib", "byte", tmp_path / "std", val_fraction=0.02, max_bytes=200_000)
     assert meta["num_bytes"] == 200_000
     assert meta["num_train_tokens"] > 0 and meta["num_val_tokens"] > 0
-    assert TokenDataset(tmp_path / "std", "val").num_tokens == meta["num_val_tokens"]
+    assert open_source(str(tmp_path / "std"), 0.02, (256, "byte")).val.num_tokens == meta["num_val_tokens"]
 
 
 @pytest.fixture
-def dataset(corpus, tmp_path):
+def source(corpus, tmp_path):
     prepare_data(str(corpus), "byte", tmp_path / "out", val_fraction=0.3)
-    return TokenDataset(tmp_path / "out", "train")
+    return open_source(str(tmp_path / "out"), 0.3, (256, "byte"))
 
 
-def test_token_dataset_is_a_read_only_memmap(dataset):
-    assert dataset.vocab_size == 256 and dataset.num_tokens == len(dataset.tokens)
+def test_token_files_are_read_only_memmaps(source):
+    tokens, _ = source.train.shards[0]
+    assert source.vocab_size == 256 and source.train.num_tokens > 0
     with pytest.raises((ValueError, TypeError)):
-        dataset.tokens[0] = 1
+        tokens[0] = 1
 
 
-def test_global_batch_is_a_pure_function_of_seed_and_step(dataset):
-    sampler = GlobalBatchSampler(dataset, seq_len=16, global_batch_size=8, seed=7)
-    again = GlobalBatchSampler(dataset, seq_len=16, global_batch_size=8, seed=7)
+def test_global_batch_is_a_pure_function_of_seed_and_step(source):
+    sampler = GlobalBatchSampler([source], [1.0], seq_len=16, global_batch_size=8, seed=7)
+    again = GlobalBatchSampler([source], [1.0], seq_len=16, global_batch_size=8, seed=7)
     batch = sampler.global_batch(3)
     assert batch.shape == (8, 17) and batch.dtype == torch.long
     sampler.global_batch(4)  # drawing other steps in between changes nothing: no hidden state
     assert torch.equal(again.global_batch(3), batch)
     assert not torch.equal(sampler.global_batch(4), batch)
-    assert not torch.equal(GlobalBatchSampler(dataset, 16, 8, seed=8).global_batch(3), batch)
+    assert not torch.equal(GlobalBatchSampler([source], [1.0], 16, 8, seed=8).global_batch(3), batch)
     # Each row is a contiguous window of the token stream.
-    start = int(sampler.offsets(3)[0])
-    assert batch[0].tolist() == dataset.tokens[start:start + 17].tolist()
+    start = int(sampler.rows(3).offset[0])
+    assert batch[0].tolist() == source.train.windows([start], 17)[0].tolist()
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
 @pytest.mark.parametrize("micro_batch_size", [1, 2])
-def test_union_over_dp_ranks_is_the_global_batch(dataset, dp_size, micro_batch_size):
-    sampler = GlobalBatchSampler(dataset, seq_len=16, global_batch_size=8, seed=1234)
+def test_union_over_dp_ranks_is_the_global_batch(source, dp_size, micro_batch_size):
+    sampler = GlobalBatchSampler([source], [1.0], seq_len=16, global_batch_size=8, seed=1234)
     for step in (0, 5):
         tokens, labels = [], []
         for dp_rank in range(dp_size):
@@ -248,25 +249,25 @@ def test_union_over_dp_ranks_is_the_global_batch(dataset, dp_size, micro_batch_s
         assert torch.equal(torch.cat(labels), full[:, 1:])
 
 
-def test_local_micro_batches_rejects_uneven_layouts(dataset):
-    sampler = GlobalBatchSampler(dataset, seq_len=16, global_batch_size=8, seed=0)
+def test_local_micro_batches_rejects_uneven_layouts(source):
+    sampler = GlobalBatchSampler([source], [1.0], seq_len=16, global_batch_size=8, seed=0)
     with pytest.raises(ValueError, match="micro_batch_size=3"):
         sampler.local_micro_batches(0, 0, 2, 3)
     with pytest.raises(ValueError, match="dp_rank=2"):
         sampler.local_micro_batches(0, 2, 2, 1)
 
 
-def test_sequence_longer_than_split_is_a_clear_error(dataset):
+def test_sequence_longer_than_split_is_a_clear_error(source):
     with pytest.raises(ValueError, match="seq_len"):
-        GlobalBatchSampler(dataset, seq_len=dataset.num_tokens, global_batch_size=2, seed=0)
+        GlobalBatchSampler([source], [1.0], seq_len=source.train.num_tokens, global_batch_size=2, seed=0)
 
 
-def test_validation_batches_are_fixed_and_split_over_dp(dataset):
-    batches = validation_batches(dataset, seq_len=16, batch_size=4, num_batches=3)
+def test_validation_batches_are_fixed_and_split_over_dp(source):
+    batches = validation_batches([source], [1.0], seq_len=16, batch_size=4, num_batches=3)
     assert len(batches) == 3 and all(t.shape == lab.shape == (4, 16) for t, lab in batches)
-    again = validation_batches(dataset, seq_len=16, batch_size=4, num_batches=3)
+    again = validation_batches([source], [1.0], seq_len=16, batch_size=4, num_batches=3)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again))
-    halves = [validation_batches(dataset, 16, 4, 3, dp_rank=r, dp_size=2) for r in range(2)]
+    halves = [validation_batches([source], [1.0], 16, 4, 3, dp_rank=r, dp_size=2) for r in range(2)]
     for b, (tokens, labels) in enumerate(batches):
         assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), tokens)
         assert torch.equal(torch.cat([halves[0][b][1], halves[1][b][1]]), labels)

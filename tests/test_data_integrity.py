@@ -148,7 +148,7 @@ def test_an_unreadable_tokenizer_file_is_a_config_error_naming_the_key_and_the_f
 def _build_data_on_each_rank(cfg, bad_dir_on_rank_1):
     """build_data's verdict on this rank: the error message, or None."""
     from parallel_attention.tensor_parallel import parallel_state as ps
-    from parallel_attention.training.trainer import build_data
+    from parallel_attention.training.data_agreement import build_data
 
     if bad_dir_on_rank_1 and ps.get_global_rank() == 1:  # rank 1 sees other files than rank 0 (another mount)
         cfg.data.data_dir = bad_dir_on_rank_1
@@ -203,8 +203,10 @@ def test_pretraining_on_a_zeroed_token_file_stops_before_any_step_with_exit_2(tm
 
 
 def test_data_prepared_for_a_larger_vocabulary_than_the_model_is_a_config_error(data_cfg):
-    from parallel_attention.training.data_agreement import open_splits
+    from parallel_attention.training.data_agreement import open_run_blend
 
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", [f"--data.data_dir={data_cfg.data_dir}",
+                                                           "--model.vocab_size=100"])
     with pytest.raises(DataFileError, match=r"prepared with the tokenizer byte of 256 tokens .* model.vocab_size=100: "
                                             r"set model.vocab_size >= 256"):
-        open_splits(data_cfg.data_dir, 100)
+        open_run_blend(cfg)

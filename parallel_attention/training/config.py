@@ -18,14 +18,14 @@ import yaml
 
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..transformer.model_config import ModelConfig
-from .config_checks import (ConfigError, check_compile, check_context_parallel, check_data_source, check_names,
-                            check_ranges, check_resume)
+from .config_checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source,
+                            check_names, check_ranges, check_resume)
 from .config_loading import apply_override, build_dataclass, read_yaml_file
 from .tokenizer import tokenizer_vocab_size
 
-__all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "OptimizerConfig",
-           "ParallelConfig", "PretrainConfig", "ScheduleConfig", "TrainingConfig", "config_from_dict", "load_config",
-           "save_config"]
+__all__ = ["BlendEntry", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
+           "OptimizerConfig", "ParallelConfig", "PretrainConfig", "ScheduleConfig", "TrainingConfig",
+           "config_from_dict", "load_config", "save_config"]
 
 
 @dataclass
@@ -46,6 +46,16 @@ class ParallelConfig:
 
 
 @dataclass
+class BlendEntry:
+    """One source of data.blend: a directory prepared by scripts/prepare_data.py, or a Megatron-LM prefix (the
+    path of PREFIX.bin and PREFIX.idx without the extension), and its share of the samples (weights need not sum
+    to 1: they are normalised)."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     source: str = "stdlib"  # "stdlib": this interpreter's standard-library sources; or a file, or a directory
     # searched recursively for text files (.txt, .md, .py, ...), .jsonl and .parquet: one document per file/line/row
@@ -60,6 +70,11 @@ class DataConfig:
     # packed documents: attention stops at the token files' document boundaries (train.idx), positions restart in
     # each document, and the label that predicts the next document's first token is left out of the loss
     document_masking: bool = False
+    # several sources with weights; empty: data_dir alone (a blend of one). Validation comes from every source.
+    blend: list[BlendEntry] = field(default_factory=list)
+    # epochs: each source's windows in a seeded order per epoch, none repeated before all are read;
+    # random_windows: windows drawn with replacement (runs started before 0.3; one source only)
+    sampling: Literal["epochs", "random_windows"] = "epochs"
 
 
 @dataclass
@@ -132,6 +147,7 @@ class PretrainConfig:
         check_ranges(self)  # every numeric field first: the layout checks below assume sane values
         check_names(self)
         check_data_source(self.data.source)
+        check_blend(self.data)
         check_resume(self.checkpoint.resume)
         check_compile(self.model)
         p, m, t = self.parallel.tensor_parallel_size, self.model, self.training

@@ -207,3 +207,21 @@ def check_context_parallel(cfg: Any) -> None:
         raise ValueError(f"parallel.context_parallel_kind=all_to_all needs the heads per tensor-parallel rank "
                          f"(model.num_heads={m.num_heads} / tp {tp}) divisible by context_parallel_size={cp}: "
                          "choose another cp, or context_parallel_kind=ring.")
+
+
+def check_blend(data) -> None:
+    """data.blend: each entry a path that exists (a directory, or a Megatron-LM prefix's .bin and .idx) with a
+    positive weight; random_windows reads one source only."""
+    for i, entry in enumerate(data.blend):
+        key = f"data.blend[{i}]"
+        if not math.isfinite(entry.weight) or entry.weight <= 0:
+            raise ConfigError(f"{key}.weight={entry.weight} must be a positive number (weights are normalised, so "
+                              "0.7 / 0.3 and 7 / 3 mean the same); leave a source out rather than weigh it 0.")
+        path = Path(entry.path)
+        if not entry.path or not (path.is_dir() or Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file()):
+            raise ConfigError(f"{key}.path={entry.path!r} is neither a directory nor a Megatron-LM prefix with "
+                              f"{entry.path}.bin and {entry.path}.idx: prepare it with scripts/prepare_data.py "
+                              "--out PATH, or give the prefix of an indexed dataset without its extension.")
+    if data.sampling == "random_windows" and len(data.blend) > 1:
+        raise ConfigError(f"data.sampling=random_windows reads a single source and data.blend names "
+                          f"{len(data.blend)}: use data.sampling=epochs for a blend.")

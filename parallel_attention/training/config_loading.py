@@ -150,6 +150,26 @@ def build_dataclass(cls, data: dict[str, Any], prefix: str, warn: bool = True):
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = build_dataclass(hint, value, f"{prefix}{name}.", warn)
+        elif typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+            kwargs[name] = _build_list(typing.get_args(hint)[0], value, f"{prefix}{name}", warn)
         else:
             kwargs[name] = check_type(f"{prefix}{name}", value, hint)
     return cls(**kwargs)
+
+
+def _build_list(cls, value: Any, path: str, warn: bool) -> list:
+    """A list of `cls` entries (e.g. data.blend), each a mapping built and checked like a section."""
+    if not isinstance(value, list):
+        raise ValueError(f"{path}={value!r} must be a list of mappings, e.g. [{{path: data/web, weight: 0.7}}].")
+    return [item if isinstance(item, cls) else build_dataclass(cls, item, f"{path}[{i}].", warn)
+            for i, item in enumerate(value)]
+
+
+def parse_with_overrides(parser, argv: list[str]):
+    """(the parser's arguments, the `--section.key=value` overrides) of a script's command line; anything else
+    is refused by the parser's own error."""
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides look like --section.key=value")
+    return args, overrides

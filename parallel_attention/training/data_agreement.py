@@ -8,13 +8,21 @@ raise the same DataFileError, a ConfigError: pretrain.py says `config error: ...
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, TypeVar
 
 from ..tensor_parallel.collectives import all_gather_objects
-from .data import TokenDataset
+from ..tensor_parallel import parallel_state as ps
+from .batches import GlobalBatchSampler
+from .config import PretrainConfig
+from .data import ensure_prepared
+from .step_records import run_sampler
+from .data_blend import open_blend, prepared_tokenizer
 from .token_files import REFUSALS, DataFileError, refusal_message
+from .token_source import TokenSource
+from .tokenizer import copy_tokenizer, tokenizer_vocab_size
 
-__all__ = ["agreed", "open_splits"]
+__all__ = ["agreed", "build_data", "open_run_blend"]
 
 T = TypeVar("T")
 
@@ -33,11 +41,34 @@ def agreed(check: Callable[[], T], data_dir) -> T:
     return result
 
 
-def open_splits(data_dir, model_vocab_size: int) -> tuple[TokenDataset, TokenDataset]:
-    """The train and val splits, each checked against meta.json's sha256, and their vocabulary against the model's."""
-    train, val = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
-    if train.vocab_size > model_vocab_size:
-        raise DataFileError(f"the data in {data_dir} was prepared with the tokenizer {train.meta['tokenizer']} of "
-                            f"{train.vocab_size} tokens (its meta.json) but model.vocab_size={model_vocab_size}: "
-                            f"set model.vocab_size >= {train.vocab_size}, or prepare the data with another tokenizer.")
-    return train, val
+def open_run_blend(cfg: PretrainConfig, tokenizer_dir=None) -> tuple[list[TokenSource], list[float]]:
+    """The blend's sources, each verified, their vocabulary checked against the model's; with `tokenizer_dir`
+    (global rank 0), a copy of the tokenizer the prepared sources were made with goes there."""
+    data = cfg.data
+    sources, weights = open_blend(data, tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size))
+    for source in sources:
+        if source.vocab_size > cfg.model.vocab_size:
+            tokenizer = source.meta["tokenizer"] if source.meta else data.tokenizer
+            raise DataFileError(f"the data in {source.name} was prepared with the tokenizer {tokenizer} of "
+                                f"{source.vocab_size} tokens (its meta.json) but model.vocab_size="
+                                f"{cfg.model.vocab_size}: set model.vocab_size >= {source.vocab_size}, or prepare the "
+                                "data with another tokenizer.")
+    if tokenizer_dir is not None and data.blend:
+        path = prepared_tokenizer(sources, data.tokenizer)
+        if path is not None:
+            copy_tokenizer(path, Path(tokenizer_dir))
+    return sources, weights
+
+
+def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
+    """Prepare data.data_dir once (global rank 0) unless a blend names the sources, keeping a copy of the
+    tokenizer in <run_dir>/tokenizer for generation and export, then open every source on every rank, checked
+    against its meta.json's sha256; a refusal on any rank is every rank's (data_agreement.py). Returns the
+    sampler and the blend's sources."""
+    data_dir, rank_0 = cfg.data.data_dir, ps.get_global_rank() == 0
+    tokenizer_dir = Path(cfg.logging.run_dir) / "tokenizer"
+    if not cfg.data.blend:
+        agreed(lambda: rank_0 and ensure_prepared(cfg.data, tokenizer_dir=tokenizer_dir),
+               data_dir)  # the barrier too: no rank opens the files before rank 0 has prepared them
+    sources, weights = agreed(lambda: open_run_blend(cfg, tokenizer_dir if rank_0 else None), data_dir)
+    return run_sampler(cfg, sources, weights), sources

@@ -3,8 +3,12 @@ through the canonical state dict (at another layout), falling back past corrupt 
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 
+import yaml
 from torch import nn
 
 from ..checkpointing.checkpoint import load_checkpoint, load_newest_valid, raise_unless_all_passed
@@ -56,3 +60,24 @@ def _agreed_manifest(path: Path) -> dict:
         saved, failure = None, e
     raise_unless_all_passed(path, failure)
     return saved
+
+
+def keep_previous_sampling(cfg: PretrainConfig, where: str) -> None:
+    """A run started before `data.sampling` existed drew random windows: resumed, it keeps drawing them, so that it
+    sees the batches it would have seen. Its saved config (config.yaml, or the manifest of the step directory it
+    resumes from) then has a data section without `sampling`. Sets cfg.data.sampling; the same on every rank."""
+    if where == "none":
+        return
+    try:
+        if where == "auto":
+            saved = yaml.safe_load((Path(cfg.logging.run_dir) / "config.yaml").read_text(encoding="utf-8"))
+        else:
+            saved = json.loads((Path(where) / "manifest.json").read_text(encoding="utf-8"))["config"]
+        data = saved["data"]
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return  # a fresh run, or nothing readable: the resume itself says what is wrong
+    if isinstance(data, dict) and "sampling" not in data and cfg.data.sampling != "random_windows":
+        cfg.data.sampling = "random_windows"
+        if os.environ.get("RANK", "0") == "0":
+            print("data.sampling: random_windows (this run was started before epochs existed and keeps its "
+                  "batches; start a new logging.run_dir for data.sampling=epochs)", file=sys.stderr, flush=True)

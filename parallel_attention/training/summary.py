@@ -63,16 +63,23 @@ def _tokens_line(cfg: PretrainConfig) -> str:
             f"in {cfg.training.max_steps} steps")
 
 
+def _data_line(cfg: PretrainConfig) -> str:
+    d = cfg.data
+    what = f"{d.source} in {d.data_dir}" if not d.blend else f"a blend of {len(d.blend)} sources"
+    return f"{what}, {d.tokenizer} tokenizer, {d.sampling} sampling"
+
+
 def _peak_line(cfg: PretrainConfig, device: torch.device) -> str:
     peak = peak_tflops(cfg.logging.peak_tflops, device)
     return f"{peak:.4g} TFLOP/s per device ({peak_source(cfg.logging.peak_tflops, device)}): MFU's denominator"
 
 
 def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
-                device: torch.device | str = "cpu") -> str:
+                device: torch.device | str = "cpu", blend: str | None = None) -> str:
     """A few lines: model size, parallel layout, batch and tokens per step, data, outputs, precision, peak.
 
-    `model` is this rank's GPTModel (anything with `parameters()` and `canonical_shapes()`)."""
+    `model` is this rank's GPTModel (anything with `parameters()` and `canonical_shapes()`); `blend` describes
+    each source of the data (data_blend.describe_blend)."""
     run_dir, o = Path(cfg.logging.run_dir), cfg.optimizer
     rows = {
         "model": _size_line(model),
@@ -82,7 +89,8 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
         "tokens": _tokens_line(cfg),
         "optimizer": f"AdamW lr {o.lr:g} -> {o.min_lr:g}, {cfg.schedule.warmup_steps} warm-up steps then "
                      f"{cfg.schedule.decay}, weight decay {o.weight_decay:g}, clip {o.grad_clip:g}",
-        "data": f"{cfg.data.source} with the {cfg.data.tokenizer} tokenizer, in {cfg.data.data_dir}",
+        "data": _data_line(cfg),
+        **({"blend": blend} if blend else {}),
         "run dir": f"{run_dir} (metrics.jsonl, loss.png{', tensorboard/ if installed' if cfg.logging.tensorboard else ''})",
         "checkpoints": f"{run_dir / 'checkpoints'} every {cfg.checkpoint.interval} steps, keep "
                        f"{cfg.checkpoint.keep_last}, resume {cfg.checkpoint.resume}",

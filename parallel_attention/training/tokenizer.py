@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["ByteTokenizer", "Gpt2Tokenizer", "HFTokenizer", "TokenizerFileError", "TokenizerUnavailableError",
-           "get_tokenizer", "tokenizer_file", "tokenizer_vocab_size", "train_bpe"]
+           "copy_tokenizer", "get_tokenizer", "tokenizer_file", "tokenizer_vocab_size", "train_bpe"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what travels with a model
 BPE_EOS = "<|endoftext|>"  # the end-of-text token of the byte-level BPE that train_bpe writes
@@ -225,6 +225,18 @@ def get_tokenizer(spec: str, data_dir: str | os.PathLike | None = None):
                                             "prepare_data trains it (python scripts/prepare_data.py ...).")
         return HFTokenizer(Path(data_dir) / "tokenizer.json")
     return HFTokenizer(spec)
+
+
+def copy_tokenizer(path: Path, dest: Path) -> None:
+    """`path` (a tokenizer.json) as dest/tokenizer.json, with the tokenizer_config.json and special_tokens_map.json
+    beside it: what a model directory carries so that generation never depends on where the data lies."""
+    from ..checkpointing.tensor_io import write_atomic
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        source = path if name == "tokenizer.json" else path.parent / name
+        if source.is_file():
+            write_atomic(dest / name, [source.read_bytes()])
 
 
 def tokenizer_vocab_size(spec: str, bpe_vocab_size: int) -> int:

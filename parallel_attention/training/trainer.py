@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,16 +35,17 @@ from .compile import compile_layers
 from .divergence import DivergenceGuard, check_parameters_finite
 from .flops import agree_peak_tflops, step_rates
 from .guards import check_config_agreement, check_replicas
+from .batch_prefetch import BatchPrefetcher
 from .batches import GlobalBatchSampler, validation_batches
-from .data import TokenDataset, ensure_prepared
-from .data_agreement import agreed, open_splits
+from .data_agreement import build_data
+from .data_blend import describe_blend
 from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, learning_rate, set_learning_rate
 from .precision import Precision
-from .resume import resume_from_checkpoint
+from .resume import keep_previous_sampling, resume_from_checkpoint
 from .run_dir import ensure_run_dir_held, lock_run_dir, prepare_run_dir, release_run_dir, write_run_config
 from .sigterm import SigtermFlag
 from .summary import run_summary
@@ -69,6 +71,7 @@ class Run:
     scaler: DynamicLossScaler
     sampler: GlobalBatchSampler
     val_batches: list
+    loader: BatchPrefetcher | None = None  # this rank's micro-batches of each step, read a step ahead
     data_parallel_model: torch.nn.Module | None = None  # the training forward: DDP over the dp group, or `model`
     step: int = 0
     logger: MetricsLogger | None = None
@@ -81,6 +84,10 @@ class Run:
         self.guard = DivergenceGuard(self.scaler, self.cfg.training.max_skipped_steps, self.cfg.training.dtype)
         if self.data_parallel_model is None:
             self.data_parallel_model = self.model
+        if self.loader is None:
+            self.loader = BatchPrefetcher(partial(self.sampler.local_micro_batches, dp_rank=ps.get_data_parallel_rank(),
+                                                  dp_size=ps.get_data_parallel_world_size(),
+                                                  micro_batch_size=self.cfg.training.micro_batch_size))
 
     @property
     def run_dir(self) -> Path:
@@ -100,19 +107,6 @@ def _autocast(cfg: PretrainConfig, device: torch.device):
 
 
 # ---------------------------------------------------------------------------------- build
-def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, TokenDataset]:
-    """Prepare the token files once (global rank 0), keeping a copy of the tokenizer in <run_dir>/tokenizer for
-    generation and export, then open them on every rank, checked against meta.json's sha256; a refusal on any
-    rank is every rank's (data_agreement.py)."""
-    data_dir, rank_0 = cfg.data.data_dir, ps.get_global_rank() == 0
-    agreed(lambda: rank_0 and ensure_prepared(cfg.data, tokenizer_dir=Path(cfg.logging.run_dir) / "tokenizer"),
-           data_dir)  # the barrier too: no rank opens the files before rank 0 has prepared them
-    train_split, val_split = agreed(lambda: open_splits(data_dir, cfg.model.vocab_size), data_dir)
-    sampler = GlobalBatchSampler(train_split, cfg.data.seq_len, cfg.training.global_batch_size, cfg.training.seed,
-                                 cfg.data.document_masking)
-    return sampler, val_split
-
-
 def build(cfg: PretrainConfig) -> Run:
     """Process groups, run directory, data, model, optimizer: everything before the first step."""
     if cfg.parallel.debug_collectives:  # before the groups exist, so that torch's own checks wrap them too
@@ -123,7 +117,7 @@ def build(cfg: PretrainConfig) -> Run:
     check_config_agreement(cfg)  # before anything is written or drawn: every rank must run this same config
     lock_run_dir(cfg)  # one run per directory: refused before anything is written if another run holds it
     prepare_run_dir(cfg)  # rank 0 makes it and clears a dead run's leftovers; every rank refuses an unwritable one
-    sampler, val_data = build_data(cfg)
+    sampler, sources = build_data(cfg)
     agree_peak_tflops(cfg.logging.peak_tflops, device)  # every rank measures now, together: MFU's denominator
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     manual_seed(cfg.training.seed)
@@ -132,7 +126,7 @@ def build(cfg: PretrainConfig) -> Run:
                      context_parallel_kind=cfg.parallel.context_parallel_kind)
     if cfg.model.compile:
         compile_layers(model)
-    val_batches = validation_batches(val_data, cfg.data.seq_len, cfg.training.micro_batch_size,
+    val_batches = validation_batches(sources, sampler.weights, cfg.data.seq_len, cfg.training.micro_batch_size,
                                      cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size,
                                      document_masking=cfg.data.document_masking)
     scaler = DynamicLossScaler(enabled=Precision(cfg.training.dtype, device).loss_scaling)
@@ -183,7 +177,7 @@ def evaluate(run: Run) -> float:
     return (sums[0] / sums[1]).item()
 
 
-def _forward_backward(run: Run) -> torch.Tensor:
+def _forward_backward(run: Run, micro_batches: list) -> torch.Tensor:
     """Every micro-batch of this rank's share of the step's global batch; returns the summed loss.
 
     Each runs inside its dropout coordinates (seed, step, index of its first row in the global batch):
@@ -191,7 +185,6 @@ def _forward_backward(run: Run) -> torch.Tensor:
     data-parallel group (during its backward); the others accumulate locally."""
     t = run.cfg.training
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    micro_batches = run.sampler.local_micro_batches(run.step, dp_rank, dp_size, t.micro_batch_size)
     loss_sum, forward = torch.zeros((), device=run.device), run.data_parallel_model
     for i, batch in enumerate(micro_batches):
         first_sample = dp_rank * (t.global_batch_size // dp_size) + i * t.micro_batch_size
@@ -210,7 +203,8 @@ def train_step(run: Run) -> dict:
     lr = learning_rate(run.step, run.cfg.training.max_steps, run.cfg.optimizer, run.cfg.schedule)
     set_learning_rate(run.optimizer, lr)
     run.optimizer.zero_grad(set_to_none=True)
-    loss_sum = _forward_backward(run)
+    micro_batches, data_wait_s = run.loader.get(run.step)
+    loss_sum = _forward_backward(run, micro_batches)
     finalize_grads(run.model)  # after the data-parallel average of the backward: the two commute
     run.scaler.unscale(run.model.parameters())
     grad_norm = global_grad_norm(run.model, ps.get_tensor_model_parallel_group())
@@ -221,7 +215,8 @@ def train_step(run: Run) -> dict:
     run.step += 1
     run.losses[run.step] = loss
     return {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-            "skipped_steps": run.guard.skipped_steps,
+            "skipped_steps": run.guard.skipped_steps, "data_wait_s": round(data_wait_s, 6),
+            "epochs": run.sampler.epochs(run.step),
             **step_rates(run.cfg, run.device, run.tokens_per_step, time.perf_counter() - started)}
 
 
@@ -269,6 +264,7 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     if resume is not None:  # --resume overrides checkpoint.resume: the same rule, before any process group
         check_resume(resume, "--resume")
+    keep_previous_sampling(cfg, resume or cfg.checkpoint.resume)
     try:
         return _train_built(cfg, build(cfg), resume)
     finally:
@@ -278,7 +274,9 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
 def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResult:
     """Summary, resume, then the steps; the caller releases the run directory on every way out."""
     if ps.get_global_rank() == 0:
-        print(run_summary(cfg, run.model, ps.get_world_size(), run.device), file=sys.stderr, flush=True)  # dp x cp x tp
+        sampler, samples = run.sampler, cfg.training.max_steps * cfg.training.global_batch_size
+        blend = describe_blend(sampler.sources, sampler.weights, samples, [w.num_windows for w in sampler.windows])
+        print(run_summary(cfg, run.model, ps.get_world_size(), run.device, blend), file=sys.stderr, flush=True)
     resume_run(run, resume or cfg.checkpoint.resume)
     sigterm = SigtermFlag()
     try:
@@ -290,6 +288,7 @@ def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResu
             pass
     finally:
         sigterm.restore()
+        run.loader.close()
         if run.logger is not None:
             run.logger.close()
     if ps.get_global_rank() == 0 and (run.run_dir / "metrics.jsonl").exists():

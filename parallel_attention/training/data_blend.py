@@ -1,0 +1,70 @@
+"""A run's data: the sources of `data.blend` (or `data.data_dir` alone) opened, checked against one tokenizer, and
+described for the run summary.
+
+Every source must be tokenized alike: a blend of directories prepared with different tokenizers would train on ids
+that mean different things. A prepared directory's meta.json names its tokenizer and the sha256 of its file; a
+Megatron-LM prefix names none, so its ids are checked against the run's vocabulary as they are read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpointing.tensor_io import file_digest
+from .config import BlendEntry, DataConfig
+from .sampling import draws_before
+from .token_files import DataFileError
+from .token_source import TokenSource, open_source
+from .tokenizer import tokenizer_file
+
+__all__ = ["blend_entries", "describe_blend", "open_blend", "prepared_tokenizer"]
+
+
+def blend_entries(data: DataConfig) -> list[BlendEntry]:
+    """data.blend, or data.data_dir as a blend of one."""
+    return list(data.blend) or [BlendEntry(path=data.data_dir, weight=1.0)]
+
+
+def _identity(meta: dict) -> tuple:
+    return meta.get("tokenizer"), meta.get("tokenizer_sha256")
+
+
+def prepared_tokenizer(sources: list[TokenSource], spec: str) -> Path | None:
+    """The tokenizer.json the prepared sources were made with (for data.tokenizer=bpe, the first prepared
+    directory's own), after checking every prepared source against `spec`; None for byte / gpt2 or no meta."""
+    prepared = [s for s in sources if s.meta is not None]
+    if spec in ("byte", "gpt2"):
+        wanted, path = (spec, None), None
+    elif spec == "bpe":
+        path = Path(prepared[0].name) / "tokenizer.json" if prepared else None
+        wanted = ("bpe", prepared[0].meta.get("tokenizer_sha256")) if prepared else None
+    else:
+        path = tokenizer_file(spec).resolve()
+        wanted = (str(path), file_digest(path)["sha256"])
+    for source in prepared:
+        have = _identity(source.meta)
+        if wanted is not None and (have[1] != wanted[1] or (spec in ("byte", "gpt2", "bpe") and have[0] != spec)):
+            raise DataFileError(
+                f"{source.name} was prepared with the tokenizer {have[0]} (sha256 {have[1]}, its meta.json) but this "
+                f"run's data.tokenizer={spec!r} is {wanted[0]} (sha256 {wanted[1]}): every source of a run must use "
+                "one tokenizer; set data.tokenizer to the one the data was prepared with, or prepare the source "
+                "again with this one (scripts/prepare_data.py --tokenizer ...).")
+    return path
+
+
+def open_blend(data: DataConfig, tokenizer_vocab: int) -> tuple[list[TokenSource], list[float]]:
+    """The blend's sources, each verified against its meta.json, and their weights."""
+    entries = blend_entries(data)
+    sources = [open_source(e.path, data.val_fraction, (tokenizer_vocab, data.tokenizer)) for e in entries]
+    prepared_tokenizer(sources, data.tokenizer)
+    return sources, [e.weight for e in entries]
+
+
+def describe_blend(sources: list[TokenSource], weights: list[float], samples: int, windows: list[int]) -> str:
+    """One line per source: its path, normalised weight, training tokens, and the epochs of it `samples` read."""
+    share = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    drawn = draws_before(weights, samples)
+    return "; ".join(f"{s.name} weight {w:.3g}, {s.train.num_tokens:,} train tokens, {n / max(1, c):.2f} epochs"
+                     for s, w, n, c in zip(sources, share, drawn, windows))

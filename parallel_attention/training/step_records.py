@@ -1,0 +1,61 @@
+"""What every sample of a step read, without training: the code path of training itself, so it cannot disagree.
+
+`open_run_data(cfg)` opens the run's blend and builds its sampler exactly as the trainer does (the same functions,
+the sampling a resumed run keeps included); `step_records` lists, for each row of a step's global batch, the source
+(its data.blend path as written), the source's document its first token belongs to, and the offset of that token
+in the source's training token stream, with the tokens and their text when asked.
+"""
+
+from __future__ import annotations
+
+from .batches import GlobalBatchSampler, read_rows
+from .config import PretrainConfig
+from .data_blend import blend_entries, open_blend, prepared_tokenizer
+from .resume import keep_previous_sampling
+from .token_source import TokenSource
+from .tokenizer import get_tokenizer, tokenizer_vocab_size
+
+__all__ = ["RECORD_KEYS", "blend_names", "open_run_data", "run_sampler", "step_records"]
+
+RECORD_KEYS = ("step", "row", "source", "document", "offset")  # then "tokens" and "text" when asked
+
+
+def run_sampler(cfg: PretrainConfig, sources: list[TokenSource], weights: list[float]) -> GlobalBatchSampler:
+    """The sampler a run of `cfg` trains with (the trainer builds it here too)."""
+    return GlobalBatchSampler(sources, weights, cfg.data.seq_len, cfg.training.global_batch_size,
+                              cfg.training.seed, cfg.data.document_masking, cfg.data.sampling)
+
+
+def open_run_data(cfg: PretrainConfig, resume: str | None = None) -> tuple[GlobalBatchSampler, object]:
+    """(the run's sampler, its tokenizer) for data already prepared; nothing is prepared or written."""
+    keep_previous_sampling(cfg, resume or cfg.checkpoint.resume)
+    sources, weights = open_blend(cfg.data, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.bpe_vocab_size))
+    path = prepared_tokenizer(sources, cfg.data.tokenizer)
+    tokenizer = get_tokenizer(str(path) if path is not None else cfg.data.tokenizer)
+    return run_sampler(cfg, sources, weights), tokenizer
+
+
+def step_records(sampler: GlobalBatchSampler, step: int, names: list[str], *, tokens: bool = False,
+                 tokenizer=None) -> list[dict]:
+    """One record per row of the global batch of `step`; `names` are the blend's paths as the config writes them.
+    With `tokens`, each record holds its seq_len + 1 tokens; with `tokenizer`, their text too."""
+    rows = sampler.rows(step)
+    records = []
+    windows = read_rows(sampler.streams, rows, sampler.seq_len + 1, False)[0] if tokens or tokenizer else None
+    for row in range(len(rows.source)):
+        stream = sampler.streams[rows.source[row]]
+        record = {"step": step, "row": row, "source": names[rows.source[row]],
+                  "document": int(stream.window_documents([rows.offset[row]], 1)[0, 0]),
+                  "offset": int(rows.offset[row])}
+        if tokens:
+            record["tokens"] = windows[row].tolist()
+        if tokenizer is not None:
+            record["text"] = tokenizer.decode(windows[row].tolist())
+        records.append(record)
+    return records
+
+
+def blend_names(cfg: PretrainConfig) -> list[str]:
+    """The blend's paths as the config writes them (data.data_dir for a blend of one)."""
+    return [entry.path for entry in blend_entries(cfg.data)]
+
