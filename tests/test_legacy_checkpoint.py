@@ -44,3 +44,35 @@ def test_a_v0_1_0_checkpoint_reshards_to_p1(tmp_path):
     assert [r["step"] for r in rows] == [4, 5, 6]
     for r in rows:  # another p sums the same products in another order (no dropout: RNG does not matter)
         assert r["loss"] == pytest.approx(expected["losses"][str(r["step"])], rel=1e-5), r["step"]
+
+
+LEGACY_0_2 = ROOT / "tests" / "data" / "legacy_v0_2_0"
+
+
+def test_a_v0_2_0_run_and_data_directory_resume_with_the_batches_and_losses_of_that_release(tmp_path):
+    """0.2.0 drew random windows from train.bin (there was no data.sampling) and wrote a data directory of
+    train/val .bin files: resumed by today's code with the same command, the run keeps drawing them from the same
+    data directory, and steps 4 to 6 and their validation loss are the ones 0.2.0 logged, to the bit."""
+    expected = json.loads((LEGACY_0_2 / "expected.json").read_text())
+    run, data = tmp_path / "run", tmp_path / "data"
+    shutil.copytree(LEGACY_0_2 / "checkpoints", run / "checkpoints")
+    shutil.copy(LEGACY_0_2 / "config.yaml", run / "config.yaml")
+    shutil.copytree(LEGACY_0_2 / "data", data)
+    corpus = LEGACY / "corpus.txt"
+    meta = json.loads((data / "meta.json").read_text())
+    meta["source"] = str(corpus.resolve())  # where this checkout holds the corpus it was prepared from
+    (data / "meta.json").write_text(json.dumps(meta, indent=2))
+    result = torchrun("pretrain.py", 1, ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), *expected["overrides"],
+                                         f"--data.source={corpus}", f"--data.data_dir={data}",
+                                         f"--logging.run_dir={run}"])
+    assert "data.sampling: random_windows" in result.stderr
+    rows = metrics(run)
+    assert [r["step"] for r in rows if "loss" in r] == [4, 5, 6]
+    for r in rows:
+        if "loss" in r:  # same layout, same RNG, same windows of the same file: the same float operations
+            assert r["loss"] == expected["losses"][str(r["step"])], r["step"]
+            assert r["grad_norm"] == expected["grad_norms"][str(r["step"])], r["step"]
+        if "val_loss" in r:
+            assert r["val_loss"] == expected["val_losses"][str(r["step"])], r["step"]
+    assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in (LEGACY_0_2 / "data").iterdir()
+                                                            ) + [".sha256-cache.json"]

@@ -8,12 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
 from torch import nn
 
 from ..checkpointing.checkpoint import load_checkpoint, load_newest_valid, raise_unless_all_passed
 from ..checkpointing.compatibility import check_same_model, model_shape_config, same_layout
-from ..checkpointing.format import CheckpointError, read_manifest
+from ..checkpointing.format import MANIFEST, CheckpointError, list_checkpoints, read_manifest
 from ..checkpointing.reshard import load_resharded
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.rng import manual_seed
@@ -64,18 +63,20 @@ def _agreed_manifest(path: Path) -> dict:
 
 def keep_previous_sampling(cfg: PretrainConfig, where: str) -> None:
     """A run started before `data.sampling` existed drew random windows: resumed, it keeps drawing them, so that it
-    sees the batches it would have seen. Its saved config (config.yaml, or the manifest of the step directory it
-    resumes from) then has a data section without `sampling`. Sets cfg.data.sampling; the same on every rank."""
+    sees the batches it would have seen. The checkpoint it resumes from (`auto`: the newest under the run's
+    checkpoints/) then holds a config whose data section has no `sampling`. Sets cfg.data.sampling, the same on
+    every rank (each reads the same manifest)."""
     if where == "none":
         return
+    if where == "auto":
+        found = list_checkpoints(Path(cfg.logging.run_dir) / "checkpoints")
+        if not found:
+            return  # a fresh start: the configured sampling
+        where = str(found[-1])
     try:
-        if where == "auto":
-            saved = yaml.safe_load((Path(cfg.logging.run_dir) / "config.yaml").read_text(encoding="utf-8"))
-        else:
-            saved = json.loads((Path(where) / "manifest.json").read_text(encoding="utf-8"))["config"]
-        data = saved["data"]
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
-        return  # a fresh run, or nothing readable: the resume itself says what is wrong
+        data = json.loads((Path(where) / MANIFEST).read_text(encoding="utf-8"))["config"]["data"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # nothing readable: the resume itself says what is wrong
     if isinstance(data, dict) and "sampling" not in data and cfg.data.sampling != "random_windows":
         cfg.data.sampling = "random_windows"
         if os.environ.get("RANK", "0") == "0":
