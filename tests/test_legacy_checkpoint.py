@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, metrics, torchrun
+from parallel_attention.training.token_files import SHA_CACHE
 
 LEGACY = ROOT / "tests" / "data" / "legacy_v0_1_0"
 
@@ -74,5 +75,7 @@ def test_a_v0_2_0_run_and_data_directory_resume_with_the_batches_and_losses_of_t
             assert r["grad_norm"] == expected["grad_norms"][str(r["step"])], r["step"]
         if "val_loss" in r:
             assert r["val_loss"] == expected["val_losses"][str(r["step"])], r["step"]
-    assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in (LEGACY_0_2 / "data").iterdir()
-                                                            ) + [".sha256-cache.json"]
+    # nothing rewritten: the directory holds what 0.2.0 wrote, and the hash cache
+    assert {p.name for p in data.iterdir()} == {p.name for p in (LEGACY_0_2 / "data").iterdir()} | {SHA_CACHE}
+    assert all((data / p.name).read_bytes() == p.read_bytes() for p in (LEGACY_0_2 / "data").glob("*.*")
+               if p.name != "meta.json")
