@@ -1,16 +1,19 @@
-"""Tokenize a corpus once into train/val .bin and .idx files and meta.json for pretraining.
+"""Tokenize a corpus once into token files and meta.json for pretraining (docs/data.md).
 
     python scripts/prepare_data.py --source stdlib --tokenizer byte --out data/stdlib_byte
     python scripts/prepare_data.py --source path/to/corpus --tokenizer bpe --bpe-vocab-size 8192 --out data/corpus_bpe
     python scripts/prepare_data.py --source path/to/jsonl_dir --text-field content --tokenizer path/to/tokenizer_dir \
         --out data/corpus_hf
 
---source is "stdlib" (this interpreter's standard-library .py files), a file, or a directory searched
-recursively for text files (.txt, .md, .py, ...), .jsonl (one document per line, field --text-field) and
-.parquet (one per row, column --text-field; needs pyarrow). --tokenizer is byte, gpt2 (tiktoken, cached
+--source is "stdlib" (this interpreter's standard-library .py files), a file, a directory searched
+recursively for text files (.txt, .md, .py, ...), .jsonl and .jsonl.gz (one document per line, field
+--text-field) and .parquet (one per row, column --text-field; needs pyarrow), or a directory written by
+Hugging Face datasets' save_to_disk (one document per row, column --text-field). --tokenizer is byte, gpt2 (tiktoken, cached
 files only), bpe (a byte-level BPE trained on the corpus, saved as <out>/tokenizer.json) or a path to a
-tokenizer.json or a directory holding one. The trainer prepares data itself when data_dir lacks it; this
-script is for doing it ahead of time, e.g. once on a login node. It prints a summary, skipped files included.
+tokenizer.json or a directory holding one. --shard-tokens sets the tokens of each shard. Run the same command
+again after a kill and it resumes from the finished shards. The trainer prepares data itself when data_dir does
+not exist; this script is for doing it ahead of time, e.g. once on a login node. It prints a summary, skipped
+files and shards included.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def _max_bytes(text: str) -> int | None:
     return None if text.lower() in ("none", "0", "all") else int(text)
 
 
-def _parse_args() -> argparse.Namespace:
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = DataConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default=defaults.source,
@@ -45,17 +48,20 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--text-field", default=defaults.text_field,
                         help="text field of .jsonl / column of .parquet (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=defaults.num_workers,
-                        help="tokenizing processes (0: one per CPU core, up to 8; default: %(default)s)")
-    return parser.parse_args()
+                        help="tokenizing threads (0: one per CPU core, up to 8; default: %(default)s)")
+    parser.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens,
+                        help="a shard closes once it holds this many tokens (default: %(default)s)")
+    return parser.parse_args(argv)
 
 
-def main() -> int:
-    args = _parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     start = time.perf_counter()
     try:
         meta = prepare_data(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
                             max_bytes=args.max_bytes, text_field=args.text_field,
-                            bpe_vocab_size=args.bpe_vocab_size, num_workers=args.workers)
+                            bpe_vocab_size=args.bpe_vocab_size, num_workers=args.workers,
+                            shard_tokens=args.shard_tokens)
     except (ValueError, OSError) as error:  # bad source, tokenizer or settings: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -68,7 +74,19 @@ def main() -> int:
         print(f"  skipped {count} {reason} (first: {meta['skipped_examples'][reason]})")
     if not meta["skipped"]:
         print("  nothing skipped")
+    _print_shards(meta.get("shards"))
     return 0
+
+
+def _print_shards(shards: list[dict] | None) -> None:
+    """One line per shard (the first and last five of many)."""
+    if not shards:
+        return
+    print(f"  {len(shards)} shards:")
+    shown = shards if len(shards) <= 10 else [*shards[:5], None, *shards[-5:]]
+    for shard in shown:
+        print("    ..." if shard is None else f"    {shard['prefix']}.bin/.idx  {shard['num_documents']:,} documents, "
+                                              f"{shard['num_tokens']:,} tokens")
 
 
 if __name__ == "__main__":

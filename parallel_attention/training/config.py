@@ -21,6 +21,7 @@ from ..transformer.model_config import ModelConfig
 from .config_checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source,
                             check_names, check_ranges, check_resume)
 from .config_loading import apply_override, build_dataclass, read_yaml_file
+from .preparation import DEFAULT_SHARD_TOKENS
 from .tokenizer import tokenizer_vocab_size
 
 __all__ = ["BlendEntry", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
@@ -66,7 +67,8 @@ class DataConfig:
     seq_len: int = 128
     bpe_vocab_size: int = 8192  # tokens of the byte-level BPE that tokenizer=bpe trains
     text_field: str = "text"  # the field of a .jsonl object / column of a .parquet file holding the text
-    num_workers: int = 0  # processes that tokenize (0: one per CPU core, up to 8)
+    num_workers: int = 0  # threads that tokenize (0: one per CPU core, up to 8)
+    shard_tokens: int = DEFAULT_SHARD_TOKENS  # a prepared shard closes once it holds this many tokens (docs/data.md)
     # packed documents: attention stops at the token files' document boundaries (train.idx), positions restart in
     # each document, and the label that predicts the next document's first token is left out of the loss
     document_masking: bool = False

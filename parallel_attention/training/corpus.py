@@ -4,8 +4,11 @@ A source is "stdlib" (this interpreter's standard-library .py files: the offline
 directory searched recursively (hidden entries and __pycache__ left out) holding
 
     text files (.txt, .md, .py, ... see TEXT_SUFFIXES)   one document per file
-    .jsonl                                                one per line: the `text_field` of its JSON object
+    .jsonl, .jsonl.gz                                     one per line: the `text_field` of its JSON object
     .parquet (pyarrow)                                    one per row: the `text_field` column
+
+or a directory written by Hugging Face `datasets`' save_to_disk (recognised by its state.json and
+dataset_info.json): one document per row of its `text_field` column, its arrow files in their order.
 
 Files are read in the order of their sorted relative paths, so a source always gives the same documents.
 A file that is not UTF-8 text (binary), an empty one, one of another type, a bad JSON line or a parquet file
@@ -14,19 +17,18 @@ without the column is skipped and counted in `CorpusStats.skipped` under its rea
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import sysconfig
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .corpus_formats import (BINARY, EMPTY_FILE, OTHER_TYPE, READERS, CorpusStats, datasets_files, file_kind,
+                             is_datasets_directory)
 from .tokenizer import train_bpe
 
-__all__ = ["Corpus", "CorpusStats", "TEXT_SUFFIXES"]
+__all__ = ["Corpus", "CorpusStats", "TEXT_SUFFIXES", "train_bpe_on_corpus"]
 
 TEXT_SUFFIXES = frozenset({
     ".txt", ".md", ".rst", ".tex", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".rs", ".go", ".java",
@@ -35,29 +37,6 @@ TEXT_SUFFIXES = frozenset({
 })
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
-# Reasons something is skipped; each names its unit.
-BINARY, EMPTY_FILE, OTHER_TYPE = "binary or not UTF-8 files", "empty files", "files of another type"
-BAD_LINE, NO_COLUMN, EMPTY_DOC = "bad JSON lines", "parquet files without the text column", "empty documents"
-
-
-@dataclass
-class CorpusStats:
-    """What one pass over a corpus read: files, documents, UTF-8 bytes kept, and the skipped counts by reason
-    with the first place each reason occurred."""
-
-    num_files: int = 0
-    num_documents: int = 0
-    num_bytes: int = 0
-    skipped: Counter = field(default_factory=Counter)
-    examples: dict = field(default_factory=dict)
-
-    def skip(self, reason: str, where: str) -> None:
-        self.skipped[reason] += 1
-        self.examples.setdefault(reason, where)
-
-    def summary(self) -> dict:
-        return {"num_files": self.num_files, "num_documents": self.num_documents, "num_bytes": self.num_bytes,
-                "skipped": dict(sorted(self.skipped.items())), "skipped_examples": dict(sorted(self.examples.items()))}
 
 
 class Corpus:
@@ -67,16 +46,21 @@ class Corpus:
         self.source, self.text_field, self.max_bytes = source, text_field, max_bytes
         self.root, self.files, self._walk_skips = _source_files(source)
         self.stats = CorpusStats()
+        self.truncated = False  # max_bytes stopped the last pass before the corpus's end
+
+    @property
+    def disk_bytes(self) -> int:
+        """The size of the corpus files on disk."""
+        return sum(path.stat().st_size for path in self.files)
 
     @property
     def size_bytes(self) -> int:
         """The bytes on disk this pass will read at most (for a progress bar)."""
-        total = sum(path.stat().st_size for path in self.files)
-        return total if self.max_bytes is None else min(total, self.max_bytes)
+        return self.disk_bytes if self.max_bytes is None else min(self.disk_bytes, self.max_bytes)
 
     def documents(self) -> Iterator[str]:
         """Every document's text, NUL removed (the byte tokenizer's separator); fills a fresh `self.stats`."""
-        self.stats = stats = CorpusStats()
+        self.stats, self.truncated = (stats := CorpusStats()), False
         for where in self._walk_skips:
             stats.skip(OTHER_TYPE, where)
         for path in self.files:
@@ -86,11 +70,13 @@ class Corpus:
                 data = text.replace("\x00", "").encode("utf-8")
                 if self.max_bytes is not None and stats.num_bytes + len(data) > self.max_bytes:
                     data = data[: self.max_bytes - stats.num_bytes].decode("utf-8", errors="ignore").encode("utf-8")
+                    self.truncated = True
                 if data:
                     stats.num_documents += 1
                     stats.num_bytes += len(data)
                     yield data.decode("utf-8")
                 if self.max_bytes is not None and stats.num_bytes >= self.max_bytes:
+                    self.truncated = self.truncated or path != self.files[-1] or next(read, None) is not None
                     read.close()
                     return
 
@@ -100,11 +86,9 @@ class Corpus:
         if path.stat().st_size == 0:
             stats.skip(EMPTY_FILE, where)
             return
-        if path.suffix == ".jsonl":
-            stats.num_files += 1
-            yield from _jsonl_documents(path, where, self.text_field, stats)
-        elif path.suffix == ".parquet":
-            yield from _parquet_documents(path, where, self.text_field, stats)
+        reader = READERS.get(file_kind(path))
+        if reader is not None:
+            yield from reader(path, where, self.text_field, stats)
         else:
             text = _decode_text(path.read_bytes())
             if text is None:
@@ -128,17 +112,20 @@ def _source_files(source: str) -> tuple[Path, list[Path], list[str]]:
     path = Path(source)
     if path.is_file():
         return path.parent, [path], []
+    if is_datasets_directory(path):
+        return path, datasets_files(path), []
     if not path.is_dir():
         raise ValueError(f"data.source={source!r} is neither 'stdlib' nor an existing file or directory: give a "
-                         f"corpus directory of text, .jsonl or .parquet files, or 'stdlib'.")
+                         f"corpus directory of text, .jsonl, .jsonl.gz or .parquet files, a directory written by "
+                         f"datasets' save_to_disk, or 'stdlib'.")
     files, other = [], []
     for dirpath, dirnames, filenames in os.walk(path):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
         for name in filenames:
             if not name.startswith("."):
                 file = Path(dirpath, name)
-                kind = file.suffix.lower()
-                (files if kind in TEXT_SUFFIXES or kind in (".jsonl", ".parquet") else other).append(file)
+                kind = file_kind(file)
+                (files if kind in TEXT_SUFFIXES or kind in READERS and kind != ".arrow" else other).append(file)
     key = lambda p: p.relative_to(path).as_posix()  # noqa: E731
     return path, sorted(files, key=key), sorted(key(p) for p in other)
 
@@ -151,46 +138,6 @@ def _decode_text(data: bytes) -> str | None:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return None
-
-
-def _jsonl_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
-    """One document per non-blank line: the string `text_field` of its JSON object; other lines are skipped."""
-    with path.open("rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[text_field]
-            except (ValueError, KeyError, TypeError, IndexError):  # ValueError covers bad JSON and bad UTF-8
-                text = None
-            if not isinstance(text, str):
-                stats.skip(BAD_LINE, f"{where}:{lineno} (not a JSON object with a string {text_field!r})")
-            elif not text.strip():
-                stats.skip(EMPTY_DOC, f"{where}:{lineno}")
-            else:
-                yield text
-
-
-def _parquet_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
-    """One document per row of the `text_field` column, read in record batches."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as error:
-        raise ImportError(f"{where}: reading .parquet files needs pyarrow: pip install pyarrow "
-                          f"(or pip install parallel_attention[data]).") from error
-    table = pq.ParquetFile(path)
-    if text_field not in table.schema_arrow.names:
-        stats.skip(NO_COLUMN, f"{where} (columns: {', '.join(table.schema_arrow.names)}; set data.text_field)")
-        return
-    stats.num_files += 1
-    row = 0
-    for batch in table.iter_batches(columns=[text_field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            if isinstance(value, str) and value.strip():
-                yield value
-            else:
-                stats.skip(EMPTY_DOC, f"{where} row {row}")
 
 
 def train_bpe_on_corpus(corpus: Corpus, vocab_size: int, out: Path, final: Path) -> None:

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from ..checkpointing.tensor_io import write_atomic
-from .preparation import prepare_data, source_key, tokenizer_key
+from .preparation import source_key, tokenizer_key
+from .preparation_v1 import prepare_data
 from .token_files import (DataFileError, check_ids_in_vocab, meta_and_reason, prepare_again, settings_changed,
                           verify_sha256)
 from .tokenizer import TOKENIZER_FILES

@@ -1,0 +1,138 @@
+"""The documents of one corpus file, by its kind, and what was skipped in it and why (`CorpusStats`).
+
+    .jsonl, .jsonl.gz   one document per line: the string `text_field` of its JSON object
+    .parquet            one per row of the `text_field` column (pyarrow)
+    .arrow              one per row of the `text_field` column of a `datasets` save_to_disk directory (pyarrow)
+
+pyarrow is an optional extra (`pip install parallel_attention[data]`), imported when such a file is read.
+A datasets directory is recognised by its state.json and dataset_info.json; its arrow files are read in the
+order its state.json lists them (a DatasetDict's splits in the order of its dataset_dict.json).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from ..hf.config import read_json_object
+
+__all__ = ["READERS", "CorpusStats", "datasets_files", "file_kind", "is_datasets_directory"]
+
+# Reasons something is skipped; each names its unit.
+BINARY, EMPTY_FILE, OTHER_TYPE = "binary or not UTF-8 files", "empty files", "files of another type"
+BAD_LINE, NO_COLUMN, EMPTY_DOC = "bad JSON lines", "parquet files without the text column", "empty documents"
+
+
+@dataclass
+class CorpusStats:
+    """What one pass over a corpus read: files, documents, UTF-8 bytes kept, and the skipped counts by reason
+    with the first place each reason occurred."""
+
+    num_files: int = 0
+    num_documents: int = 0
+    num_bytes: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+
+    def skip(self, reason: str, where: str) -> None:
+        self.skipped[reason] += 1
+        self.examples.setdefault(reason, where)
+
+    def summary(self) -> dict:
+        return {"num_files": self.num_files, "num_documents": self.num_documents, "num_bytes": self.num_bytes,
+                "skipped": dict(sorted(self.skipped.items())), "skipped_examples": dict(sorted(self.examples.items()))}
+
+
+def file_kind(path: Path) -> str:
+    """".jsonl.gz" for a gzipped jsonl file, else the lower-case suffix."""
+    return ".jsonl.gz" if path.name.lower().endswith(".jsonl.gz") else path.suffix.lower()
+
+
+def _jsonl_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
+    """One document per non-blank line: the string `text_field` of its JSON object; other lines are skipped."""
+    stats.num_files += 1
+    with (gzip.open(path, "rb") if file_kind(path) == ".jsonl.gz" else path.open("rb")) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[text_field]
+            except (ValueError, KeyError, TypeError, IndexError):  # ValueError covers bad JSON and bad UTF-8
+                text = None
+            if not isinstance(text, str):
+                stats.skip(BAD_LINE, f"{where}:{lineno} (not a JSON object with a string {text_field!r})")
+            elif not text.strip():
+                stats.skip(EMPTY_DOC, f"{where}:{lineno}")
+            else:
+                yield text
+
+
+def _pyarrow(where: str):
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401  (the submodule, for _parquet_documents)
+    except ImportError as error:
+        raise ImportError(f"{where}: reading .parquet and datasets' .arrow files needs pyarrow: pip install pyarrow "
+                          f"(or pip install parallel_attention[data]).") from error
+    return pyarrow
+
+
+def _parquet_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
+    """One document per row of the `text_field` column, read in record batches; a file without it is skipped."""
+    table = _pyarrow(where).parquet.ParquetFile(path)
+    if text_field not in table.schema_arrow.names:
+        stats.skip(NO_COLUMN, f"{where} (columns: {', '.join(table.schema_arrow.names)}; set data.text_field)")
+        return
+    stats.num_files += 1
+    batches = (batch.column(0) for batch in table.iter_batches(columns=[text_field], batch_size=1024))
+    yield from _rows(batches, where, stats)
+
+
+def _arrow_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
+    """One document per row of a datasets arrow file (an IPC stream); a missing column is an error, not a skip:
+    every file of the directory has the same columns."""
+    pa = _pyarrow(where)
+    with pa.memory_map(str(path)) as source:
+        reader = pa.ipc.open_stream(source)
+        names = reader.schema.names
+        if text_field not in names:
+            raise ValueError(f"data.text_field={text_field!r} is not a column of the datasets directory "
+                             f"{path.parent} (columns: {', '.join(names)}): set data.text_field (--text-field) to "
+                             "its text column.")
+        stats.num_files += 1
+        yield from _rows((batch.column(names.index(text_field)) for batch in reader), where, stats)
+
+
+def _rows(columns, where: str, stats: CorpusStats) -> Iterator[str]:
+    row = 0
+    for column in columns:
+        for value in column.to_pylist():
+            row += 1
+            if isinstance(value, str) and value.strip():
+                yield value
+            else:
+                stats.skip(EMPTY_DOC, f"{where} row {row}")
+
+
+READERS = {".jsonl": _jsonl_documents, ".jsonl.gz": _jsonl_documents, ".parquet": _parquet_documents,
+           ".arrow": _arrow_documents}
+
+
+def is_datasets_directory(path: Path) -> bool:
+    """A directory written by `datasets`' save_to_disk: a Dataset's (state.json, dataset_info.json) or a
+    DatasetDict's (dataset_dict.json)."""
+    return ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()) or \
+        (path / "dataset_dict.json").is_file()
+
+
+def datasets_files(path: Path) -> list[Path]:
+    """The arrow files of a save_to_disk directory, in the order of its rows."""
+    if (path / "dataset_dict.json").is_file():
+        splits = read_json_object(path / "dataset_dict.json").get("splits", [])
+        return [file for split in splits for file in datasets_files(path / split)]
+    names = [entry["filename"] for entry in read_json_object(path / "state.json").get("_data_files", [])]
+    return [path / name for name in names]

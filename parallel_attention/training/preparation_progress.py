@@ -1,0 +1,52 @@
+"""What a preparation tells its user on stderr: a progress bar (documents, tokens per second, and an ETA by the
+bytes read, on a terminal only) and one line when data.max_bytes cut the corpus."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from .corpus import Corpus
+
+__all__ = ["PreparationBar", "say_if_truncated"]
+
+_REFRESH_S = 0.5
+
+
+class PreparationBar:
+    """A tqdm bar over the corpus's bytes (its ETA) with documents and tokens per second; nothing without tqdm or
+    a terminal. `update` after each document written."""
+
+    def __init__(self, corpus: Corpus, documents_done: int = 0) -> None:
+        self.corpus, self.documents, self.tokens = corpus, documents_done, 0
+        self._start = self._shown = time.perf_counter()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._bar = None
+            return
+        self._bar = tqdm(total=corpus.size_bytes, desc="preparing", unit="B", unit_scale=True, file=sys.stderr,
+                         disable=None, dynamic_ncols=True)
+
+    def update(self, num_tokens: int) -> None:
+        self.documents += 1
+        self.tokens += num_tokens
+        now = time.perf_counter()
+        if self._bar is None or self._bar.disable or now - self._shown < _REFRESH_S:
+            return
+        self._shown = now
+        self._bar.update(self.corpus.stats.num_bytes - self._bar.n)
+        self._bar.set_postfix_str(f"{self.documents:,} docs, {self.tokens / (now - self._start):,.0f} tok/s",
+                                  refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def say_if_truncated(corpus: Corpus) -> None:
+    """One line on stderr when `max_bytes` cut the corpus: what was read, of how much, and how to take it all."""
+    if corpus.truncated:
+        print(f"data.max_bytes={corpus.max_bytes} cut the corpus: read {corpus.stats.num_bytes / 1e6:.1f} MB of text "
+              f"of {corpus.disk_bytes / 1e6:.1f} MB on disk in {corpus.source}; to take all of it, pass --max-bytes "
+              "none (in a config: data.max_bytes: null)", file=sys.stderr, flush=True)
