@@ -29,6 +29,7 @@ from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_
 from parallel_attention.hf import missing_tokenizer_message, tokenizer_is_missing
 from parallel_attention.training import PretrainConfig, TokenizerUnavailableError, config_from_dict, get_tokenizer
 from parallel_attention.launch.agreement import disagreements
+from parallel_attention.training.data_identity import check_tokenizer
 from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
 from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.report_once import report_from_rank_0
@@ -137,6 +138,7 @@ def prepare(argv: list[str], tp: int):
         raise ValueError(f"model ffn_hidden_size={cfg.model.resolved_ffn_hidden_size()} is not divisible by "
                          f"{tp} processes: launch a number of processes that divides it.")
     tokenizer = load_tokenizer(args.tokenizer, step_dir, cfg)
+    check_tokenizer(step_dir, tokenizer)  # the checkpoint's own, by its sha256
     return args, step_dir, cfg, canonical, tokenizer, encode_prompts(tokenizer, prompts, cfg.model.vocab_size)
 
 

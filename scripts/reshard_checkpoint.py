@@ -3,7 +3,8 @@
     python scripts/reshard_checkpoint.py --in runs/gpt_tiny --out runs/gpt_tiny_tp4 --tp 4
 
 --in takes a step directory or a run directory (its newest complete checkpoint); the result is
-written as OUT/checkpoints/step_XXXXXXX/, so `--resume` with --logging.run_dir=OUT continues it.
+written as OUT/checkpoints/step_XXXXXXX/, so `--resume` with --logging.run_dir=OUT continues it, with the run's
+config.yaml (at the new size) and tokenizer/ beside it: OUT is a model directory of its own.
 The canonical (p-independent) state dict is the pivot, so any p converts to any p' that divides the model.
 """
 
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 from parallel_attention.checkpointing import reshard_checkpoint, resolve_step_dir
+from parallel_attention.training.run_dir import carry_model_files
 
 
 def main(argv: list[str]) -> int:
@@ -28,10 +30,12 @@ def main(argv: list[str]) -> int:
     try:
         source = resolve_step_dir(args.source)  # CheckpointError is a ValueError
         written = reshard_checkpoint(source, args.out / "checkpoints", args.tp)
+        carried = carry_model_files(source.parent.parent, args.out, args.tp)
     except ValueError as error:
         print(f"cannot reshard {args.source}: {error}", file=sys.stderr)
         return 2
-    print(f"{source} -> {written} (tensor_parallel_size={args.tp}) in {time.perf_counter() - started:.1f}s")
+    print(f"{source} -> {written} (tensor_parallel_size={args.tp}) in {time.perf_counter() - started:.1f}s"
+          + (f", with {', '.join(carried)}" if carried else ""))
     return 0
 
 

@@ -114,6 +114,7 @@ class CheckpointConfig:
     interval: int = 100
     keep_last: int = 2
     resume: str = "auto"  # "auto": newest complete checkpoint if any; "none"; or a step directory
+    allow_data_change: bool = False  # resume onto other data (continued pretraining); the tokenizer must match
 
 
 @dataclass

@@ -8,7 +8,6 @@ raise the same DataFileError, a ConfigError: pretrain.py says `config error: ...
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable, TypeVar
 
 from ..tensor_parallel.collectives import all_gather_objects
@@ -17,10 +16,10 @@ from .batches import GlobalBatchSampler
 from .config import PretrainConfig
 from .data import ensure_prepared
 from .step_records import run_sampler
-from .data_blend import open_blend, prepared_tokenizer
+from .data_blend import open_blend
 from .token_files import REFUSALS, DataFileError, refusal_message
 from .token_source import TokenSource
-from .tokenizer import copy_tokenizer, tokenizer_vocab_size
+from .tokenizer import tokenizer_vocab_size
 
 __all__ = ["agreed", "build_data", "open_run_blend"]
 
@@ -41,9 +40,8 @@ def agreed(check: Callable[[], T], data_dir) -> T:
     return result
 
 
-def open_run_blend(cfg: PretrainConfig, tokenizer_dir=None) -> tuple[list[TokenSource], list[float]]:
-    """The blend's sources, each verified, their vocabulary checked against the model's; with `tokenizer_dir`
-    (global rank 0), a copy of the tokenizer the prepared sources were made with goes there."""
+def open_run_blend(cfg: PretrainConfig) -> tuple[list[TokenSource], list[float]]:
+    """The blend's sources, each verified, their vocabulary checked against the model's."""
     data = cfg.data
     sources, weights = open_blend(data, tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size))
     for source in sources:
@@ -53,22 +51,17 @@ def open_run_blend(cfg: PretrainConfig, tokenizer_dir=None) -> tuple[list[TokenS
                                 f"{source.vocab_size} tokens (its meta.json) but model.vocab_size="
                                 f"{cfg.model.vocab_size}: set model.vocab_size >= {source.vocab_size}, or prepare the "
                                 "data with another tokenizer.")
-    if tokenizer_dir is not None and data.blend:
-        path = prepared_tokenizer(sources, data.tokenizer)
-        if path is not None:
-            copy_tokenizer(path, Path(tokenizer_dir))
     return sources, weights
 
 
 def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
-    """Prepare data.data_dir once (global rank 0) unless a blend names the sources, keeping a copy of the
-    tokenizer in <run_dir>/tokenizer for generation and export, then open every source on every rank, checked
-    against its meta.json's sha256; a refusal on any rank is every rank's (data_agreement.py). Returns the
-    sampler and the blend's sources."""
+    """Prepare data.data_dir once (global rank 0) unless a blend names the sources, then open every source on every
+    rank, checked against its meta.json's sha256; a refusal on any rank is every rank's. Returns the sampler and
+    the blend's sources. Nothing is written into the run directory here (data_identity.keep_run_tokenizer copies
+    the tokenizer there once the run has resumed)."""
     data_dir, rank_0 = cfg.data.data_dir, ps.get_global_rank() == 0
-    tokenizer_dir = Path(cfg.logging.run_dir) / "tokenizer"
     if not cfg.data.blend:
-        agreed(lambda: rank_0 and ensure_prepared(cfg.data, tokenizer_dir=tokenizer_dir),
+        agreed(lambda: rank_0 and ensure_prepared(cfg.data),
                data_dir)  # the barrier too: no rank opens the files before rank 0 has prepared them
-    sources, weights = agreed(lambda: open_run_blend(cfg, tokenizer_dir if rank_0 else None), data_dir)
+    sources, weights = agreed(lambda: open_run_blend(cfg), data_dir)
     return run_sampler(cfg, sources, weights), sources

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from ..checkpointing.tensor_io import file_digest
 from .config import BlendEntry, DataConfig
 from .sampling import draws_before
@@ -62,9 +60,11 @@ def open_blend(data: DataConfig, tokenizer_vocab: int) -> tuple[list[TokenSource
     return sources, [e.weight for e in entries]
 
 
-def describe_blend(sources: list[TokenSource], weights: list[float], samples: int, windows: list[int]) -> str:
-    """One line per source: its path, normalised weight, training tokens, and the epochs of it `samples` read."""
-    share = np.asarray(weights, dtype=np.float64) / np.sum(weights)
-    drawn = draws_before(weights, samples)
-    return "; ".join(f"{s.name} weight {w:.3g}, {s.train.num_tokens:,} train tokens, {n / max(1, c):.2f} epochs"
-                     for s, w, n, c in zip(sources, share, drawn, windows))
+def describe_blend(sampler, samples: int) -> str:
+    """One line per source of a GlobalBatchSampler: its path, normalised weight, training tokens, and the epochs of
+    it that `samples` samples read."""
+    share = sampler.weights / sampler.weights.sum()
+    drawn = draws_before(sampler.weights, samples)
+    return "; ".join(f"{s.name} weight {w:.3g}, {s.train.num_tokens:,} train tokens, "
+                     f"{n / max(1, windows.num_windows):.2f} epochs"
+                     for s, w, n, windows in zip(sampler.sources, share, drawn, sampler.windows))

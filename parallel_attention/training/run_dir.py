@@ -118,3 +118,24 @@ def write_run_config(cfg: PretrainConfig) -> None:
     if ps.get_global_rank() == 0:
         text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
         write_atomic(Path(cfg.logging.run_dir) / "config.yaml", [text.encode("utf-8")])
+
+
+def carry_model_files(source_run: Path, out_run: Path, tensor_parallel_size: int) -> list[str]:
+    """Give a resharded copy of a run (OUT/checkpoints only) the run's config.yaml (at its new tensor-parallel size
+    and run directory) and tokenizer/, so that generation and a resume there never depend on the source run.
+    Returns what was written (nothing the source run lacks)."""
+    written = []
+    out_run.mkdir(parents=True, exist_ok=True)
+    config = source_run / "config.yaml"
+    if config.is_file():
+        data = yaml.safe_load(config.read_text(encoding="utf-8"))
+        data.setdefault("parallel", {})["tensor_parallel_size"] = tensor_parallel_size
+        data.setdefault("logging", {})["run_dir"] = str(out_run)
+        write_atomic(out_run / "config.yaml", [yaml.safe_dump(data, sort_keys=False).encode("utf-8")])
+        written.append("config.yaml")
+    tokenizer = source_run / "tokenizer"
+    for path in sorted(tokenizer.iterdir()) if tokenizer.is_dir() else []:
+        (out_run / "tokenizer").mkdir(parents=True, exist_ok=True)
+        write_atomic(out_run / "tokenizer" / path.name, [path.read_bytes()])
+        written.append(f"tokenizer/{path.name}")
+    return written

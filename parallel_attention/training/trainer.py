@@ -39,6 +39,7 @@ from .batch_prefetch import BatchPrefetcher
 from .batches import GlobalBatchSampler, validation_batches
 from .data_agreement import build_data
 from .data_blend import describe_blend
+from .data_identity import check_identity, data_identity, keep_run_tokenizer
 from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
@@ -72,6 +73,7 @@ class Run:
     sampler: GlobalBatchSampler
     val_batches: list
     loader: BatchPrefetcher | None = None  # this rank's micro-batches of each step, read a step ahead
+    data_identity: dict | None = None  # the tokenizer and data it trains on (data_identity.py): in every checkpoint
     data_parallel_model: torch.nn.Module | None = None  # the training forward: DDP over the dp group, or `model`
     step: int = 0
     logger: MetricsLogger | None = None
@@ -106,7 +108,6 @@ def _autocast(cfg: PretrainConfig, device: torch.device):
     return Precision(cfg.training.dtype, device).autocast()
 
 
-# ---------------------------------------------------------------------------------- build
 def build(cfg: PretrainConfig) -> Run:
     """Process groups, run directory, data, model, optimizer: everything before the first step."""
     if cfg.parallel.debug_collectives:  # before the groups exist, so that torch's own checks wrap them too
@@ -138,10 +139,12 @@ def build(cfg: PretrainConfig) -> Run:
 
 
 def resume_run(run: Run, where: str) -> None:
-    """Continue from a checkpoint (`auto`, a step directory, or `none`), then write config.yaml and open the
-    metrics log: a refused resume (ResumeRefusedError, exit 2) leaves the run directory as it was."""
+    """Continue from a checkpoint (`auto`, a step directory, or `none`) of this tokenizer and data, then write
+    config.yaml and the tokenizer and open the metrics log: a refused resume (exit 2) leaves the run dir as it was."""
     manifest = None if where == "none" else resume_from_checkpoint(run.cfg, where, run.model, run.optimizer)
+    run.data_identity = data_identity(run.cfg, run.sampler.sources)
     if manifest is not None:
+        check_identity(manifest, run.data_identity, run.cfg.checkpoint.allow_data_change)
         run.step = manifest["step"]
         if "loss_scaler" in manifest["extra"]:
             run.scaler.load_state_dict(manifest["extra"]["loss_scaler"])
@@ -150,12 +153,12 @@ def resume_run(run: Run, where: str) -> None:
             print(f"resumed from {manifest['path']} at step {run.step}", file=sys.stderr, flush=True)
     write_run_config(run.cfg)
     if ps.get_global_rank() == 0:
+        keep_run_tokenizer(run.cfg, run.sampler.sources)
         log = run.cfg.logging
         run.logger = MetricsLogger(run.run_dir, run.cfg.training.max_steps, run.step, log.progress_bar,
                                    log.tensorboard)
 
 
-# ---------------------------------------------------------------------------------- steps
 def _model_inputs(batch: tuple, device: torch.device) -> dict:
     """A micro-batch (tokens, labels[, document_ids]) as the model's keyword arguments, on `device`."""
     return {name: t.to(device) for name, t in zip(("tokens", "labels", "document_ids"), batch)}
@@ -226,6 +229,7 @@ def checkpoint(run: Run) -> None:
     check_replicas(run.model, run.step)
     check_parameters_finite(run.model, run.step, run.device)
     extra = {"loss_scaler": run.scaler.state_dict(), "tokens_seen": run.step * run.tokens_per_step,
+             "data_identity": run.data_identity,
              **run.guard.state_dict(), "finite": run.guard.consecutive == 0}
     save_checkpoint(Path(run.cfg.logging.run_dir) / "checkpoints", run.step, run.model, run.optimizer,
                     config=run.cfg.to_dict(), keep_last=run.cfg.checkpoint.keep_last, extra=extra,
@@ -274,8 +278,7 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
 def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResult:
     """Summary, resume, then the steps; the caller releases the run directory on every way out."""
     if ps.get_global_rank() == 0:
-        sampler, samples = run.sampler, cfg.training.max_steps * cfg.training.global_batch_size
-        blend = describe_blend(sampler.sources, sampler.weights, samples, [w.num_windows for w in sampler.windows])
+        blend = describe_blend(run.sampler, cfg.training.max_steps * cfg.training.global_batch_size)
         print(run_summary(cfg, run.model, ps.get_world_size(), run.device, blend), file=sys.stderr, flush=True)
     resume_run(run, resume or cfg.checkpoint.resume)
     sigterm = SigtermFlag()

@@ -1,0 +1,107 @@
+"""What a run was trained on, recorded in each checkpoint and checked on resume: its tokenizer and its data.
+
+A model means nothing without the tokenizer its ids came from, and a resumed run that silently reads other data is
+another experiment. So every checkpoint records `data_identity`: the tokenizer (its spec and the sha256 of its
+tokenizer.json; byte and gpt2 are known by name), each source's path with the sha256 of what identifies its
+content (a prepared directory's meta.json, which records every shard's hash; a Megatron-LM prefix's .idx), and the
+sampling. A resume with another tokenizer is refused; with other data it is refused unless
+`checkpoint.allow_data_change: true` asks for it (continued pretraining), and then the run says what changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..checkpointing.format import MANIFEST
+from ..checkpointing.tensor_io import file_digest
+from .config import PretrainConfig
+from .config_checks import ConfigError
+from .data_blend import blend_entries, prepared_tokenizer
+from .token_source import TokenSource
+from .tokenizer import copy_tokenizer
+
+__all__ = ["DataChangedError", "check_identity", "check_tokenizer", "data_identity", "keep_run_tokenizer",
+           "tokenizer_identity"]
+
+
+class DataChangedError(ConfigError):
+    """A resume onto another tokenizer, or onto other data without checkpoint.allow_data_change."""
+
+
+def tokenizer_identity(spec: str, tokenizer_json: Path | None) -> dict:
+    """{"tokenizer": spec, "sha256": of its tokenizer.json, or None for byte / gpt2}."""
+    sha = file_digest(tokenizer_json)["sha256"] if tokenizer_json is not None else None
+    return {"tokenizer": spec, "sha256": sha}
+
+
+def _source_sha256(source: TokenSource) -> str:
+    path = Path(source.name)
+    return file_digest(path / "meta.json" if source.meta is not None else Path(f"{path}.idx"))["sha256"]
+
+
+def data_identity(cfg: PretrainConfig, sources: list[TokenSource]) -> dict:
+    """The tokenizer, each source (path as configured, sha256, weight) and the sampling of this run."""
+    entries = blend_entries(cfg.data)
+    return {"tokenizer": tokenizer_identity(cfg.data.tokenizer, prepared_tokenizer(sources, cfg.data.tokenizer)),
+            "sources": [{"path": e.path, "sha256": _source_sha256(s), "weight": e.weight}
+                        for e, s in zip(entries, sources)],
+            "sampling": cfg.data.sampling}
+
+
+def _describe(tokenizer: dict) -> str:
+    return tokenizer["tokenizer"] + (f" (tokenizer.json sha256 {tokenizer['sha256']})" if tokenizer["sha256"] else "")
+
+
+def check_identity(manifest: dict, current: dict, allow_data_change: bool) -> None:
+    """Raise DataChangedError when this run (`current`) may not continue the checkpoint of `manifest`; say what
+    changed in the data when checkpoint.allow_data_change lets it. Checkpoints older than the record pass."""
+    saved, where = manifest["extra"].get("data_identity"), manifest["path"]
+    if not saved:
+        return
+    if saved["tokenizer"] != current["tokenizer"]:
+        raise DataChangedError(
+            f"{where} was trained with the tokenizer {_describe(saved['tokenizer'])}, and this run's is "
+            f"{_describe(current['tokenizer'])}: token ids would change meaning. Use another logging.run_dir to "
+            "train a new model, or checkpoint.resume=none to start this one afresh (its checkpoints are then "
+            "replaced).")
+    content = [[(s["sha256"], s["weight"]) for s in identity["sources"]] + [identity["sampling"]]
+               for identity in (saved, current)]
+    if content[0] == content[1]:  # the same data under another path is the same data
+        return
+    before = ", ".join(f"{s['path']} x{s['weight']:g} ({s['sha256'][:12]})" for s in saved["sources"])
+    after = ", ".join(f"{s['path']} x{s['weight']:g} ({s['sha256'][:12]})" for s in current["sources"])
+    change = f"data {before}, {saved['sampling']} -> {after}, {current['sampling']}"
+    if not allow_data_change:
+        raise DataChangedError(
+            f"{where} was trained on other data ({change}). To continue pretraining on the new data, set "
+            "checkpoint.allow_data_change=true; to train afresh, use another logging.run_dir or "
+            "checkpoint.resume=none.")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"continuing on other data (checkpoint.allow_data_change): {change}", file=sys.stderr, flush=True)
+
+
+def keep_run_tokenizer(cfg: PretrainConfig, sources: list[TokenSource]) -> None:
+    """Copy the tokenizer the data was prepared with into RUN/tokenizer/ (generation and export read it there),
+    once the run has resumed or started fresh: a refused resume leaves the run's own tokenizer as it was."""
+    path = prepared_tokenizer(sources, cfg.data.tokenizer)
+    if path is not None:
+        copy_tokenizer(path, Path(cfg.logging.run_dir) / "tokenizer")
+
+
+def check_tokenizer(step_dir: Path, tokenizer) -> None:
+    """ValueError unless `tokenizer` (byte, gpt2 or a tokenizer.json's) is the one the checkpoint in `step_dir`
+    was trained with, by its recorded sha256 (or name); checkpoints older than the record pass."""
+    try:
+        saved = json.loads((Path(step_dir) / MANIFEST).read_text(encoding="utf-8"))["extra"]["data_identity"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    path = getattr(tokenizer, "path", None)
+    have = {"sha256": file_digest(path)["sha256"] if path is not None else None, "name": tokenizer.name}
+    want = saved["tokenizer"]
+    if want["sha256"] != have["sha256"] or (want["sha256"] is None and want["tokenizer"] != have["name"]):
+        raise ValueError(f"the tokenizer {have['name']} (sha256 {have['sha256']}) is not the one {step_dir} was "
+                         f"trained with: {_describe(want)}; it would decode the model's ids as other text. Pass "
+                         "--tokenizer with that tokenizer's file (a run keeps it in RUN/tokenizer/).")
