@@ -103,7 +103,7 @@ def test_run_summary_fits_one_screen_and_names_the_run():
     assert "world 2 = tensor parallel 1 x data parallel 2 + sequence parallel" in text
     assert "global 16 sequences = micro 8 x data parallel 2 x 1 accumulation step(s)" in text
     assert "2,048 per step" in text and "819,200 in 400 steps" in text
-    assert "stdlib with the byte tokenizer, in data/stdlib_byte" in text
+    assert "stdlib in data/stdlib_byte, byte tokenizer, epochs sampling" in text
     assert "/shared/runs/tiny/checkpoints every 100 steps" in text and "float32 on cpu" in text
 
 
