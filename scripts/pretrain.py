@@ -57,10 +57,12 @@ def _train(cfg, resume: str | None) -> int:
     except GuardError as error:  # agreed on every rank (divergence, replica mismatch): said once
         report_from_rank_0(f"run stopped: {type(error).__name__}: {error}", exit_status=1)
         return 1
+    if not result.losses and result.last_step >= cfg.training.max_steps:
+        return 0  # already finished: the trainer said "nothing to do" and trained nothing
     if int(os.environ.get("RANK", "0")) == 0:
         final = result.val_losses.get(result.last_step)
         print(f"finished at step {result.last_step}" + (f", validation loss {final:.4f}" if final else "")
-              + (" (stopped by SIGTERM; resume with --resume)" if result.stopped_by_signal else "")
+              + (f" (stopped by {result.stopped_by_signal}; resume with --resume)" if result.stopped_by_signal else "")
               + f"; outputs in {result.run_dir}")
     return 0
 

@@ -1,5 +1,5 @@
 """End to end under torchrun: losses independent of the parallel layout, exact resume, fallback past
-a corrupt checkpoint, SIGTERM, multi-node rendezvous, generation with and without the KV cache."""
+a corrupt checkpoint, SIGTERM and Ctrl-C, multi-node rendezvous, generation with and without the KV cache."""
 
 from __future__ import annotations
 
@@ -88,9 +88,10 @@ def test_exact_resume_falls_back_past_a_corrupt_checkpoint(data_dir, tmp_path):
     assert token_lines[0] == token_lines[1] and len(token_lines[0].split()) == 1 + len("import os") + 12
 
 
-def test_sigterm_writes_a_checkpoint_and_resume_continues(data_dir, tmp_path):
-    run = tmp_path / "run"
-    command = torchrun_command("pretrain.py", 2, tiny_args(data_dir, run, 2, 500, "--checkpoint.interval=1000"))
+def _stop_with(sig: signal.Signals, run: Path, args: list[str]) -> tuple[int, subprocess.CompletedProcess]:
+    """Launch pretrain.py, send `sig` to torchrun's process group once step 3 is logged (as a scheduler, or a
+    person at a terminal, does), and return the step of the one checkpoint written and the finished launch."""
+    command = torchrun_command("pretrain.py", 2, args)
     proc = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -98,19 +99,38 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(data_dir, tmp_path):
         while not (run / "metrics.jsonl").exists() or max(train_losses(run), default=0) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
             time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGTERM)  # as a cluster scheduler does: the whole process group
-        proc.communicate(timeout=120)
+        os.killpg(proc.pid, sig)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     saved = list_checkpoints(run / "checkpoints")
-    assert len(saved) == 1
-    stopped_at = int(saved[0].name.split("_")[1])
+    assert len(saved) == 1, err[-3000:]
+    return int(saved[0].name.split("_")[1]), subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def test_sigterm_writes_a_checkpoint_and_resume_continues(data_dir, tmp_path):
+    run = tmp_path / "run"
+    stopped_at, _ = _stop_with(signal.SIGTERM, run, tiny_args(data_dir, run, 2, 500, "--checkpoint.interval=1000"))
     assert 3 <= stopped_at < 500
     torchrun("pretrain.py", 2, tiny_args(data_dir, run, 2, stopped_at + 2, "--checkpoint.interval=1000", "--resume"))
     steps = [r["step"] for r in metrics(run) if "loss" in r]
     assert steps[-2:] == [stopped_at + 1, stopped_at + 2]
     assert steps == sorted(set(steps))  # one row per step, though the stopped run may have logged past its checkpoint
+
+
+def test_ctrl_c_checkpoints_the_step_reached_and_resume_is_exact(data_dir, tmp_path):
+    """SIGINT as SIGTERM: one line, a checkpoint at the step every rank reached, and a resume bit-equal to a run
+    never interrupted (a constant schedule: the learning rate does not depend on max_steps)."""
+    run, constant = tmp_path / "run", ["--checkpoint.interval=1000", "--schedule.decay=constant"]
+    stopped_at, stopped = _stop_with(signal.SIGINT, run, tiny_args(data_dir, run, 2, 500, *constant))
+    assert f"finished at step {stopped_at}" in stopped.stdout
+    assert "(stopped by SIGINT; resume with --resume)" in stopped.stdout
+    assert "KeyboardInterrupt" not in stopped.stderr  # no worker traceback
+    assert stopped.returncode == 1  # the workers exit 0; torchrun, signalled itself, exits 1 (docs/failure-modes.md)
+    torchrun("pretrain.py", 2, tiny_args(data_dir, run, 2, stopped_at + 2, *constant, "--resume"))
+    torchrun("pretrain.py", 2, tiny_args(data_dir, tmp_path / "whole", 2, stopped_at + 2, *constant))
+    assert train_losses(run) == train_losses(tmp_path / "whole")  # bit-equal, every step
 
 
 @pytest.mark.slow  # CI keeps two local agents through tests/test_slurm.py

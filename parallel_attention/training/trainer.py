@@ -8,7 +8,7 @@ norm, clipping, AdamW (its state sharded across data-parallel ranks at zero_stag
 shards parameters, gradients and state, and reduce-scatters instead of DDP, `fsdp`), unless the
 divergence guard skips or stops the step. After a step: evaluate, log, stop on divergence, audit the
 replicated parameters (every `training.audit_interval` steps and before each checkpoint), checkpoint
-(every `checkpoint.interval` steps, at the end and on SIGTERM), stop. Resume is exact.
+(every `checkpoint.interval` steps, at the end and on SIGTERM or SIGINT), stop. Resume is exact.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, learning_rate, set_learning_rate
 from .precision import Precision
 from .resume import keep_previous_sampling, resume_from_checkpoint
+from .run_start import say_start
 from .run_dir import ensure_run_dir_held, lock_run_dir, prepare_run_dir, release_run_dir, write_run_config
-from .sigterm import SigtermFlag
+from .stop_signals import StopSignals
 from .summary import run_summary
 
 
@@ -58,7 +59,7 @@ class TrainResult:
     last_step: int
     losses: dict[int, float]
     val_losses: dict[int, float]
-    stopped_by_signal: bool
+    stopped_by_signal: str | None  # the signal's name (SIGTERM, SIGINT) when one stopped the run
 
 
 @dataclass
@@ -149,8 +150,8 @@ def resume_run(run: Run, where: str) -> None:
         if "loss_scaler" in manifest["extra"]:
             run.scaler.load_state_dict(manifest["extra"]["loss_scaler"])
         run.guard.load_state_dict(manifest["extra"])
-        if ps.get_global_rank() == 0:
-            print(f"resumed from {manifest['path']} at step {run.step}", file=sys.stderr, flush=True)
+    if not say_start(run.cfg, where, manifest):  # nothing to do: no step, and nothing of the run rewritten
+        return
     write_run_config(run.cfg)
     if ps.get_global_rank() == 0:
         keep_run_tokenizer(run.cfg, run.sampler.sources)
@@ -236,8 +237,8 @@ def checkpoint(run: Run) -> None:
                     tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_context_parallel_group())
 
 
-def after_step(run: Run, record: dict, sigterm: SigtermFlag) -> bool:
-    """Evaluate, log, audit, checkpoint; returns True when the run must stop now (SIGTERM on any rank).
+def after_step(run: Run, record: dict, stop: StopSignals) -> bool:
+    """Evaluate, log, audit, checkpoint; returns True when the run must stop now (SIGTERM or SIGINT on any rank).
 
     A diverged step is logged, then raises DivergenceError; a failed audit raises ReplicaMismatchError:
     both before any checkpoint is written."""
@@ -252,7 +253,7 @@ def after_step(run: Run, record: dict, sigterm: SigtermFlag) -> bool:
                                    or step == min(run.losses) or diverged):
         run.logger.log(record)
     run.guard.raise_if_stopped()
-    run.stopped = any_rank(sigterm.raised, run.device)
+    run.stopped = any_rank(stop.raised, run.device)  # every rank checkpoints this same step
     if run.stopped or step % cfg.checkpoint.interval == 0 or last:
         checkpoint(run)
     elif cfg.training.audit_interval and step % cfg.training.audit_interval == 0:
@@ -261,7 +262,7 @@ def after_step(run: Run, record: dict, sigterm: SigtermFlag) -> bool:
 
 
 def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
-    """Validate, build, resume, then train to `training.max_steps` (or until SIGTERM).
+    """Validate, build, resume, then train to `training.max_steps` (or until SIGTERM or SIGINT).
 
     `resume` overrides `checkpoint.resume`. Raises ConfigError (before any process group exists)
     when the config does not fit the launched world."""
@@ -281,19 +282,19 @@ def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResu
         blend = describe_blend(run.sampler, cfg.training.max_steps * cfg.training.global_batch_size)
         print(run_summary(cfg, run.model, ps.get_world_size(), run.device, blend), file=sys.stderr, flush=True)
     resume_run(run, resume or cfg.checkpoint.resume)
-    sigterm = SigtermFlag()
+    stop = StopSignals()
     try:
         if run.step == 0:  # the starting point the validation curve falls from
             run.val_losses[0] = evaluate(run)
             if run.logger is not None:
                 run.logger.log({"step": 0, "val_loss": run.val_losses[0]})
-        while run.step < cfg.training.max_steps and not after_step(run, train_step(run), sigterm):
+        while run.step < cfg.training.max_steps and not after_step(run, train_step(run), stop):
             pass
     finally:
-        sigterm.restore()
+        stop.restore()
         run.loader.close()
         if run.logger is not None:
             run.logger.close()
-    if ps.get_global_rank() == 0 and (run.run_dir / "metrics.jsonl").exists():
+    if run.logger is not None and (run.run_dir / "metrics.jsonl").exists():  # rank 0, unless nothing to do
         plot_loss(run.run_dir)
-    return TrainResult(run.run_dir, run.step, run.losses, run.val_losses, run.stopped)
+    return TrainResult(run.run_dir, run.step, run.losses, run.val_losses, stop.name() if run.stopped else None)
