@@ -7,11 +7,12 @@ canonical key layout (`model_layout`), and sampling (`generation`).
 May import `tensor_parallel` only.
 """
 
-from .apex_kernels import active_paths, apex_available
+from .apex_kernels import apex_available
 from .attention import ParallelSelfAttention
 from .attention_config import AttentionConfig
 from .cross_entropy import vocab_parallel_cross_entropy
 from .generation import generate, generate_batch
+from .kernel_paths import active_paths
 from .kv_cache import KVCache
 from .mlp import ParallelMLP
 from .model import GPTModel

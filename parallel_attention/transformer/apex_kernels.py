@@ -32,23 +32,3 @@ def fused_norms_module():
 
 def apex_available() -> bool:
     return fused_softmax_module() is not None
-
-
-def active_paths() -> dict[str, str]:
-    """Which implementation each kernel family uses in this environment (for logs and README)."""
-    import torch
-
-    from . import causal_chunks
-
-    cpu = "torch SDPA"
-    if causal_chunks.kernel_available():
-        rows = causal_chunks.CHUNK_ROWS
-        cpu += (f"; causal self-attention of {2 * rows}-{causal_chunks.MAX_KEYS} tokens in chunks of {rows} query "
-                "rows (the CPU kernel)")
-    return {
-        "attention on CUDA (attention_kernel='auto'/'sdpa')": "torch SDPA (flash / memory-efficient kernels)"
-        if torch.cuda.is_available() else "torch SDPA (no CUDA device here)",
-        "attention on CPU (attention_kernel='auto')": cpu,
-        "attention (attention_kernel='apex')": "apex fused scale-mask-softmax" if apex_available()
-        else "unavailable: NVIDIA apex is not installed",
-    }

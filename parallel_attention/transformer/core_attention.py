@@ -4,8 +4,9 @@ Every backend takes q [b, nh, s, d], k and v [b, nkv, s, d] (nh a multiple of nk
 i uses k/v head i // (nh / nkv)), an optional boolean mask broadcastable to [b, 1, s, s] (True:
 may attend), the causal flag and the dropout probability, and returns [b, nh, s, d]. A query
 row with no key to attend outputs zeros in every backend. `documents` (a DocumentLayout, documents.py, or
-None): attention stays inside each packed document; the CPU kernel and SDPA (without a user mask) run per
-document and skip the rest, math, apex and layout-invariant dropout take the documents as an explicit mask.
+None): attention stays inside each packed document; the CPU kernel runs per document, SDPA (without a user mask)
+its document kernel (document_kernels.py: one varlen_attn call on CUDA, else per document), both skipping the
+rest; math, apex and layout-invariant dropout take the documents as an explicit mask.
 
 `build_core_attention` picks how attention dropout draws its masks (`dropout_rng`), once:
 `CoreAttention` runs the kernel inside the tensor-parallel generator; `LayoutInvariantCoreAttention`
@@ -27,6 +28,8 @@ from ..tensor_parallel.rng import checkpoint_with_tp_rng, current_dropout_coordi
 from . import causal_chunks
 from .apex_kernels import fused_softmax_module
 from .attention_config import AttentionConfig
+from .device_choice import ChosenByDevice
+from .document_kernels import choose_document_kernel
 from .dropout import DropoutSite, hashed_dropout
 
 
@@ -44,23 +47,23 @@ def with_documents(mask: torch.Tensor | None, causal: bool, documents) -> torch.
     return mask if documents is None else documents.combine(mask, causal)
 
 
-def _segmented_sdpa(q, k, v, documents, causal: bool, dropout_p: float, gqa: bool) -> torch.Tensor:
-    """One SDPA call per document (all rows at once when they hold the same documents): pairs of documents are
-    never computed."""
-    rows = [slice(None)] if documents.uniform() else [slice(r, r + 1) for r in range(q.shape[0])]
-    return torch.cat([torch.cat([F.scaled_dot_product_attention(
-        q[row, :, a:e], k[row, :, a:e], v[row, :, a:e], dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
-        for a, e in documents.spans(i)], dim=2) for i, row in enumerate(rows)], dim=0)
-
-
-class SdpaAttention(nn.Module):
+class SdpaAttention(ChosenByDevice):
     """torch.nn.functional.scaled_dot_product_attention, one call: flash / memory-efficient on CUDA. With
-    documents and no mask of the user's, one call per document (SDPA per segment)."""
+    documents and no mask of the user's, the document kernel chosen for the device (document_kernels.py: one
+    varlen_attn call on CUDA, else one SDPA call per document); `dropout`: attention dropout is on."""
+
+    def __init__(self, device=None, dropout: bool = False) -> None:
+        super().__init__(device)
+        self.dropout = dropout
+        self._choose()
+
+    def _choose(self) -> None:
+        self.documents_kernel, self.documents_reason = choose_document_kernel(self.device, self.dropout)
 
     def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
-        gqa = q.shape[1] != k.shape[1]
         if documents is not None and mask is None:
-            return _segmented_sdpa(q, k, v, documents, causal, dropout_p, gqa)
+            return self.documents_kernel(q, k, v, documents, causal, dropout_p)
+        gqa = q.shape[1] != k.shape[1]
         mask = with_documents(mask, causal, documents)
         if mask is None:  # the is_causal fast path keeps flash attention eligible
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
@@ -81,22 +84,18 @@ class CpuAttention(SdpaAttention):
         return super().forward(q, k, v, mask, causal, dropout_p, documents)
 
 
-class AutoAttention(nn.Module):
+class AutoAttention(ChosenByDevice):
     """attention_kernel='auto': CpuAttention on CPU, SdpaAttention elsewhere. Chosen at construction from the
     device, and again when the module moves (`.to`, `.cuda`): never per call."""
 
-    def __init__(self, device=None) -> None:
-        super().__init__()
-        self._where = torch.empty(0, device=device)  # a plain attribute, not a buffer: no state, nothing to sync
+    def __init__(self, device=None, dropout: bool = False) -> None:
+        super().__init__(device)
+        self.dropout = dropout
         self._choose()
 
     def _choose(self) -> None:
-        self.kernel = CpuAttention() if self._where.device.type == "cpu" else SdpaAttention()
-
-    def _apply(self, fn, recurse: bool = True):
-        self._where = fn(self._where)
-        self._choose()
-        return super()._apply(fn, recurse)
+        kernel = CpuAttention if self.device.type == "cpu" else SdpaAttention
+        self.kernel = kernel(self.device, self.dropout)
 
     def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
         return self.kernel(q, k, v, mask, causal, dropout_p, documents)
@@ -174,12 +173,13 @@ class ApexFusedSoftmaxAttention(nn.Module):
         return torch.matmul(probs, v)
 
 
-def build_kernel(kernel: str, device=None) -> nn.Module:
-    """The kernel's module for tensors on `device` (None: torch's default device)."""
+def build_kernel(kernel: str, device=None, dropout: bool = False) -> nn.Module:
+    """The kernel's module for tensors on `device` (None: torch's default device); `dropout`: attention dropout
+    is on (SDPA's document kernel then keeps one call per document)."""
     if kernel == "auto":
-        return AutoAttention(device)
+        return AutoAttention(device, dropout)
     if kernel == "sdpa":
-        return SdpaAttention()
+        return SdpaAttention(device, dropout)
     if kernel == "math":
         return MathAttention()
     if kernel == "apex":
@@ -196,7 +196,7 @@ class CoreAttention(nn.Module):
 
     def __init__(self, kernel: str, dropout_p: float = 0.0, device=None) -> None:
         super().__init__()
-        self.kernel, self.dropout_p = build_kernel(kernel, device), dropout_p
+        self.kernel, self.dropout_p = build_kernel(kernel, device, dropout_p > 0), dropout_p
         self._attend = self._attend_with_dropout if dropout_p > 0 else self._attend_without_dropout
 
     def forward(self, q, k, v, mask: torch.Tensor | None, causal: bool, documents=None) -> torch.Tensor:

@@ -8,6 +8,8 @@ every layer's attention (never recomputed per layer).
     positions  [b, s]  restarted positions: 0 at each document's first token (rotary and learned positions)
     starts, ends [b, s] the global index of each token's document start, and its end (exclusive)
     spans(row)          ((start, end), ...) of the row's documents, Python ints: for per-document kernels
+    cu_seqlens [n + 1]  int32 on the layout's device: where each of the batch's n documents starts in the batch
+                        packed token-major ([b s]), then b s; max_length the longest (varlen kernels)
 
 Contract for a kernel that works on blocks (the CPU per-document kernel here, the context-parallel ring):
 given GLOBAL token indices of a block of queries `q_index` and a block of keys `k_index` (1-D int64 tensors on
@@ -66,6 +68,8 @@ class DocumentLayout:
     starts: torch.Tensor  # [b, s] int64, global index of the token's document start
     ends: torch.Tensor  # [b, s] int64, global index one past the token's document end
     row_spans: tuple[tuple[tuple[int, int], ...], ...]  # per row: the (start, end) of each document
+    cu_seqlens: torch.Tensor  # [n + 1] int32: document starts in the token-major packed batch, then b s
+    max_length: int  # the longest document
     _masks: dict = field(default_factory=dict, repr=False)  # full_mask(causal), kept once built
 
     @classmethod
@@ -85,7 +89,10 @@ class DocumentLayout:
         firsts, lasts = first.cpu(), last.cpu()
         spans = tuple(tuple(zip(firsts[r].nonzero().flatten().tolist(), (lasts[r].nonzero().flatten() + 1).tolist()))
                       for r in range(b))
-        return cls(segments, index - starts, starts, ends, spans)
+        packed = [r * s + start for r, row in enumerate(spans) for start, _ in row] + [b * s]
+        cu_seqlens = torch.tensor(packed, dtype=torch.int32, device=document_ids.device)
+        longest = max(end - start for row in spans for start, end in row)
+        return cls(segments, index - starts, starts, ends, spans, cu_seqlens, longest)
 
     @property
     def shape(self) -> tuple[int, int]:

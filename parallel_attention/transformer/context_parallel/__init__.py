@@ -31,6 +31,7 @@ from ...tensor_parallel.collectives import (all_reduce_, copy_to_tensor_parallel
                                             reduce_from_tensor_parallel_region)
 from ...tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
 from ..core_attention import build_core_attention
+from ..device_choice import ChosenByDevice
 from ..documents import positions_of
 from .ring_attention import BlockMasks, RingAttention, RingPlan
 from .ring_blocks import choose_blocks
@@ -43,26 +44,20 @@ __all__ = ["CONTEXT_PARALLEL_KINDS", "ContextParallelPart", "build_context_paral
            "gather_from_context_parallel", "split_for_context_parallel", "zigzag_indices"]
 
 
-class RingCoreAttention(nn.Module):
+class RingCoreAttention(ChosenByDevice):
     """The ring as a core attention module: q, k, v [b, heads, 2m, d] this rank's zigzag part. `dropout`: a
     RingDropoutSpec (attention dropout, dropout_rng='layout_invariant', in training) or None. The per-pair kernel
     (ring_blocks) is chosen from the device at construction and again when the module moves, never per call."""
 
     def __init__(self, cp_group: ProcessGroup, queries_per_group: int, dropout: RingDropoutSpec | None = None,
                  kernel: str = "auto", device=None) -> None:
-        super().__init__()
+        super().__init__(device)
         self.cp_group, self.queries_per_group, self.dropout, self.kernel = cp_group, queries_per_group, dropout, kernel
         self._plan = self._plan_with_dropout if dropout is not None else self._plan_without_dropout
-        self._where = torch.empty(0, device=device)  # a plain attribute, not a buffer (as AutoAttention's)
         self._choose()
 
     def _choose(self) -> None:
-        self.blocks = choose_blocks(self._where.device, self.kernel, self.dropout is not None)
-
-    def _apply(self, fn, recurse: bool = True):
-        self._where = fn(self._where)
-        self._choose()
-        return super()._apply(fn, recurse)
+        self.blocks = choose_blocks(self.device, self.kernel, self.dropout is not None)
 
     def _plan_without_dropout(self, masks: BlockMasks) -> RingPlan:
         return RingPlan(self.cp_group, masks, self.queries_per_group, blocks=self.blocks)

@@ -30,7 +30,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def normalized_lse(lse: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
     """An operator's lse as the ring keeps it: contiguous [b, nh, m] in the accumulation dtype of `dtype`."""
-    return lse[..., :m].to(accumulation_dtype(dtype)).contiguous()
+    return lse.narrow(-1, 0, m).to(accumulation_dtype(dtype)).contiguous()
 
 
 def _cpu_forward(q, k, v, causal: bool, scale: float):
@@ -60,6 +60,7 @@ class FlashOps(NamedTuple):
     name: str
     dtypes: tuple[torch.dtype, ...]
     head_dims: Callable[[int], bool]
+    head_dims_text: str
     raw_forward: Callable
     raw_backward: Callable
 
@@ -79,7 +80,7 @@ class FlashOps(NamedTuple):
         return self.raw_backward(grad_out, q, k, v, out, lse.contiguous(), causal, scale)
 
 
-CPU_FLASH_OPS = FlashOps("aten._scaled_dot_product_flash_attention_for_cpu",
-                         (torch.float32, torch.float64, *_HALF), lambda d: True, _cpu_forward, _cpu_backward)
+CPU_FLASH_OPS = FlashOps("aten._scaled_dot_product_flash_attention_for_cpu", (torch.float32, torch.float64, *_HALF),
+                         lambda d: True, "any head dim", _cpu_forward, _cpu_backward)
 CUDA_FLASH_OPS = FlashOps("aten._scaled_dot_product_flash_attention", _HALF, lambda d: d <= 256 and d % 8 == 0,
-                          _cuda_forward, _cuda_backward)
+                          "head dim <= 256 and a multiple of 8", _cuda_forward, _cuda_backward)

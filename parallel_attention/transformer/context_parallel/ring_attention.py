@@ -99,18 +99,14 @@ class RingPlan:
 
 
 def _halves(t: torch.Tensor, m: int):
-    return t[..., :m, :], t[..., m:, :]
+    return t.split(m, dim=-2)
 
 
 def _sequence_major(halves) -> torch.Tensor:
     """The two halves [b, nh, m, d] as one [b, nh, 2m, d] laid out [2m, b, nh, d] in memory: the block's
     permute + reshape to [2m, b, nh d] is then a view, and the dense layer's saved input shares this storage
     with the output the ring keeps for backward (one copy of the attention output per layer, not two)."""
-    b, nh, m, d = halves[0].shape
-    out = halves[0].new_empty(2 * m, b, nh, d).permute(1, 2, 0, 3)
-    out[:, :, :m].copy_(halves[0])
-    out[:, :, m:].copy_(halves[1])
-    return out
+    return torch.cat([half.permute(2, 0, 1, 3) for half in halves]).permute(1, 2, 0, 3)
 
 
 class RingAttention(torch.autograd.Function):
@@ -126,13 +122,13 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         for step in range(plan.size):
             pending = ring_exchange(kv, plan.group) if step < plan.size - 1 else None
-            ks, vs = _halves(kv[0], m), _halves(kv[1], m)
+            ks, vs = (_halves(t, m) for t in kv.unbind())
             for pair in plan.pairs(step):
                 i, j = pair.i, pair.j
                 block = plan.blocks.forward(_halves(q, m)[i], ks[j], vs[j], pair, scale, plan.drop(pair.chunks, q))
                 out[i], lse[i] = _merge(out[i], lse[i], *block)
             kv = pending.wait() if pending is not None else kv
-        out, lse = _sequence_major([o.to(q.dtype) for o in out]), torch.cat(lse, dim=2)
+        out, lse = _sequence_major([o.to(q.dtype) for o in out]), torch.stack(lse)  # lse [2, b, nh, m]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return out
@@ -143,13 +139,13 @@ class RingAttention(torch.autograd.Function):
         plan = ctx.plan
         m, scale, acc = plan.masks.m, 1.0 / math.sqrt(q.shape[-1]), accumulation_dtype(q.dtype)
         delta = (grad_out.to(acc) * out.to(acc)).sum(-1)  # [b, nh, 2m]: rowsum(dO o O)
-        qs, dos, lses, deltas = _halves(q, m), _halves(grad_out, m), lse.split(m, -1), delta.split(m, -1)
+        qs, dos, lses, deltas = _halves(q, m), _halves(grad_out, m), lse.unbind(), delta.split(m, -1)
         outs = _halves(out, m)
         dq = [torch.zeros_like(h, dtype=acc) for h in qs]
         kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=acc, device=k.device)
         for step in range(plan.size):
             pending = ring_exchange(kv, plan.group) if step < plan.size - 1 else None
-            ks, vs = _halves(kv[0], m), _halves(kv[1], m)
+            ks, vs = (_halves(t, m) for t in kv.unbind())
             dk, dv = [[torch.zeros_like(h, dtype=acc) for h in ks] for _ in range(2)]
             for pair in plan.pairs(step):
                 i, j, drop = pair.i, pair.j, plan.drop(pair.chunks, q)  # the forward's dropout mask, hashed again
@@ -160,4 +156,5 @@ class RingAttention(torch.autograd.Function):
             dkv_pending = ring_exchange(dkv, plan.group, tag=1)
             kv = pending.wait() if pending is not None else kv
             dkv = dkv_pending.wait() if dkv_pending is not None else dkv
-        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        dk, dv = dkv.unbind()
+        return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
