@@ -1,6 +1,9 @@
-"""gpu_check.sh's summary: every step's outcome plus the facts each one must show, as one JSON file.
+"""gpu_check.sh's summary: every step's outcome plus the facts and figures each one shows, as one JSON file, with
+the performance targets (issue 31) reported whether met or not.
 
-    python benchmarks/_gpu_check_summary.py LOGS OUT.json     (exit 1 unless every step passed)
+    python benchmarks/_gpu_check_summary.py [--dry-run] LOGS OUT.json     (exit 1 unless every step passed)
+
+--dry-run: the steps only checked that they would start; there are no figures to read.
 """
 
 from __future__ import annotations
@@ -50,11 +53,25 @@ def _json(path: Path, keys: tuple[str, ...]) -> dict:
     return {k: data.get(k) for k in keys if k in data} if keys else data
 
 
-def main(logs: Path, out: Path) -> int:
-    steps = {}
-    for line in (logs / "steps.tsv").read_text(encoding="utf-8").splitlines():
-        name, status, seconds = line.split("\t")
-        steps[name] = {"status": status, "seconds": int(seconds), "log": str(logs / f"{name}.log")}
+TARGETS = {"attention_block": ("fraction_of_peak", 0.5), "train_1b": ("mfu", 0.4)}
+
+
+def _last_json_line(step: dict) -> dict:
+    lines = Path(step["log"]).read_text(encoding="utf-8").splitlines() if Path(step["log"]).exists() else []
+    return json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+
+
+def _targets(steps: dict) -> dict:
+    """Each target with the figure measured (None when its step produced none) and whether it is met."""
+    found = {}
+    for name, (key, target) in TARGETS.items():
+        figure = steps.get(name, {}).get(key, steps.get(name, {}).get("result", {}).get(key))
+        found[name] = {key: figure, "target": target, "met": figure is not None and figure >= target}
+    return found
+
+
+def _figures(logs: Path, steps: dict) -> None:
+    """Every step's facts and figures, added to its entry; a step whose facts fail turns failed(check)."""
     steps.get("cuda_tests", {}).update(_junit(logs / "cuda_tests.xml"))
     bf16, fp16 = _pretrain(logs, "bf16"), _pretrain(logs, "fp16")
     if bf16["first_finite_grad_norm"] and fp16["first_finite_grad_norm"]:  # unscaled: the same size as bf16's
@@ -64,18 +81,29 @@ def main(logs: Path, out: Path) -> int:
         steps.get(name, {}).update(facts)
         if name in steps and not facts["ok"] and steps[name]["status"] == "passed":
             steps[name]["status"] = "failed(check)"
-    if "flash_sdpa" in steps:
-        lines = Path(steps["flash_sdpa"]["log"]).read_text(encoding="utf-8").splitlines()
-        steps["flash_sdpa"].update(json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {})
+    for name in ("flash_sdpa", "kernels", "attention_block"):
+        if name in steps:
+            steps[name].update(_last_json_line(steps[name]))
     steps.get("bench_attention", {}).update(result=_json(logs / "bench_attention.json", ()))
-    steps.get("bench_training", {}).update(result=_json(logs / "bench_training.json", (
-        "step_ms", "tokens_per_s", "tflops", "mfu", "peak_tflops", "optimizer_state_bytes_per_rank",
-        "saved_activation_bytes", "baselines")))
+    steps.get("train_1b", {}).update(result=_json(logs / "train_1b.json", (
+        "step_ms", "tokens_per_s", "tflops", "mfu", "peak_tflops", "flops_per_token", "optimizer_state_bytes_per_rank",
+        "saved_activation_bytes")))
+
+
+def main(logs: Path, out: Path, dry_run: bool = False) -> int:
+    steps = {}
+    for line in (logs / "steps.tsv").read_text(encoding="utf-8").splitlines():
+        name, status, seconds = line.split("\t")
+        steps[name] = {"status": status, "seconds": int(seconds), "log": str(logs / f"{name}.log")}
+    if not dry_run:
+        _figures(logs, steps)
     ok = all(s["status"] == "passed" for s in steps.values())
-    out.write_text(json.dumps({"ok": ok, "steps": steps}, indent=2) + "\n", encoding="utf-8")
+    summary = {"ok": ok, "dry_run": dry_run, "steps": steps, "targets": {} if dry_run else _targets(steps)}
+    out.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     print(f"gpu_check: {'all passed' if ok else 'FAILED'}; summary in {out}", file=sys.stderr)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2])))
+    dry = sys.argv[1:2] == ["--dry-run"]
+    sys.exit(main(Path(sys.argv[1 + dry]), Path(sys.argv[2 + dry]), dry))
