@@ -97,7 +97,7 @@ def test_a_ring_pair_calls_the_cuda_flash_operator_with_grouped_heads_and_a_floa
 def test_a_document_piece_calls_the_operator_on_its_slices_and_causal_only_on_a_square():
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _fake_cuda(torch.bfloat16, (B, NH, M, D), (B, NKV, M, D), (B, NKV, M, D))
-        rows = (q.narrow(0, 1, 1).narrow(2, 5, 17), k.narrow(0, 1, 1).narrow(2, 0, 30), v.narrow(0, 1, 1).narrow(2, 0, 30))
+        rows = [t.narrow(0, 1, 1).narrow(2, start, length) for t, start, length in ((q, 5, 17), (k, 0, 30), (v, 0, 30))]
         out, lse = CUDA_FLASH_OPS.forward(*rows, False, 0.125)  # a fully visible piece: 17 queries, 30 keys
         assert (out.shape, lse.shape, lse.dtype, lse.is_contiguous()) == ((1, NH, 17, D), (1, NH, 17), torch.float32,
                                                                           True)

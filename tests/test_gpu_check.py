@@ -36,7 +36,8 @@ def test_the_plumbing_check_names_what_would_not_start(tmp_path):
         f"{broken}: its imports fail: ModuleNotFoundError: No module named 'parallel_attention.no_such_module'"]
     assert problems(["no-such-program", "-m", "no_such_module", "missing.py"]) == [
         "program 'no-such-program' is not on PATH", "module 'no_such_module' is not importable", "no file missing.py"]
-    assert problems([sys.executable, "-m", "torch.distributed.run", str(ROOT / "benchmarks" / "_gpu_check_kernels.py")]) == []
+    kernels = str(ROOT / "benchmarks" / "_gpu_check_kernels.py")
+    assert problems([sys.executable, "-m", "torch.distributed.run", kernels]) == []
 
 
 def test_the_summary_reports_each_target_met_or_not(tmp_path):

@@ -52,11 +52,12 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # rows that see nothing: probabilities 0
 
 
-def block(t: torch.Tensor, rows: slice, a: int, b: int) -> torch.Tensor:
-    """The view t[rows, :, a:b] (dim 2: the sequence of q/k/v [b, n, m, d] and of an lse [b, n, m]), by narrow:
-    a fake CUDA tensor on a CPU-only torch takes no Python indexing, and the CUDA contracts are tested that way."""
-    start, stop, _ = rows.indices(t.shape[0])
-    return t.narrow(0, start, stop - start).narrow(2, a, b - a)
+def _views(tensors, rows: slice, a: int, b: int) -> list[torch.Tensor]:
+    """The views t[rows, :, a:b] of each tensor (dim 2: the sequence of q/k/v [b, n, m, d] and of an lse [b, n, m]),
+    by narrow: a fake CUDA tensor on a CPU-only torch takes no Python indexing, and the CUDA contracts are tested
+    that way."""
+    start, stop, _ = rows.indices(tensors[0].shape[0])
+    return [t.narrow(0, start, stop - start).narrow(2, a, b - a) for t in tensors]
 
 
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -123,10 +124,11 @@ class FlashBlocks(MathBlocks):
         out = torch.zeros_like(q)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
         for rows, qa, qb, ka, kb, diagonal in pieces:
-            o, rows_lse = self.ops.forward(block(q, rows, qa, qb), block(k, rows, ka, kb), block(v, rows, ka, kb),
-                                           diagonal, scale)
-            block(out, rows, qa, qb).copy_(o)
-            block(lse, rows, qa, qb).copy_(rows_lse)
+            queries, out_part, lse_part = _views((q, out, lse), rows, qa, qb)
+            keys, values = _views((k, v), rows, ka, kb)
+            o, rows_lse = self.ops.forward(queries, keys, values, diagonal, scale)
+            out_part.copy_(o)
+            lse_part.copy_(rows_lse)
         return out, lse
 
     def _pieces_backward(self, q, k, v, pieces, scale: float, grad_out, out, lse):
@@ -134,11 +136,11 @@ class FlashBlocks(MathBlocks):
         the accumulation dtype."""
         dq, dk, dv = (torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in (q, k, v))
         for rows, qa, qb, ka, kb, diagonal in pieces:
-            grads = self.ops.backward(block(grad_out, rows, qa, qb), block(q, rows, qa, qb), block(k, rows, ka, kb),
-                                      block(v, rows, ka, kb), block(out, rows, qa, qb), block(lse, rows, qa, qb),
-                                      diagonal, scale)
-            for total, grad, (a, b) in zip((dq, dk, dv), grads, ((qa, qb), (ka, kb), (ka, kb))):
-                block(total, rows, a, b).add_(grad)
+            grad_part, queries, out_part, lse_part, dq_part = _views((grad_out, q, out, lse, dq), rows, qa, qb)
+            keys, values, dk_part, dv_part = _views((k, v, dk, dv), rows, ka, kb)
+            grads = self.ops.backward(grad_part, queries, keys, values, out_part, lse_part, diagonal, scale)
+            for total, grad in zip((dq_part, dk_part, dv_part), grads):
+                total.add_(grad)
         return dq, dk, dv
 
 
