@@ -25,6 +25,7 @@ from parallel_attention.training import (
 from parallel_attention.training.token_source import open_source
 from launch import ROOT
 from parallel_attention.training import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
+from parallel_attention.training.token_files import DataFileError
 
 
 def _sha256(path) -> str:
@@ -126,35 +127,44 @@ def test_single_file_source_is_split_by_tokens(corpus, tmp_path):
     assert meta["num_val_tokens"] == round(0.1 * (len("the quick brown fox\n") * 40 + 1))
 
 
-def test_ensure_prepared_reuses_complete_and_redoes_interrupted(corpus, tmp_path):
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_ensure_prepared_reuses_complete_data_and_refuses_what_it_did_not_prepare(corpus, tmp_path):
     cfg = DataConfig(source=str(corpus), tokenizer="byte", data_dir=str(tmp_path / "out"), val_fraction=0.3,
                      max_bytes=None)
-    meta = ensure_prepared(cfg)
-    train = tmp_path / "out" / "train.bin"
-    stamp = train.stat().st_mtime_ns
-    assert ensure_prepared(cfg) == meta and train.stat().st_mtime_ns == stamp  # complete: reused
+    meta = ensure_prepared(cfg)  # does not exist yet: prepared
+    out = tmp_path / "out"
+    stamp = (out / "train.bin").stat().st_mtime_ns
+    assert ensure_prepared(cfg) == meta and (out / "train.bin").stat().st_mtime_ns == stamp  # complete: reused
+    assert ensure_prepared(replace(cfg, bpe_vocab_size=300)) == meta  # a setting the byte tokenizer does not use
 
-    # Interrupted: meta.json never written, a temporary left behind and a truncated token file.
-    (tmp_path / "out" / "meta.json").unlink()
-    (tmp_path / "out" / ".train.bin.tmp-12345").write_bytes(b"partial")
-    train.write_bytes(train.read_bytes()[:10])
-    assert ensure_prepared(cfg) == meta
-    assert _sha256(train) == meta["train_sha256"]
-    assert not list((tmp_path / "out").glob(".*tmp*"))
+    # Other settings: refused before anything is written, naming the key, both values and the fix.
+    before = _tree(out)
+    for change, key, values in [({"max_bytes": 500}, "max_bytes", ("None", "500")),
+                                ({"text_field": "body"}, "text_field", ("'text'", "'body'")),
+                                ({"val_fraction": 0.1}, "val_fraction", ("0.3", "0.1")),
+                                ({"source": str(corpus / "sub")}, "source", (repr(str(corpus.resolve())),
+                                                                   repr(str((corpus / "sub").resolve())))),
+                                ({"tokenizer": "bpe", "bpe_vocab_size": 300}, "tokenizer", ("'byte'", "'bpe'"))]:
+        with pytest.raises(DataFileError) as info:
+            ensure_prepared(replace(cfg, **change))
+        message = str(info.value)
+        assert f"data.{key}={values[0]}" in message and f"data.{key}={values[1]}" in message, message
+        assert "point data.data_dir at another directory" in message and f"delete {out}" in message
+    assert _tree(out) == before
 
-    # A meta.json whose token file does not match it is not trusted either.
-    train.write_bytes(train.read_bytes()[:10])
-    assert ensure_prepared(cfg) == meta and _sha256(train) == meta["train_sha256"]
+    # Damaged or foreign contents: refused too, never prepared over.
+    (out / "meta.json").unlink()
+    with pytest.raises(DataFileError, match="holds no complete prepared data \\(meta.json missing\\)"):
+        ensure_prepared(cfg)
+    assert "meta.json" not in _tree(out) and len(_tree(out)) == len(before) - 1
 
-    # Other settings: prepared again.
-    assert ensure_prepared(replace(cfg, max_bytes=500))["num_bytes"] == 500
-    assert ensure_prepared(replace(cfg, text_field="body"))["text_field"] == "body"
-    assert ensure_prepared(cfg) == meta
-    stamp = train.stat().st_mtime_ns
-    assert ensure_prepared(replace(cfg, bpe_vocab_size=300)) == meta and train.stat().st_mtime_ns == stamp  # unused
-    bpe = ensure_prepared(replace(cfg, tokenizer="bpe", bpe_vocab_size=300, num_workers=1))
-    assert (bpe["tokenizer"], bpe["bpe_vocab_size"]) == ("bpe", 300)
-    assert ensure_prepared(replace(cfg, tokenizer="bpe", bpe_vocab_size=280, num_workers=1))["bpe_vocab_size"] == 280
+    # An empty directory is prepared, like one that does not exist.
+    empty = replace(cfg, data_dir=str(tmp_path / "empty"))
+    (tmp_path / "empty").mkdir()
+    assert ensure_prepared(empty) == meta
 
 
 def test_a_directory_of_every_format_gives_one_document_per_file_line_and_row(mixed_corpus, tmp_path):

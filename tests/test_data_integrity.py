@@ -50,7 +50,7 @@ def test_a_same_size_zeroed_token_file_is_refused_naming_the_file_and_both_hashe
         message = str(info.value)
         assert isinstance(info.value, ConfigError)  # pretrain.py: `config error: ...`, exit 2
         assert str(train) in message and recorded in message and sha256_of(train) in message, message
-        assert f"delete {train.parent / 'meta.json'}" in message and "scripts/prepare_data.py" in message
+        assert f"delete {train.parent} and start the run again" in message and "scripts/prepare_data.py" in message
     assert train.read_bytes() == bytes(train.stat().st_size)  # refused, not silently prepared again
 
 
@@ -86,35 +86,48 @@ def test_a_read_only_data_dir_just_has_no_cache(data_cfg, monkeypatch):
     assert not list(Path(data_cfg.data_dir).glob(f"*{SHA_CACHE}*"))
 
 
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.parametrize("damage, why", [
     (lambda d: (d / "meta.json").unlink(), "meta.json missing"),
     (lambda d: (d / "meta.json").write_text('{"vocab_size": 2'), "is not a valid meta.json (JSONDecodeError"),
     (lambda d: (d / "train.bin").write_bytes(b"0123456789"), "train.bin has 10 bytes, meta.json records "),
     (lambda d: (d / "val.idx").unlink(), "val.idx missing"),
 ])
-def test_preparing_again_says_why_in_one_line(data_cfg, capfd, damage, why):
+def test_a_damaged_directory_is_refused_naming_why_and_left_as_it_is(data_cfg, capfd, damage, why):
     data_dir = Path(data_cfg.data_dir)
     capfd.readouterr()
     ensure_prepared(data_cfg)
     assert capfd.readouterr().err == ""  # reused: nothing said
     damage(data_dir)
-    ensure_prepared(data_cfg)
-    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("preparing data in ")]
-    assert len(lines) == 1 and lines[0].startswith(f"preparing data in {data_dir}: ") and why in lines[0], lines
-    TokenDataset(data_dir, "train")  # prepared again, and intact
+    before = _tree(data_dir)
+    with pytest.raises(DataFileError) as info:
+        ensure_prepared(data_cfg)
+    message = str(info.value)
+    assert message.startswith(f"data.data_dir={str(data_dir)!r} holds no complete prepared data (") and why in message
+    assert f"delete {data_dir}" in message and "\n" not in message
+    assert _tree(data_dir) == before  # never prepared over
 
 
-def test_changed_settings_or_tokenizer_are_named(data_cfg, capfd, tmp_path):
-    capfd.readouterr()
-    ensure_prepared(replace(data_cfg, max_bytes=500))
-    assert "data.max_bytes changed (meta.json records None, the config gives 500)" in capfd.readouterr().err
+def test_changed_settings_or_tokenizer_are_refused_naming_both(data_cfg, tmp_path):
+    data_dir = Path(data_cfg.data_dir)
+    before = _tree(data_dir)
+    with pytest.raises(DataFileError, match="holds data prepared with data.max_bytes=None, but the config gives "
+                                            "data.max_bytes=500.*set data.max_bytes=null to train on this data"):
+        ensure_prepared(replace(data_cfg, max_bytes=500))
     train_bpe(iter(["hello world " * 40, "abc " * 30]), 300, tmp_path / "tok" / "tokenizer.json")
-    path_cfg = replace(data_cfg, tokenizer=str(tmp_path / "tok" / "tokenizer.json"), num_workers=1)
-    ensure_prepared(path_cfg)
-    assert "data.tokenizer changed (meta.json records 'byte'" in capfd.readouterr().err
-    train_bpe(iter(["other text " * 40]), 280, tmp_path / "tok" / "tokenizer.json")
-    ensure_prepared(path_cfg)
-    assert "the tokenizer file changed" in capfd.readouterr().err
+    path_cfg = replace(data_cfg, tokenizer=str(tmp_path / "tok" / "tokenizer.json"), num_workers=1,
+                       data_dir=str(tmp_path / "tok_data"))
+    with pytest.raises(DataFileError, match="data.tokenizer='byte', but the config gives data.tokenizer='/"):
+        ensure_prepared(replace(path_cfg, data_dir=str(data_dir)))
+    assert _tree(data_dir) == before
+    meta = ensure_prepared(path_cfg)
+    train_bpe(iter(["other text " * 40]), 280, tmp_path / "tok" / "tokenizer.json")  # same path, other tokenizer
+    with pytest.raises(DataFileError, match=f"has sha256 [0-9a-f]{{64}}, but .* records {meta['tokenizer_sha256']}: "
+                                            "the tokenizer changed since the data was prepared"):
+        ensure_prepared(path_cfg)
 
 
 def test_ids_outside_the_vocabulary_name_the_data_file(data_cfg):

@@ -10,13 +10,15 @@ import json
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from launch import ROOT
-from parallel_attention.training import ByteTokenizer, get_tokenizer, train_bpe
+from parallel_attention.training import ByteTokenizer, DataConfig, ensure_prepared, get_tokenizer, train_bpe
+from parallel_attention.training import data
 from parallel_attention.training.indexed_dataset import IndexedTokens
 from parallel_attention.training.partial_preparation import PartialPreparation, PreparationInUseError
 from parallel_attention.training.preparation import prepare_shards
@@ -203,3 +205,48 @@ def test_the_script_takes_shard_tokens_and_lists_the_shards(jsonl, tmp_path, mon
     out = capsys.readouterr().out
     assert f"  {len(meta['shards'])} shards:" in out and "    shard_00000.bin/.idx  " in out
     assert meta["shard_tokens"] == 400 and _documents(tmp_path / "out", meta, tok.decode) == DOCUMENTS
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_ensure_prepared_uses_format_2_and_refuses_other_data_leaving_it_byte_identical(jsonl, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(data, "prepare_data", prepare_shards)  # until prepare_data writes format 2 itself
+    train_bpe(iter(DOCUMENTS), 300, tmp_path / "tok" / "tokenizer.json")
+    cfg = DataConfig(source=str(jsonl), tokenizer=str(tmp_path / "tok"), data_dir=str(tmp_path / "out"),
+                     max_bytes=None, shard_tokens=300, num_workers=1)
+    meta = ensure_prepared(cfg)
+    assert meta["format_version"] == 2 and len(meta["shards"]) > 1
+    assert ensure_prepared(replace(cfg, val_fraction=0.5)) == meta  # the reader splits: not a preparation setting
+    before = _tree(tmp_path / "out")
+    with pytest.raises(DataFileError, match=f"data.source='{jsonl.resolve()}', but the config gives data.source="):
+        ensure_prepared(replace(cfg, source=str(tmp_path / "tok")))
+    with pytest.raises(DataFileError, match="data.tokenizer='byte'"):
+        ensure_prepared(replace(cfg, tokenizer="byte"))
+    train_bpe(iter(DOCUMENTS[:30]), 290, tmp_path / "tok" / "tokenizer.json")  # the same path, another tokenizer
+    with pytest.raises(DataFileError, match="the tokenizer changed since the data was prepared"):
+        ensure_prepared(cfg)
+    assert _tree(tmp_path / "out") == before
+
+
+def test_ensure_prepared_resumes_an_unfinished_preparation(jsonl, tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(data, "prepare_data", prepare_shards)
+    cfg = DataConfig(source=str(jsonl), tokenizer="byte", data_dir=str(tmp_path / "out"), max_bytes=None,
+                     shard_tokens=300)
+    whole = prepare_shards(str(jsonl), "byte", tmp_path / "whole", shard_tokens=300)
+    real = PartialPreparation.finish_shard
+
+    def die_after_two(self, writer):
+        real(self, writer)
+        if len(self.shards) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(PartialPreparation, "finish_shard", die_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_prepared(cfg)
+    monkeypatch.setattr(PartialPreparation, "finish_shard", real)
+    assert not (tmp_path / "out").exists() and "kept 2 finished shards" in capfd.readouterr().err
+    assert ensure_prepared(cfg) == whole and _files(tmp_path / "out") == _files(tmp_path / "whole")
+    assert "from its 2 finished shards" in capfd.readouterr().err

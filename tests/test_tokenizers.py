@@ -90,9 +90,10 @@ def test_a_saved_tokenizer_directory_is_a_tokenizer(jsonl_corpus, tmp_path):
     stamp = (tmp_path / "data" / "train.bin").stat().st_mtime_ns
     assert ensure_prepared(cfg) == meta and (tmp_path / "data" / "train.bin").stat().st_mtime_ns == stamp
 
-    # A changed tokenizer file is a different preparation, though its path is the same.
+    # A changed tokenizer file is refused, though its path is the same: the data's ids are the old tokenizer's.
     train_bpe(iter(TEXTS), 290, saved / "tokenizer.json")
-    assert ensure_prepared(cfg)["vocab_size"] == 290
+    with pytest.raises(ConfigError, match="the tokenizer changed since the data was prepared"):
+        ensure_prepared(cfg)
 
 
 def test_a_tokenizer_without_eos_is_refused_with_the_fix(jsonl_corpus, tmp_path):

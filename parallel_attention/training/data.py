@@ -6,7 +6,7 @@ On disk (`data_dir`):
                            little-endian uint16 (uint32 when vocab_size >= 65536)
     train.idx / val.idx    the start offset of each document in its .bin, little-endian uint64
     tokenizer.json         with data.tokenizer=bpe: the byte-level BPE trained on this corpus
-    meta.json              written last, so a directory without it is an unfinished preparation and is redone;
+    meta.json              written last, so a directory without it is not complete data (and is refused);
                            it records each .bin's sha256, checked when the files are opened (token_files.py)
     .sha256-cache.json     those hashes, kept while the files are unchanged (token_files.sha256_of)
 
@@ -24,9 +24,9 @@ import torch
 
 from ..checkpointing.tensor_io import write_atomic
 from .preparation import source_key, tokenizer_key
-from .preparation_v1 import prepare_data
-from .token_files import (DataFileError, check_ids_in_vocab, meta_and_reason, prepare_again, settings_changed,
-                          verify_sha256)
+from .preparation import prepare_shards as prepare_data
+from .token_files import (DataFileError, check_ids_in_vocab, meta_and_reason, prepare_again, refuse_other_settings,
+                          verify_files, verify_sha256)
 from .tokenizer import TOKENIZER_FILES
 
 __all__ = ["TokenDataset", "ensure_prepared", "prepare_data", "read_meta"]
@@ -37,29 +37,37 @@ def read_meta(data_dir) -> dict | None:
 
 
 def ensure_prepared(data_cfg, tokenizer_dir=None) -> dict:
-    """Return the meta of `data_cfg.data_dir` if it was prepared with these settings and its token files have the
-    recorded sha256 (DataFileError if not), else prepare it, saying why on stderr; then copy the tokenizer's files
-    (tokenizer.json and its configs, for Hugging Face tokenizers) to `tokenizer_dir`.
+    """The meta of `data_cfg.data_dir`, prepared first if it does not exist (or is empty; an unfinished
+    preparation of the same settings resumes), then its files verified against their sha256; the tokenizer's
+    files (tokenizer.json and its configs, for Hugging Face tokenizers) copied to `tokenizer_dir`.
 
-    Call on one rank only (then barrier): it touches files, never collectives.
+    A directory that holds anything else is refused with a DataFileError before any step, never rewritten: data
+    prepared with another source, tokenizer (name or sha256), text_field, max_bytes or bpe_vocab_size (and, for
+    the previous format, val_fraction), or no complete data at all. Call on one rank only (then barrier).
     """
-    meta, why = meta_and_reason(data_cfg.data_dir)
+    data_dir = Path(data_cfg.data_dir)
+    meta, why = meta_and_reason(data_dir)
+    if meta is None and data_dir.is_dir() and any(data_dir.iterdir()):
+        raise DataFileError(f"data.data_dir={str(data_dir)!r} holds no complete prepared data ({why}), and a run "
+                            f"never rewrites data it did not prepare: {prepare_again(data_dir)}.")
     bpe = data_cfg.tokenizer == "bpe"
-    wanted = {**tokenizer_key(data_cfg.tokenizer, data_cfg.data_dir), "source": source_key(data_cfg.source),
-              "max_bytes": data_cfg.max_bytes, "val_fraction": data_cfg.val_fraction,
-              "text_field": data_cfg.text_field, "bpe_vocab_size": data_cfg.bpe_vocab_size if bpe else None}
-    why = why or settings_changed(meta, wanted)
-    if why:
-        print(f"preparing data in {data_cfg.data_dir}: {why}", file=sys.stderr, flush=True)
-        meta = prepare_data(data_cfg.source, data_cfg.tokenizer, data_cfg.data_dir, val_fraction=data_cfg.val_fraction,
+    if meta is None:
+        print(f"preparing data in {data_dir}: {why if data_dir.is_dir() else 'it does not exist yet'}",
+              file=sys.stderr, flush=True)
+        meta = prepare_data(data_cfg.source, data_cfg.tokenizer, data_dir, val_fraction=data_cfg.val_fraction,
                             max_bytes=data_cfg.max_bytes, text_field=data_cfg.text_field,
-                            bpe_vocab_size=data_cfg.bpe_vocab_size, num_workers=data_cfg.num_workers)
-    else:  # on rank 0 first: it fills the hash cache that the other ranks then read
-        for split in ("train", "val"):
-            verify_sha256(data_cfg.data_dir, meta, split)
+                            bpe_vocab_size=data_cfg.bpe_vocab_size, num_workers=data_cfg.num_workers,
+                            shard_tokens=data_cfg.shard_tokens)
+    else:
+        wanted = {**tokenizer_key(data_cfg.tokenizer, data_dir), "source": source_key(data_cfg.source),
+                  "max_bytes": data_cfg.max_bytes, "text_field": data_cfg.text_field,
+                  "bpe_vocab_size": data_cfg.bpe_vocab_size if bpe else None}
+        if meta.get("format_version") is None:  # the previous format split train/val when it was prepared
+            wanted["val_fraction"] = data_cfg.val_fraction
+        refuse_other_settings(data_dir, meta, wanted)
+        verify_files(data_dir, meta)  # on rank 0 first: it fills the hash cache that the other ranks then read
     if tokenizer_dir is not None and meta.get("tokenizer_sha256") is not None:
-        _copy_tokenizer(Path(data_cfg.data_dir) / "tokenizer.json" if bpe else Path(meta["tokenizer"]),
-                        Path(tokenizer_dir))
+        _copy_tokenizer(data_dir / "tokenizer.json" if bpe else Path(meta["tokenizer"]), Path(tokenizer_dir))
     return meta
 
 

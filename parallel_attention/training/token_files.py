@@ -1,11 +1,10 @@
 """Whether a prepared data directory can be trained on: meta.json, the sizes it records, the sha256 of the token
 files, and the ids read from them. Every refusal names the file and how to prepare it again.
 
-Two kinds of trouble, two answers. A missing or unreadable meta.json, or a token file whose size differs from the
-one recorded, is an unfinished or outdated preparation: `meta_and_reason` says why, and `ensure_prepared` prepares
-again, saying so. A token file of the recorded size whose sha256 differs was changed after preparation (a bad copy,
-a disk fault, someone else's write): that is refused with `DataFileError`, since guessing which copy is right is
-the user's call.
+A directory without a readable meta.json, or whose files lack the sizes it records, is not complete data
+(`meta_and_reason` says why); a file of the recorded size whose sha256 differs was changed after preparation (a
+bad copy, a disk fault, someone else's write); data prepared with other settings than a run's config belongs to
+another run. All are refused with `DataFileError`, never prepared over: which copy is right is the user's call.
 """
 
 from __future__ import annotations
@@ -49,10 +48,10 @@ def refusal_message(error: BaseException, data_dir) -> str:
 
 
 def prepare_again(data_dir, meta: dict | None = None) -> str:
-    """The fix for a bad data directory: what makes `ensure_prepared` (the trainer) prepare it again."""
+    """The fix for a bad data directory: prepare it anew (the trainer prepares a data.data_dir that does not exist)."""
     source, tokenizer = (meta or {}).get("source", "SOURCE"), (meta or {}).get("tokenizer", "TOKENIZER")
-    return (f"prepare it again: delete {Path(data_dir) / META} and start the run again (it prepares data.data_dir "
-            f"from data.source), or run `python scripts/prepare_data.py --source {source} --tokenizer {tokenizer} "
+    return (f"prepare it again: delete {data_dir} and start the run again (it prepares data.data_dir from "
+            f"data.source), or run `python scripts/prepare_data.py --source {source} --tokenizer {tokenizer} "
             f"--out {data_dir}`, or point data.data_dir at a new directory")
 
 
@@ -105,13 +104,27 @@ def index_bytes(num_documents: int) -> int:
     return 34 + 12 * num_documents + 8 * (num_documents + 1)
 
 
-def settings_changed(meta: dict, wanted: dict) -> str:
-    """Why `meta` was prepared with other settings than `wanted`, or "" when it was not."""
+def refuse_other_settings(data_dir, meta: dict, wanted: dict) -> None:
+    """DataFileError when `meta` was prepared with other settings than `wanted` (the config's): a run never
+    rewrites data it did not prepare, so it names the key, both values and the ways out."""
     for key, value in wanted.items():
-        if meta.get(key) != value:
-            what = "the tokenizer file changed" if key == "tokenizer_sha256" else f"data.{key} changed"
-            return f"{what} ({META} records {meta.get(key)!r}, the config gives {value!r})"
-    return ""
+        if meta.get(key) == value:
+            continue
+        if key == "tokenizer_sha256":
+            raise DataFileError(
+                f"data.tokenizer={meta.get('tokenizer')!r} has sha256 {value}, but {Path(data_dir) / META} records "
+                f"{meta.get(key)}: the tokenizer changed since the data was prepared, and its ids would not mean what "
+                f"the data's ids mean. Use the tokenizer the data was prepared with, point data.data_dir at another "
+                f"directory (it is prepared there), or delete {data_dir} to prepare it again.")
+        raise DataFileError(
+            f"data.data_dir={str(data_dir)!r} holds data prepared with data.{key}={meta.get(key)!r}, but the config "
+            f"gives data.{key}={value!r}. A run never rewrites data it did not prepare: set data.{key}="
+            f"{_yaml(meta.get(key))} to train on this data, point data.data_dir at another directory (it is prepared "
+            f"there), or delete {data_dir} to prepare it again.")
+
+
+def _yaml(value) -> str:
+    return "null" if value is None else str(value)
 
 
 def verify_sha256(data_dir, meta: dict, split: str) -> None:
