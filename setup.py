@@ -25,9 +25,9 @@ setup(
     extras_require={
         "hf": ["transformers>=4.45"],
         "tb": ["tensorboard"],
-        "data": ["pyarrow"],  # .parquet corpora
+        "data": ["pyarrow", "datasets"],  # .parquet corpora, datasets save_to_disk directories
         # the baselines of benchmarks/benchmark_attention.py (fairscale) and benchmark_training.py (transformers)
         "bench": ["fairscale==0.4.13", "transformers>=4.45", "accelerate"],  # accelerate: transformers' tp_plan
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.45", "accelerate", "tensorboard", "pyarrow"],
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.45", "accelerate", "tensorboard", "pyarrow", "datasets"],
     },
 )
