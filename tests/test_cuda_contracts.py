@@ -201,3 +201,19 @@ def test_each_path_chooses_its_kernel_by_device_once():
     assert paths["ring pairs on CPU (context_parallel_kind='ring')"].startswith(
         "aten._scaled_dot_product_flash_attention_for_cpu for")
     assert "varlen_attn" in paths["packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)"]
+
+
+def test_without_varlen_attn_cuda_keeps_one_sdpa_call_per_document_and_says_why(monkeypatch):
+    import importlib.util
+
+    from parallel_attention.transformer import document_kernels
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == document_kernels.VARLEN_MODULE
+                        else find_spec(name, *args))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        kernel = SdpaAttention("cuda")
+    assert type(kernel.documents_kernel) is PerDocumentSdpa
+    assert kernel.documents_reason.endswith("has no torch.nn.attention.varlen (torch >= 2.10 has)")
+    assert "has no torch.nn.attention.varlen" in pa.active_paths()[
+        "packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)"]
