@@ -32,10 +32,13 @@ def _wait_for_step(run_dir, step: int, deadline: float) -> None:
     raise AssertionError(f"the run never reached step {step}")
 
 
-@pytest.mark.slow  # CI keeps tests/test_timeouts.py (the same timeout, in-process)
-def test_a_stopped_rank_fails_the_job_within_the_timeout(data_dir, tmp_path):  # noqa: F811
+@pytest.mark.slow  # CI keeps tests/test_timeouts.py (the same timeouts, FSDP2's included, in-process)
+@pytest.mark.parametrize("tp,zero_stage,group", [(2, 0, "tensor-parallel group"), (1, 3, "data-parallel group")],
+                         ids=["tp2", "fsdp2_dp2"])
+def test_a_stopped_rank_fails_the_job_within_the_timeout(data_dir, tmp_path, tp, zero_stage, group):  # noqa: F811
     run = tmp_path / "run"
-    args = tiny_args(data_dir, run, 2, 100000, f"--parallel.timeout_s={TIMEOUT_S}", "--checkpoint.interval=100000")
+    args = tiny_args(data_dir, run, tp, 100000, f"--parallel.timeout_s={TIMEOUT_S}", "--checkpoint.interval=100000",
+                     f"--parallel.zero_stage={zero_stage}")
     agent = subprocess.Popen(torchrun_command("pretrain.py", 2, args), cwd=ROOT, env=environment(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -52,4 +55,6 @@ def test_a_stopped_rank_fails_the_job_within_the_timeout(data_dir, tmp_path):  #
         agent.kill()
     assert agent.returncode != 0
     assert waited < TIMEOUT_S + 60, waited
-    assert "did not complete within the timeout" in stderr and "tensor-parallel group" in stderr, stderr[-3000:]
+    # FSDP2: its all-gathers and reduce-scatters are named too (CollectiveTimeoutError, not gloo's bare timeout)
+    assert "CollectiveTimeoutError" in stderr and "did not complete within the timeout" in stderr, stderr[-3000:]
+    assert group in stderr, stderr[-3000:]

@@ -83,3 +83,55 @@ def test_a_silent_rank_under_zero_times_out_naming_the_parameter_broadcast():
     message, waited = run_distributed(_silent_rank_under_zero_worker, 2, 2, timeout=60, fresh=True)[0]
     assert "ZeRO's parameter broadcast" in message and "data-parallel group" in message, message
     assert waited < GROUP_TIMEOUT_S + 3
+
+
+class _Stack(torch.nn.Module):
+    """What `shard_fully` shards: each of `layers`, then the root (which here also holds `head`)."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(num_layers))
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _silent_rank_under_fsdp2_worker(phase: str, guard: bool):
+    """Both ranks shard a model with FSDP2 (zero_stage 3), then rank 1 goes silent before the forward (rank 0 waits
+    in a parameter all-gather) or, for a root-only model that keeps its parameters gathered after the forward,
+    before the backward (rank 0 waits in the gradient reduce-scatter). `guard`: under debug_collectives."""
+    from parallel_attention.tensor_parallel.collectives import enable_collective_log
+    from parallel_attention.training.fsdp import mesh_of, shard_fully
+
+    pa.destroy_model_parallel()
+    if guard:
+        enable_collective_log()
+    pa.initialize_model_parallel(1, timeout=GROUP_TIMEOUT_S)
+    model = shard_fully(_Stack(2 if phase == "forward" else 0), mesh_of(pa.get_data_parallel_group()))
+    if phase == "backward":
+        loss = model(torch.ones(2, 4)).sum()
+    if torch.distributed.get_rank() == 1:
+        time.sleep(GROUP_TIMEOUT_S + 4)
+        return None
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        if phase == "forward":
+            model(torch.ones(2, 4))
+        else:
+            loss.backward()
+    return str(info.value), time.monotonic() - started
+
+
+@pytest.mark.parametrize("phase,op,guard", [("forward", "FSDP2's parameter all_gather", False),
+                                            ("backward", "FSDP2's gradient reduce_scatter", False),
+                                            ("forward", "FSDP2's parameter all_gather", True)],
+                         ids=["all_gather", "reduce_scatter", "all_gather_under_debug_collectives"])
+def test_a_silent_rank_under_fsdp2_times_out_naming_the_operation_and_group(phase, op, guard):
+    message, waited = run_distributed(_silent_rank_under_fsdp2_worker, 2, 2, phase, guard, timeout=60, fresh=True)[0]
+    assert op in message and "data-parallel group (global ranks [0, 1])" in message, message
+    if guard:  # debug_collectives records FSDP2's collectives: the timeout lists them among the rank's last calls
+        assert "collective guard: the last" in message and f"{op} of float32" in message, message
+    assert waited < GROUP_TIMEOUT_S + 3

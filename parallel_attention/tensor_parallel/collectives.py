@@ -102,15 +102,19 @@ def _exchange_signatures(call, x: torch.Tensor | None, group: ProcessGroup | Non
     return calls
 
 
-def _all_gather_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
-    with _issue("all_gather", x, group):
+def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False,
+                           name: str = "all_gather"):
+    """Every rank's `x` into `out`, stacked along dim 0 in rank order (FSDP2's all-gather runs through it, `name`d)."""
+    with _issue(name, x, group):
         return _gather_into(out, x, group, async_op)
 
 
-def _reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
-    with _issue("reduce_scatter", x, group):
+def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False,
+                          reduce_op=dist.ReduceOp.SUM, name: str = "reduce_scatter"):
+    """`x` reduced over the group, this rank's dim-0 chunk into `out` (FSDP2's reduce-scatter too, `name`d)."""
+    with _issue(name, x, group):
         return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
-            out, x, group=group, async_op=async_op)
+            out, x, op=reduce_op, group=group, async_op=async_op)
 
 
 class PendingCollective:
@@ -145,7 +149,7 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     copy into rank order along the last dim (no transposed copy of the input)."""
     p, x = group_size(group), x.contiguous()
     out = torch.empty((p * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    _all_gather_tensor(out, x, group)
+    all_gather_into_tensor(out, x, group)
     return out.view(p, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], p * x.shape[-1])
 
 
@@ -153,7 +157,7 @@ def _all_gather_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool =
     """[s/p, ...] chunks -> [s, ...] in rank order (async_op: a PendingCollective of it)."""
     x = x.contiguous()
     out = torch.empty((group_size(group) * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    work = _all_gather_tensor(out, x, group, async_op)
+    work = all_gather_into_tensor(out, x, group, async_op)
     return PendingCollective("all_gather", work, group, out) if async_op else out
 
 
@@ -162,7 +166,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bo
     check_sequence_split(x.shape[0], p)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // p,) + x.shape[1:], dtype=x.dtype, device=x.device)
-    work = _reduce_scatter_tensor(out, x, group, async_op)
+    work = reduce_scatter_tensor(out, x, group, async_op)
     return PendingCollective("reduce_scatter", work, group, out) if async_op else out
 
 

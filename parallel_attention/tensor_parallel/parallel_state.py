@@ -96,7 +96,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
 
 def describe_group(group: ProcessGroup | None) -> str:
     """"tensor-parallel group (global ranks [0, 1])", for error messages."""
-    words = {"tp": "tensor-parallel", "dp": "data-parallel", "cp": "context-parallel"}
+    words = {"tp": "tensor-parallel", "dp": "data-parallel", "cp": "context-parallel",
+             "dp_cp": "data x context-parallel"}
     if _STATE is not None:
         for name, mine in _STATE.groups.items():
             if group is mine:

@@ -15,6 +15,10 @@ with torch's FSDP2 (`fully_shard`), on top of our tensor parallelism.
     checkpoint: DTensors gathered over dp (`checkpointing.state_encoding.gathered`): the files are those of
                zero_stage 0; loading cuts the whole tensors again, so any (p, dp, zero_stage) resumes any other
 
+FSDP2's all-gathers and reduce-scatters are issued through `tensor_parallel.collectives` (its custom-comm hooks,
+`NamedAllGather`, `NamedReduceScatter`): a timeout raises CollectiveTimeoutError naming the operation and the
+group, and `parallel.debug_collectives` records and cross-checks them like every other collective.
+
 Accumulation micro-batches skip the reduce-scatter (`set_requires_gradient_sync(False)`, data_parallel). The
 model object stays the one the trainer holds (FSDP2 changes its class in place): checkpoints, the audit and
 evaluation read it as at the other stages.
@@ -24,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..tensor_parallel.collectives import all_gather_into_tensor, reduce_scatter_tensor
 from ..tensor_parallel.mesh_groups import device_type
 from ..tensor_parallel.parallel_state import ProcessGroup, get_data_context_parallel_mesh
 
@@ -41,13 +47,37 @@ def mesh_of(group: ProcessGroup | None) -> DeviceMesh:
     return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device_type())
 
 
+class _EmptyBuffers:
+    """FSDP2's comm protocol: the buffer a collective writes into (torch's default allocation)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class NamedAllGather(_EmptyBuffers):
+    """FSDP2's parameter all-gather (forward, and again in the backward) through `collectives`."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        return all_gather_into_tensor(output_tensor, input_tensor, group, async_op, name="FSDP2's parameter all_gather")
+
+
+class NamedReduceScatter(_EmptyBuffers):
+    """FSDP2's gradient reduce-scatter (the backward of each micro-batch that syncs) through `collectives`."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        return reduce_scatter_tensor(output_tensor, input_tensor, group, async_op, reduce_op=op,
+                                     name="FSDP2's gradient reduce_scatter")
+
+
 def shard_fully(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """`fully_shard` each of `model.layers` and then the root over `dp_mesh` (a 1-D mesh); returns `model`."""
+    """`fully_shard` each of `model.layers` and then the root over `dp_mesh` (a 1-D mesh), their collectives
+    issued through ours; returns `model`."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+    for module in (*model.layers, model):
+        fully_shard(module, mesh=dp_mesh)
+        module.set_custom_all_gather(NamedAllGather())
+        module.set_custom_reduce_scatter(NamedReduceScatter())
     return model
 
 
