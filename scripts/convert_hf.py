@@ -1,6 +1,6 @@
 """Import a Hugging Face model as a checkpoint of this project, or export a checkpoint as one.
 
-    python scripts/convert_hf.py import --hf path/to/hf_model --out runs/imported --tp 2
+    python scripts/convert_hf.py import --hf path/to/hf_model --out runs/imported --tp 2 [--tokenizer PATH]
     python scripts/convert_hf.py export --checkpoint runs/imported --out path/to/hf_export
 
 import reads a save_pretrained directory (config.json + model.safetensors, or shards with
@@ -10,12 +10,13 @@ its vocabulary, and writes
     RUN/config.yaml                 the run config: defaults, the model from config.json, --tp,
                                     data.tokenizer=RUN/tokenizer, data.data_dir=RUN/data
     RUN/tokenizer/                  tokenizer.json, tokenizer_config.json, special_tokens_map.json
-                                    as found beside the weights: the model's own tokenizer, used by
+                                    as found beside the weights (or --tokenizer PATH: a tokenizer.json or
+                                    a directory holding one): the model's own tokenizer, used by
                                     training on text (set data.source) and by generate.py
     RUN/hf_config.json              the source config.json: export keeps its architecture and token ids
-A directory without tokenizer.json imports all the same, with only a note RUN/tokenizer/MISSING:
-training on text then stops at the config check (data.tokenizer names a directory without
-tokenizer.json) and generation says how to give one (copy the tokenizer.json there, or set
+A directory without tokenizer.json (and no --tokenizer) imports all the same, with a warning and a note
+RUN/tokenizer/MISSING: training on text then stops at the config check (data.tokenizer names a directory
+that holds only the note, and the error says so) and generation says how to give one (copy the tokenizer.json there, or set
 data.tokenizer / pass --tokenizer).
 
 export takes a run directory (its newest complete checkpoint) or a step directory, at any
@@ -40,7 +41,7 @@ from parallel_attention.hf.config import read_json_object
 from parallel_attention.hf.convert import MISSING_TOKENIZER_NOTE, missing_tokenizer_message
 from parallel_attention.training import (DataConfig, LoggingConfig, ModelConfig, ParallelConfig, PretrainConfig,
                                          save_config)
-from parallel_attention.training.tokenizer import TOKENIZER_FILES
+from parallel_attention.training.tokenizer import copy_tokenizer as copy_tokenizer_files, tokenizer_file
 
 SOURCE_CONFIG = "hf_config.json"
 
@@ -57,29 +58,31 @@ def build_run_config(model: ModelConfig, tp: int, run_dir: Path) -> PretrainConf
     return cfg
 
 
-def copy_tokenizer(hf_dir: Path, run_dir: Path) -> None:
-    """Copy the HF tokenizer files into RUN/tokenizer/, which data.tokenizer names. Without a tokenizer.json,
-    leave a note there instead: data.tokenizer then names a directory without one, which stops training on
-    text before it starts, and generate.py says what the note says."""
+def copy_tokenizer(hf_dir: Path, run_dir: Path, tokenizer: Path | None = None) -> None:
+    """Copy the tokenizer (`tokenizer`: a tokenizer.json or a directory holding one; else the one beside the weights)
+    into RUN/tokenizer/, which data.tokenizer names. Without one, leave a note there instead and warn: data.tokenizer
+    then names a directory without a tokenizer.json, which stops training on text before it starts (naming the
+    note), and generate.py says what the note says."""
     tokenizer_dir = run_dir / "tokenizer"
     tokenizer_dir.mkdir(parents=True, exist_ok=True)
-    if not (hf_dir / "tokenizer.json").is_file():
+    if tokenizer is None and not (hf_dir / "tokenizer.json").is_file():
         note = f"{missing_tokenizer_message(run_dir)}.\n(no tokenizer.json in {hf_dir} at import)\n"
         (tokenizer_dir / MISSING_TOKENIZER_NOTE).write_text(note, encoding="utf-8")
+        print(f"warning: {hf_dir} has no tokenizer.json, so {run_dir} has no tokenizer (see "
+              f"{tokenizer_dir / MISSING_TOKENIZER_NOTE}): import again with --tokenizer PATH, or copy its "
+              f"tokenizer.json into {tokenizer_dir}/ before training or generating", file=sys.stderr)
         return
     (tokenizer_dir / MISSING_TOKENIZER_NOTE).unlink(missing_ok=True)  # from an earlier import into this run
-    for name in TOKENIZER_FILES:
-        if (hf_dir / name).is_file():
-            shutil.copyfile(hf_dir / name, tokenizer_dir / name)
+    copy_tokenizer_files(tokenizer_file(tokenizer or hf_dir), tokenizer_dir)
 
 
-def run_import(hf_dir: Path, run_dir: Path, tp: int) -> Path:
+def run_import(hf_dir: Path, run_dir: Path, tp: int, tokenizer: Path | None = None) -> Path:
     ckpt_root = run_dir / "checkpoints"
     if ckpt_root.exists() and any(ckpt_root.iterdir()):
         raise ValueError(f"{ckpt_root} already holds checkpoints: import into a new run directory.")
     model, canonical = hf_to_canonical(hf_dir)
     cfg = build_run_config(model, tp, run_dir)
-    copy_tokenizer(hf_dir, run_dir)
+    copy_tokenizer(hf_dir, run_dir, tokenizer)
     step_dir = write_canonical_checkpoint(ckpt_root, cfg.to_dict(), canonical, step=0)
     save_config(cfg, run_dir / "config.yaml")
     (run_dir / SOURCE_CONFIG).write_text(json.dumps(read_hf_config(hf_dir), indent=2) + "\n", encoding="utf-8")
@@ -109,6 +112,9 @@ def main(argv: list[str]) -> int:
     imp.add_argument("--hf", required=True, type=Path, help="save_pretrained directory")
     imp.add_argument("--out", required=True, type=Path, help="run directory to create")
     imp.add_argument("--tp", required=True, type=int, help="tensor_parallel_size of the checkpoint")
+    imp.add_argument("--tokenizer", type=Path, default=None,
+                     help="tokenizer.json (or a directory holding one) to copy into RUN/tokenizer/; default: the one "
+                          "beside the weights")
     exp = commands.add_parser("export", help="checkpoint -> Hugging Face directory")
     exp.add_argument("--checkpoint", required=True, type=Path, help="run directory or step directory")
     exp.add_argument("--out", required=True, type=Path, help="new (or empty) directory to write")
@@ -117,7 +123,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
-            written = run_import(args.hf, args.out, args.tp)
+            written = run_import(args.hf, args.out, args.tp, args.tokenizer)
         else:
             written = run_export(args.checkpoint, args.out, args.architecture)
     except (ValueError, OSError) as error:  # CheckpointError, TensorFileError: ValueErrors naming their file

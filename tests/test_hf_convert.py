@@ -282,8 +282,12 @@ def test_script_import_tp2_then_export(hf_models, name, tmp_path, capsys):
     cfg = load_config(run / "config.yaml")
     assert cfg.parallel.tensor_parallel_size == 2 and cfg.data.tokenizer == str(run / "tokenizer")
     assert (run / "tokenizer" / "MISSING").is_file()  # save_pretrained wrote weights only: no tokenizer
-    with pytest.raises(ConfigError, match="tokenizer"):  # training on text stops before it starts
+    warning = capsys.readouterr().err  # said at import, with the fix
+    assert warning.startswith(f"warning: {hf_dir} has no tokenizer.json") and "--tokenizer PATH" in warning, warning
+    with pytest.raises(ConfigError) as refused:  # training on text stops before it starts, naming the note and fix
         cfg.validate(world_size=2)
+    assert f"only the note {run / 'tokenizer' / 'MISSING'}" in str(refused.value), refused.value
+    assert "copy its tokenizer.json into" in str(refused.value) and "--tokenizer PATH" in str(refused.value)
     step_cfg, canonical = read_canonical_checkpoint(run / "checkpoints" / "step_0000000")
     expected_cfg, expected = hf_to_canonical(hf_dir)
     assert ModelConfig.from_dict(step_cfg["model"]) == expected_cfg and all(torch.equal(canonical[k], expected[k]) for k in expected)
@@ -291,6 +295,19 @@ def test_script_import_tp2_then_export(hf_models, name, tmp_path, capsys):
     assert read_hf_config(tmp_path / "out")["architectures"] == read_hf_config(hf_dir)["architectures"]
     assert torch.equal(_hf_logits(tmp_path / "out"), ref)
     assert not (tmp_path / "out" / "MISSING").exists()
+
+
+def test_import_takes_the_tokenizer_from_tokenizer_path(hf_models, tmp_path, capsys):
+    from parallel_attention.training.tokenizer import train_bpe
+
+    tokenizer = tmp_path / "elsewhere" / "my_tokenizer.json"
+    tokenizer.parent.mkdir()
+    train_bpe(["import os", "def main(): pass"] * 20, 300, tokenizer)
+    run = tmp_path / "run"
+    argv = ["import", "--hf", str(hf_models["llama"][0]), "--out", str(run), "--tp", "1", "--tokenizer", str(tokenizer)]
+    assert _convert_script().main(argv) == 0
+    assert (run / "tokenizer" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    assert not (run / "tokenizer" / "MISSING").exists() and "warning" not in capsys.readouterr().err
 
 
 def test_small_vocabulary_without_tokenizer_imports_and_generation_says_how(tmp_path):

@@ -207,6 +207,12 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     candidate = path / "tokenizer.json" if path.is_dir() else path
     if not candidate.is_file():
+        from ..hf.convert import MISSING_TOKENIZER_NOTE, missing_tokenizer_message
+
+        if (path / MISSING_TOKENIZER_NOTE).is_file():  # RUN/tokenizer of a model imported without one
+            raise ValueError(f"tokenizer {str(path)!r} holds no tokenizer.json, only the note "
+                             f"{path / MISSING_TOKENIZER_NOTE}: {missing_tokenizer_message(path.parent)}; or import "
+                             "the model again with convert_hf.py import --tokenizer PATH.")
         raise ValueError(f"tokenizer {str(path)!r} is neither 'byte', 'gpt2', 'bpe' nor a tokenizer.json file or a "
                          "directory holding one (as save_pretrained writes).")
     return candidate
