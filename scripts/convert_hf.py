@@ -39,6 +39,7 @@ from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_
 from parallel_attention.hf import FAMILY, canonical_to_hf, hf_to_canonical, read_hf_config
 from parallel_attention.hf.config import read_json_object
 from parallel_attention.hf.convert import MISSING_TOKENIZER_NOTE, missing_tokenizer_message
+from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention.training import (DataConfig, LoggingConfig, ModelConfig, ParallelConfig, PretrainConfig,
                                          save_config)
 from parallel_attention.training.tokenizer import copy_tokenizer as copy_tokenizer_files, tokenizer_file
@@ -106,6 +107,7 @@ def run_export(checkpoint: Path, out_dir: Path, architecture: str | None) -> Pat
 
 
 def main(argv: list[str]) -> int:
+    one_line_warnings()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import", help="Hugging Face directory -> run directory with a checkpoint")

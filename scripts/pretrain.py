@@ -19,6 +19,7 @@ from parallel_attention import load_config
 from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.report_once import report_from_rank_0
+from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention.training import ConfigError, train
 from parallel_attention.training.config_loading import parse_with_overrides
 from parallel_attention.training.guards import GuardError
@@ -35,6 +36,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str]) -> int:
     stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
+    one_line_warnings()
     args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .. import __version__
 from ..launch.agreement import disagreements
 from ..launch.launcher_watch import stop_with_launcher
+from ..launch.warning_lines import one_line_warnings
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
 from ..tensor_parallel.parallel_state import (destroy_model_parallel, group_rank, initialize_model_parallel,
                                               shutdown_distributed)
@@ -95,6 +96,7 @@ def _setup_failure(error: Exception) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
+    one_line_warnings()
     args = parse_args(argv)
     start = time.perf_counter()
     tp = args.tp if args.tp is not None else int(os.environ.get("WORLD_SIZE", "1")) // max(args.cp, 1)
