@@ -114,12 +114,14 @@ def report(run, times: dict, baseline_infos: dict, memory: dict) -> dict:
     cfg = run.cfg
     steps = {name: summary_ms(ms) for name, ms in times.items()}
     rates = step_rates(cfg, run.device, run.tokens_per_step, steps["ours"]["median"] / 1e3)  # as metrics.jsonl
+    # mfu and peak_tflops: null on a CPU without logging.peak_tflops (no MFU there: flops.py)
     exposed = {f"exposed_{kind}_comm_ms": paired_difference_ms(times["ours"], times[f"ours_{kind}_comm_off"])
                if f"ours_{kind}_comm_off" in times else 0.0 for kind in ("tp", "dp")}
     return {"tensor_parallel_size": ps.get_tensor_model_parallel_world_size(),
             "data_parallel_size": ps.get_data_parallel_world_size(), "device": str(run.device),
             "torch": torch.__version__, "host": platform.node(), "tokens_per_step": run.tokens_per_step,
-            "step_ms": steps["ours"], **rates, "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
+            "step_ms": steps["ours"], "mfu": None, **rates,
+            "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
             "peak_tflops": peak_tflops(cfg.logging.peak_tflops, run.device), **exposed, **memory,
             "variants_ms": steps, "rounds_ms": times, "baselines": baselines_report(times, baseline_infos),
             "config": cfg.to_dict()}
@@ -156,7 +158,9 @@ def _benchmark(args: argparse.Namespace, cfg) -> None:
         others = "; ".join(f"{name}: " + (f"{b['step_ms']['median']:.1f} ms" if "step_ms" in b else b["reason"])
                            for name, b in result["baselines"].items())
         print(f"ours {result['step_ms']['median']:.1f} ms/step (IQR {result['step_ms']['iqr']:.1f}), "
-              f"{result['tokens_per_s']:.0f} tok/s, MFU {result['mfu']:.1%}; exposed TP "
+              f"{result['tokens_per_s']:.0f} tok/s, MFU "
+              + (f"{result['mfu']:.1%}" if result["mfu"] is not None else "none (no logging.peak_tflops on a CPU)")
+              + "; exposed TP "
               f"{result['exposed_tp_comm_ms']:.1f} ms, DP {result['exposed_dp_comm_ms']:.1f} ms; {others}",
               file=sys.stderr)
 

@@ -27,7 +27,7 @@ FIELDS = {"step_ms", "tokens_per_s", "tflops", "mfu", "exposed_tp_comm_ms", "exp
 
 def _benchmark(data_dir, tmp_path, world: int, tp: int, *extra: str) -> dict:  # noqa: F811
     out = tmp_path / "bench.json"
-    args = tiny_args(data_dir, tmp_path / "run", tp, 1, *extra)
+    args = tiny_args(data_dir, tmp_path / "run", tp, 1, "--logging.peak_tflops=1", *extra)  # CPU: MFU needs a peak
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                str(ROOT / "benchmarks" / "benchmark_training.py"), *args, "--iters", "2", "--warmup", "1", "--out",
                str(out)]

@@ -123,7 +123,7 @@ class LoggingConfig:
     log_interval: int = 10
     progress_bar: bool = True
     tensorboard: bool = True  # used when tensorboard is installed
-    peak_tflops: float | None = None  # MFU's denominator per device; null: known GPU's bf16 peak, else measured GEMM
+    peak_tflops: float | None = None  # MFU's denominator; null: a GPU's data sheet or probe, no MFU on a CPU
 
 
 @dataclass

@@ -15,10 +15,14 @@ counted, and neither are norms, biases, activations, softmax or the embedding lo
   times 3 for forward + backward. Causal masking would halve the work a fused kernel does; like Megatron
   and PaLM we do not halve, so MFU figures compare with theirs.
 
+On a CPU, MFU is reported only against `logging.peak_tflops`: a GEMM probe at start read 0.016-0.035 TFLOP/s
+on one host between runs, which moved MFU between 23 % and 93 %, so without the key there is no peak and no
+`mfu` (the run summary says why). On a known GPU the peak is its data sheet's; on an unknown one, a GEMM rate
+probed at start (the best of many short trials, the highest over the ranks).
+
 MFU is never above 1, because a step cannot beat the device's true peak: a step that runs faster than the
-peak in use proves that peak wrong. Without `logging.peak_tflops`, on a CPU or an unknown GPU, the peak is
-a GEMM rate probed at start (the best of many short trials, the highest over the ranks), which a busy host
-can under-measure several times over; with it, the user's figure may simply be too low. Either way the peak
+peak in use proves that peak wrong. A probe can under-measure on a busy host; a configured figure may simply
+be too low. Either way the peak
 is then raised to the fastest step rate seen (a measured lower bound of the real peak), rank 0 warns once,
 and each metrics row carries the `peak_tflops` its `mfu` was computed against, so mfu = tflops / peak_tflops
 holds in every row. The raise is per process, with no collective per step: only global rank 0 logs metrics.
@@ -94,49 +98,55 @@ _RAISED: dict[tuple, float] = {}  # (device, configured) -> the fastest step rat
 
 
 @functools.lru_cache(maxsize=None)
-def _auto_peak(device_type: str, index: int | None) -> float:
+def _auto_peak(device_type: str, index: int | None) -> float | None:
+    """A known GPU's data-sheet peak, else an unknown GPU's probed rate; None on a CPU (no reference there)."""
     device = torch.device(device_type, index)
-    if device.type == "cuda":
-        known = gpu_table_peak(torch.cuda.get_device_name(device))
-        if known is not None:
-            return known
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leave the seeded stream alone
+    if device.type != "cuda":
+        return None
+    known = gpu_table_peak(torch.cuda.get_device_name(device))
+    if known is not None:
+        return known
+    with torch.random.fork_rng(devices=[device]):  # leave the seeded stream alone
         return measured_gemm_tflops(device)
 
 
-def agree_peak_tflops(configured: float | None, device: torch.device) -> float:
-    """The peak every rank reports MFU against (a collective: call it on every rank, before training).
+def agree_peak_tflops(configured: float | None, device: torch.device) -> float | None:
+    """The peak every rank reports MFU against (a collective on a GPU: call it on every rank, before training);
+    None on a CPU without `configured`.
 
-    Unless configured or a known GPU, every rank measures at once, under the same load as the ranks' training,
-    and all take the highest rate: one rank's noisy probe no longer gives it its own, lower peak."""
-    if configured is not None:
+    On an unknown GPU every rank measures at once, under the same load as the ranks' training, and all take the
+    highest rate: one rank's noisy probe no longer gives it its own, lower peak."""
+    if configured is not None or device.type != "cuda":
         return configured
     measured = _auto_peak(device.type, device.index)
     _AGREED[device] = max(all_gather_objects(measured))  # [measured] outside torch.distributed
     return _AGREED[device]
 
 
-def peak_tflops(configured: float | None, device: torch.device) -> float:
+def peak_tflops(configured: float | None, device: torch.device) -> float | None:
     """`logging.peak_tflops` if set; else the job's agreed peak (agree_peak_tflops), or the table's bf16 peak of
-    a known GPU, or a GEMM rate measured once per process (float32 on CPU, bf16 on an unknown GPU); raised to
-    the fastest step rate of this process where a step beat it (`reported_peak`)."""
+    a known GPU, or a bf16 GEMM rate measured once per process on an unknown GPU; None on a CPU. Raised to the
+    fastest step rate of this process where a step beat it (`reported_peak`)."""
     base = configured if configured is not None else _AGREED.get(device) or _auto_peak(device.type, device.index)
-    return max(base, _RAISED.get((device, configured), 0.0))
+    return None if base is None else max(base, _RAISED.get((device, configured), 0.0))
 
 
 def peak_source(configured: float | None, device: torch.device) -> str:
     """Where the peak comes from, as the run summary and the warning name it."""
     if configured is not None:
         return "logging.peak_tflops"
+    if device.type != "cuda":
+        return ("none on a CPU without logging.peak_tflops (a GEMM probe varies 2x between runs): set it to the "
+                "CPU's peak to report MFU")
     known = gpu_table_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     return "the data sheet's dense bf16 peak" if known is not None else "a GEMM rate measured at start"
 
 
-def reported_peak(achieved: float, configured: float | None, device: torch.device) -> float:
-    """The peak a step's `achieved` TFLOP/s is reported against: `peak_tflops`, raised to `achieved` when the
-    step beat it (warned once, on global rank 0), so that MFU never exceeds 1."""
+def reported_peak(achieved: float, configured: float | None, device: torch.device) -> float | None:
+    """The peak a step's `achieved` TFLOP/s is reported against: `peak_tflops` (None: no MFU), raised to
+    `achieved` when the step beat it (warned once, on global rank 0), so that MFU never exceeds 1."""
     peak = peak_tflops(configured, device)
-    if achieved <= peak:
+    if peak is None or achieved <= peak:
         return peak
     key = (device, configured)
     if key not in _RAISED and ps.get_global_rank() == 0:
@@ -158,10 +168,11 @@ def _too_fast(achieved: float, peak: float, configured: float | None, device: to
 
 def step_rates(cfg: PretrainConfig, device: torch.device, tokens_per_step: int, seconds: float) -> dict:
     """tokens/s of the whole job, achieved model TFLOP/s per device, MFU, and the peak MFU was computed against
-    (`reported_peak`), for a step's metrics record."""
+    (`reported_peak`), for a step's metrics record; without a peak (a CPU without logging.peak_tflops) no MFU."""
     # every device of dp x cp x tp; seq_len is the full sequence's (CP splits it, its attention FLOPs do not shrink)
     world = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
              * ps.get_data_parallel_world_size())
     tflops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step / seconds / world / 1e12
     peak = reported_peak(tflops, cfg.logging.peak_tflops, device)
-    return {"tokens_per_s": tokens_per_step / seconds, "tflops": tflops, "mfu": tflops / peak, "peak_tflops": peak}
+    rates = {"tokens_per_s": tokens_per_step / seconds, "tflops": tflops}
+    return rates if peak is None else {**rates, "mfu": tflops / peak, "peak_tflops": peak}

@@ -7,12 +7,12 @@
       batch        global 16 sequences = micro 8 x data parallel 2 x 1 accumulation step(s)
       tokens       2,048 per step (sequences of 128), 819,200 in 400 steps
       ...
-      peak         0.312 TFLOP/s per device (a GEMM rate measured at start): MFU's denominator
+      peak         989 TFLOP/s per device (the data sheet's dense bf16 peak): MFU's denominator
 
 Pure text from the config and the built model, no communication: the total counts the canonical
 (unsharded, unpadded) weights, "on each rank" what this rank holds (vocabulary padding included). The peak
 is the one the ranks agreed on at start (`flops.agree_peak_tflops`); a step that runs faster raises it,
-which metrics.jsonl's `peak_tflops` records.
+which metrics.jsonl's `peak_tflops` records. On a CPU without `logging.peak_tflops` the line says why there is none.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def _data_line(cfg: PretrainConfig) -> str:
 
 
 def _peak_line(cfg: PretrainConfig, device: torch.device) -> str:
-    peak = peak_tflops(cfg.logging.peak_tflops, device)
-    return f"{peak:.4g} TFLOP/s per device ({peak_source(cfg.logging.peak_tflops, device)}): MFU's denominator"
+    peak, source = peak_tflops(cfg.logging.peak_tflops, device), peak_source(cfg.logging.peak_tflops, device)
+    return source if peak is None else f"{peak:.4g} TFLOP/s per device ({source}): MFU's denominator"
 
 
 def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
