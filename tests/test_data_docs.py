@@ -59,9 +59,22 @@ def test_every_command_of_the_data_page_runs(placeholders, tmp_path):
         for placeholder in needed:
             command = command.replace(placeholder, placeholders[placeholder])
         args = shlex.split(command)
+        if args[:2] == ["python", "scripts/inspect_data.py"]:  # reads what the commands above prepared
+            _inspect(args, tmp_path)
+            continue
         assert args[:2] == ["python", "scripts/prepare_data.py"], f"not run by this test: {command}"
         run = subprocess.run([sys.executable, str(ROOT / args[1]), *args[2:], "--max-bytes", "200000"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, (command, run.stderr)
         out = tmp_path / args[args.index("--out") + 1]
         assert json.loads((out / "meta.json").read_text())["num_documents"] > 0, command
+
+
+def _inspect(args: list[str], work: Path) -> None:
+    """inspect_data.py as documented (the config from the repository): one line per row of each step asked."""
+    args = [str(ROOT / a) if a.startswith("configs/") else a for a in args]
+    run = subprocess.run([sys.executable, str(ROOT / args[1]), *args[2:]], cwd=work, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, (args, run.stderr)
+    lines = run.stdout.splitlines()
+    assert lines and all(line.startswith("step ") and " source " in line for line in lines), run.stdout[:2000]

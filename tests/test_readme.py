@@ -26,6 +26,8 @@ README = ROOT / "README.md"
 DOC_PAGES = ("embedding", "configuration", "training", "checkpoints-and-hf", "failure-modes", "architecture",
              "performance")
 PAGES = (README, *(ROOT / "docs" / f"{name}.md" for name in DOC_PAGES))
+# pages whose commands a test of their own runs, in their own scratch directory with their own fixtures
+OWN_TESTS = {"data.md": "tests/test_data_docs.py"}
 FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 BENCHMARK = re.compile(r"\bbenchmarks/")
 
@@ -117,7 +119,7 @@ def test_every_command_is_run_or_exempt():
     assert page_commands(README), "no shell commands found in the README"
     for page in PAGES[1:]:
         assert page.exists(), f"{page} is missing from DOC_PAGES"
-    listed = {p.name for p in PAGES}
+    listed = {p.name for p in PAGES} | set(OWN_TESTS)
     unlisted = [p.name for p in (ROOT / "docs").glob("*.md") if p.name not in listed and page_commands(p)]
     assert not unlisted, f"docs pages with commands that no test runs: {unlisted} (add them to DOC_PAGES)"
     for command in documented_commands():
