@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import parallel_attention as pa
+from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_step_dir
 from parallel_attention.hf import missing_tokenizer_message, tokenizer_is_missing
 from parallel_attention.training import PretrainConfig, TokenizerUnavailableError, config_from_dict, get_tokenizer
@@ -150,6 +151,7 @@ def decode(tokenizer, ids: list[int]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    one_line_warnings()
     stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
     rank, tp = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 
+from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention import load_config
 from parallel_attention.training.config_loading import parse_with_overrides
 from parallel_attention.training.step_records import blend_names, open_run_data, step_records
@@ -45,6 +46,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str]) -> int:
+    one_line_warnings()
     args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)

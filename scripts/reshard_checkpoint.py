@@ -15,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention.checkpointing import reshard_checkpoint, resolve_step_dir
 from parallel_attention.training.run_dir import carry_model_files
 
 
 def main(argv: list[str]) -> int:
+    one_line_warnings()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--in", dest="source", required=True, type=Path,
                         help="run directory (its newest complete checkpoint) or step_XXXXXXX directory")
