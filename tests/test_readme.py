@@ -58,6 +58,7 @@ SHORTEN = {
     r"benchmarks/benchmark_attention\.py": ["--case", "tiny=32,2,64,4,2", "--iters", "1", "--warmup", "0"],
     r"benchmarks/benchmark_training\.py": [*TINY_BENCH_MODEL, "--no-baselines", "--iters", "1", "--warmup", "0"],
     r"benchmarks/benchmark_scaling\.py": [*TINY_BENCH_MODEL, "--rounds", "1", "--iters", "1", "--warmup", "0"],
+    r"benchmarks/benchmark_preparation\.py": ["--sizes-mb", "0.2", "0.4", "--bpe-mb", "0.3", "--repeats", "1"],
     r"benchmarks/activation_memory\.py": ["--seq", "32", "--batch", "1", "--hidden", "64", "--heads", "4",
                                           "--kv-heads", "2"],
 }
