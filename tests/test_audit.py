@@ -10,7 +10,7 @@ import torch
 import parallel_attention as pa
 from distributed import run_distributed
 from parallel_attention import GPTModel, ModelConfig
-from parallel_attention.tensor_parallel import Partial, parameter_kinds
+from parallel_attention.tensor_parallel import KvReplica, parameter_kinds
 from parallel_attention.tensor_parallel.audit import replica_entries, replica_mismatches
 
 # GQA with 2 k/v heads: at p = 4 each k/v head is replicated on two ranks (slots 0, 0, 1, 1)
@@ -23,7 +23,7 @@ def _perturb(model: GPTModel, target: str) -> None:
     with torch.no_grad():
         if target == "kv":  # one element of this rank's k/v replica rows
             param, kind = next(pk for pk in parameter_kinds(model).values()
-                               if isinstance(pk[1], Partial) and pk[1].sharded_dim is not None)
+                               if isinstance(pk[1], KvReplica))
             param[kind.rows][-1, 0] += SHIFT
         else:
             dict(model.named_parameters())[target].view(-1)[0] += SHIFT
@@ -42,7 +42,7 @@ def _audit_worker(sequence_parallel: bool, fault_rank: int, target: str):
 @pytest.mark.parametrize("world,tp,sp,fault_rank,target,expected", [
     (2, 2, False, 1, "final_norm.weight",
      "final_norm.weight differs across the tensor-parallel group: rank 0 vs rank 1"),
-    (2, 2, True, 0, "layers.1.mlp.fc_out.bias",  # Partial under sequence parallelism: audited the same way
+    (2, 2, True, 0, "layers.1.mlp.fc_out.bias",  # PartialGrad under sequence parallelism: audited the same way
      "layers.1.mlp.fc_out.bias differs across the tensor-parallel group: rank 0 vs rank 1"),
     (4, 4, False, 3, "kv",  # k/v head 1 lives on ranks 2 and 3 only: rank 3 differs from 2, not from 0 or 1
      "layers.0.attention.query_key_value.weight[k/v replica rows] (k/v slot 1) differs across the "

@@ -11,12 +11,12 @@ import torch
 import parallel_attention as pa
 from distributed import run_distributed
 from parallel_attention import GPTModel, ModelConfig
-from parallel_attention.tensor_parallel import Partial, Replicated, Sharded, parameter_kinds
+from parallel_attention.tensor_parallel import KvReplica, PartialGrad, Replicated, Sharded, parameter_kinds
 from parallel_attention.training import OptimizerConfig
 from parallel_attention.training import global_grad_norm
 from parallel_attention.training import build_optimizer
 
-# GQA with 2 k/v heads: at p = 4 each k/v head has two replicas (Partial rows); learned positions and
+# GQA with 2 k/v heads: at p = 4 each k/v head has two replicas (KvReplica rows); learned positions and
 # LayerNorm biases give replicated parameters; vocab 203 needs padding at every p.
 SPEC = dict(vocab_size=203, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=16,
             ffn_hidden_size=48)
@@ -61,10 +61,10 @@ def test_declared_kinds_at_p4_with_sequence_parallelism():
     assert kinds["embed_tokens.weight"] == "Sharded" and kinds["layers.0.mlp.fc_in.weight"] == "Sharded"
     assert kinds["layers.0.attention.dense.weight"] == "Sharded"
     # p = 4 > num_kv_heads = 2: the fused QKV holds k/v replicas
-    assert kinds["layers.0.attention.query_key_value.weight"] == "Partial"
+    assert kinds["layers.0.attention.query_key_value.weight"] == "KvReplica"
     for name in ("embed_positions", "layers.1.input_norm.weight", "layers.1.input_norm.bias", "final_norm.bias",
                  "layers.0.attention.dense.bias", "layers.0.mlp.fc_out.bias"):
-        assert kinds[name] == "Partial", name  # replicated, but each rank saw only its tokens
+        assert kinds[name] == "PartialGrad", name  # replicated, but each rank saw only its tokens
 
 
 def test_kinds_without_sequence_parallelism_or_replicas():
@@ -74,7 +74,7 @@ def test_kinds_without_sequence_parallelism_or_replicas():
     assert kinds["layers.0.attention.query_key_value.weight"].dim == 0
     assert kinds["layers.0.attention.dense.weight"] == Sharded(1, None)
     assert isinstance(kinds["final_norm.weight"], Replicated) and isinstance(kinds["embed_positions"], Replicated)
-    assert not any(isinstance(k, Partial) for k in kinds.values())
+    assert not any(isinstance(k, (PartialGrad, KvReplica)) for k in kinds.values())
 
 
 def test_optimizer_decays_matrices_only():
@@ -96,3 +96,14 @@ def test_dtype_reaches_every_parameter(dtype):
         model = GPTModel(ModelConfig(**spec), dtype=dtype)
         wrong = {n: p.dtype for n, p in model.named_parameters() if p.dtype != dtype}
         assert not wrong, wrong
+
+
+def test_the_old_partial_name_warns_and_builds_the_new_kinds():
+    """`Partial` (0.2) stays importable for one release: it warns, builds the kind its arguments describe, and
+    isinstance(kind, Partial) still holds for both new kinds."""
+    with pytest.warns(DeprecationWarning, match="PartialGrad"):
+        from parallel_attention.tensor_parallel import Partial
+    assert Partial(None) == PartialGrad(None)
+    replica = Partial(None, rows=slice(2, 4), slot=1, num_slots=2, sharded_dim=0, reduced_in_backward=True)
+    assert replica == KvReplica(None, slice(2, 4), 1, 2, 0, True)
+    assert isinstance(replica, Partial) and isinstance(PartialGrad(), Partial) and not isinstance(Replicated(), Partial)

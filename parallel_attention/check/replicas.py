@@ -2,8 +2,8 @@
 
 init: after the same seed, the canonical weights of the models at this p are bitwise those of the
 same models built at p = 1 (a group of this rank alone) on this device and dtype.
-replicas: reading the parameter kinds, Replicated and Partial parameters are identical on every
-rank of the tensor-parallel group, the k/v replica rows of a Partial-with-sharded_dim parameter on
+replicas: reading the parameter kinds, Replicated and PartialGrad parameters are identical on every
+rank of the tensor-parallel group, the rows of a KvReplica parameter on
 the ranks that share its slot, and every parameter on every rank of the data-parallel group; the
 comparison is `tensor_parallel.audit`, the one the trainer runs every `training.audit_interval` steps.
 """

@@ -10,7 +10,7 @@ each rank's gradient of those rows covers only its own queries. A transformers t
       |           one all-reduce of a [num_slots, rows] buffer, zeros outside this rank's slot
     F.linear(x, weight, bias)
 
-The parameters declare `Partial(..., reduced_in_backward=True)`: the norm counts the replica rows once and
+The parameters declare `KvReplica(..., reduced_in_backward=True)`: the norm counts the replica rows once and
 `finalize_grads` leaves them alone.
 """
 

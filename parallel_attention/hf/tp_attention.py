@@ -24,10 +24,11 @@ from torch import nn
 
 from ..tensor_parallel.collectives import all_gather_along_dim, copy_to_tensor_parallel_region
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..tensor_parallel.param_kinds import Partial, Replicated
+from ..tensor_parallel.param_kinds import KvReplica, Replicated
 from ..tensor_parallel.parallel_state import group_rank, group_size
 from ..tensor_parallel.sharding import fuse_qkv, kv_heads_of_rank, row_shard, unfuse_qkv
 from ..transformer import causal_chunks
+from ..transformer.norms import HeadRMSNorm
 from .replica_grads import complete_replica_grads
 
 
@@ -68,7 +69,7 @@ class FusedQKVLinear(ColumnParallelLinear):
     def parameter_kinds(self) -> dict:
         kinds = super().parameter_kinds()
         if self.tp_size > self.num_kv_heads:
-            replica = Partial(self.tp_group, rows=self.kv_rows, slot=self.kv_heads[0], num_slots=self.num_kv_heads,
+            replica = KvReplica(self.tp_group, rows=self.kv_rows, slot=self.kv_heads[0], num_slots=self.num_kv_heads,
                               sharded_dim=0, reduced_in_backward=True)
             kinds = {name: replica for name in kinds}
         return kinds
@@ -78,23 +79,13 @@ def _unchanged(weight, bias):
     return weight, bias
 
 
-class HeadNorm(nn.Module):
-    """Qwen3's RMSNorm over each head's d features; the weight is replicated (its gradient is completed by the
-    attention block, which owns the collective)."""
-
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach().clone())
-        self.variance_epsilon = eps
-
-    def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return weight * x.to(dtype)
-
-    def parameter_kinds(self) -> dict:
-        return {"weight": Replicated()}
+def _head_norm(source: nn.Module, group) -> HeadRMSNorm:
+    """The library's per-head RMSNorm holding a copy of transformers' q_norm or k_norm."""
+    weight = source.weight.detach()
+    norm = HeadRMSNorm(weight.shape[0], source.variance_epsilon, False, group, weight.device, weight.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm
 
 
 class TensorParallelAttention(nn.Module):
@@ -155,7 +146,7 @@ class TensorParallelAttention(nn.Module):
         norms = source.head_norms(old)
         self._head_norms = self._normalize_heads if norms is not None else _no_norms
         if norms is not None:
-            self.q_norm, self.k_norm = (HeadNorm(n.weight, n.variance_epsilon) for n in norms)
+            self.q_norm, self.k_norm = (_head_norm(n, self.tp_group) for n in norms)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs):
@@ -182,6 +173,13 @@ class TensorParallelAttention(nn.Module):
         if attention_mask is None and causal_chunks.applies(q, k, v, 0.0):  # [b, nh, s, d] laid out [b, s, nh, d]
             return causal_chunks.chunked_causal_attention(q, k, v).transpose(1, 2), None
         return self._transformers_attention(q, k, v, attention_mask, **kwargs)
+
+    def parameter_kinds(self) -> dict:
+        """The q/k norm weights are complete after backward: `_normalize_heads` passes them through one
+        copy-to-region, whose backward all-reduces them (transformers' loops never call finalize_grads)."""
+        if self._head_norms is _no_norms:
+            return {}
+        return {f"{norm}.weight": Replicated(self.tp_group) for norm in ("q_norm", "k_norm")}
 
     def _normalize_heads(self, q: torch.Tensor, k: torch.Tensor):
         both = copy_to_tensor_parallel_region(torch.cat([self.q_norm.weight, self.k_norm.weight]), self.tp_group)

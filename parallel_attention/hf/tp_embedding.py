@@ -7,7 +7,7 @@
                        Y_r is pinned to them: the model's loss reads Y_r alone (`tp_loss`), so its gradient never
                        spans the vocabulary
 
-The table is padded with zero rows to a multiple of p (V_padded); the padding's logits are cut off after the
+The table is padded with zero rows to V_padded (`sharding.padded_vocab_size`, the one rule GPTModel uses too); the padding's logits are cut off after the
 gather. With tied embeddings the head holds the embedding's very Parameter (one shard, one gradient).
 """
 
@@ -18,13 +18,9 @@ import torch
 from ..tensor_parallel.collectives import all_gather_along_dim
 from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..tensor_parallel.parallel_state import group_rank, group_size
-from ..tensor_parallel.sharding import vocab_shard, vocab_unshard
+from ..tensor_parallel.sharding import padded_vocab_size, vocab_shard, vocab_unshard
 from .tp_loss import attach_shard
 from .vocab_major_head import vocab_major_logits
-
-
-def padded_vocab(vocab: int, p: int) -> int:
-    return -(-vocab // p) * p
 
 
 class HFVocabParallelEmbedding(VocabParallelEmbedding):
@@ -32,7 +28,7 @@ class HFVocabParallelEmbedding(VocabParallelEmbedding):
 
     def __init__(self, table: torch.Tensor, group) -> None:
         p = group_size(group)
-        super().__init__(padded_vocab(table.shape[0], p), table.shape[1], init_std=None, tp_group=group,
+        super().__init__(padded_vocab_size(table.shape[0], p), table.shape[1], init_std=None, tp_group=group,
                          dtype=table.dtype, device=table.device)
         self.vocab_size = table.shape[0]
         with torch.no_grad():
@@ -47,7 +43,7 @@ class VocabParallelHead(ColumnParallelLinear):
 
     def __init__(self, table: torch.Tensor, group) -> None:
         p = group_size(group)
-        super().__init__(table.shape[1], padded_vocab(table.shape[0], p), bias=False, gather_output=True,
+        super().__init__(table.shape[1], padded_vocab_size(table.shape[0], p), bias=False, gather_output=True,
                          init_std=None, tp_group=group, dtype=table.dtype, device=table.device)
         self.vocab_size = table.shape[0]
         with torch.no_grad():

@@ -39,7 +39,7 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from .param_kinds import Partial, Replicated, Sharded, finalize_grads, parameter_kinds
+from .param_kinds import KvReplica, PartialGrad, Replicated, Sharded, finalize_grads, parameter_kinds
 from .rng import (
     checkpoint_with_tp_rng,
     get_tensor_parallel_rng_state,
@@ -47,3 +47,12 @@ from .rng import (
     set_tensor_parallel_rng_state,
     tensor_parallel_rng,
 )
+
+
+def __getattr__(name: str):
+    """`Partial` (0.2) warns and builds PartialGrad or KvReplica: param_kinds owns the alias."""
+    if name == "Partial":
+        from . import param_kinds
+
+        return param_kinds.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,9 +3,9 @@
 Read from the parameter kinds (no layer class is inspected):
 
     group            what must be identical                        entries
-    tensor-parallel  Replicated and whole-Partial parameters        norms, row-parallel biases, learned positions
-                     (every rank of the group)                      (replicated, or Partial under SP)
-    tensor-parallel  the k/v rows of a Partial with sharded_dim,    fused-QKV k/v replicas when p > num_kv_heads
+    tensor-parallel  Replicated and PartialGrad parameters          norms, row-parallel biases, learned positions
+                     (every rank of the group)                      (replicated, or PartialGrad under SP)
+    tensor-parallel  the rows of a KvReplica,                       fused-QKV k/v replicas when p > num_kv_heads
                      on the ranks that share its `slot`
     data-parallel    every parameter (the replicas are copies)      everything
 
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .collectives import all_gather_along_dim
-from .param_kinds import Partial, Sharded, local_rows, local_shard, parameter_kinds
+from .param_kinds import KvReplica, Sharded, local_rows, local_shard, parameter_kinds
 from .parallel_state import ProcessGroup, get_global_rank, group_size
 
 __all__ = ["AuditEntry", "replica_entries", "replica_mismatches"]
@@ -44,7 +44,7 @@ def replica_entries(model: nn.Module) -> tuple[list[AuditEntry], list[AuditEntry
     """(entries compared across the tensor-parallel group, entries compared across the data-parallel group)."""
     tensor_parallel = []
     for name, (param, kind) in parameter_kinds(model).items():  # FSDP2: the ranks of a tp group share a dp shard
-        if isinstance(kind, Partial) and kind.sharded_dim is not None:
+        if isinstance(kind, KvReplica):
             tensor_parallel.append(AuditEntry(f"{name}[k/v replica rows]", local_rows(param, kind.rows), kind.slot))
         elif not isinstance(kind, Sharded):
             tensor_parallel.append(AuditEntry(name, local_shard(param)[0]))

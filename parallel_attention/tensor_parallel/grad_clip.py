@@ -6,8 +6,8 @@ Each parameter counts once, as if the model were on one rank:
     kind                          this rank's share of sum |g|^q (q = norm_type)
     Sharded                       its whole local gradient (the shards add up over the group)
     Replicated                    all of it on tensor-parallel rank 0, nothing elsewhere
-    Partial, sharded_dim          all of it, minus (1 - 1/replicas) of the shared rows (k/v replicas)
-    Partial, whole                as Replicated (call after the shares are summed)
+    KvReplica                     all of it, minus (1 - 1/replicas) of the shared rows (k/v replicas)
+    PartialGrad                   as Replicated (call after the shares are summed)
     a DTensor gradient (FSDP2)    its local shard; the sum also runs over each mesh dimension it is Shard on
 
 inf-norm: the maximum of |g| over every local gradient and every rank (replicas change nothing). Call after
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_reduce_
-from .param_kinds import Partial, Sharded, is_distributed, local_rows, local_shard, parameter_kinds
+from .param_kinds import KvReplica, Sharded, is_distributed, local_rows, local_shard, parameter_kinds
 from .parallel_state import ProcessGroup, group_rank, group_size
 
 
@@ -50,7 +50,7 @@ def _share(grad: torch.Tensor, kind, q: float, tp_rank: int, tp_size: int) -> to
     total = _power_sum(local_shard(grad)[0], q)
     if isinstance(kind, Sharded) or math.isinf(q):
         return total
-    if isinstance(kind, Partial) and kind.sharded_dim is not None:  # shared rows inside a sharded tensor
+    if isinstance(kind, KvReplica):  # shared rows inside a sharded tensor
         replicas = tp_size // kind.num_slots
         return total - (1.0 - 1.0 / replicas) * _power_sum(local_rows(grad, kind.rows), q)
     return total if tp_rank == 0 else torch.zeros_like(total)  # identical on every rank

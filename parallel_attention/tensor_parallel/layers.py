@@ -18,7 +18,7 @@ from torch import nn
 from . import collectives
 from . import linear_functions as fn
 from .linear_functions import OVERLAP_COMM
-from .param_kinds import Partial, Replicated, Sharded
+from .param_kinds import PartialGrad, Replicated, Sharded
 from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 
 
@@ -150,7 +150,7 @@ class RowParallelLinear(_TensorParallelModule):
         """The bias is replicated; under sequence parallelism each rank's gradient covers only its tokens."""
         kinds = {"weight": Sharded(1, self.tp_group)}
         if self.bias is not None:
-            kinds["bias"] = Partial(self.tp_group) if self.sequence_parallel else Replicated(self.tp_group)
+            kinds["bias"] = PartialGrad(self.tp_group) if self.sequence_parallel else Replicated(self.tp_group)
         return kinds
 
     def extra_repr(self) -> str:

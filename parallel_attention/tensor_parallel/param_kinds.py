@@ -1,33 +1,38 @@
-"""Parameter kinds: each parallel module declares once what its parameters are; everyone reads that.
+"""Parameter kinds: each parallel module declares once what its parameters are; everyone reads that
+(docs/architecture.md, "Parameter kinds").
 
-    kind         on the ranks of the tensor-parallel group      gradient after backward
-    Sharded      this rank holds 1/p of it along `dim`          complete for this rank's part
-    Replicated   identical on every rank                        complete on every rank
-    Partial      identical on the ranks that share `slot`       each rank holds only its share: the
-                 (rows `rows`; outside them: sharded along      ranks of a slot sum rows `rows`
-                 `sharded_dim`, or nothing else when None)      (finalize_grads)
+    kind          on the ranks of the tensor-parallel group         gradient after backward
+    Sharded       this rank holds 1/p of it along `dim`             complete for this rank's part
+    Replicated    identical on every rank                           complete on every rank
+    PartialGrad   identical on every rank                           each rank holds only its share of the sum
+    KvReplica     rows `rows` identical on the ranks that share     the ranks of a slot each hold their share of
+                  `slot`; outside them sharded along `sharded_dim`  rows `rows`; the rest complete
 
-Partial parameters are what tensor parallelism leaves half-finished: under sequence parallelism a
-norm or the row-parallel output bias sees only this rank's tokens; when p > num_kv_heads each k/v
-replica in the fused QKV weight sees only this rank's queries. A module declares them with
-`parameter_kinds() -> {local name: kind}` (names relative to the module, so a module may declare
-its children's parameters: the outermost declaration wins). Parameters no module declares are
-Replicated (plain torch modules inside a tensor-parallel model: same seed, same values).
+PartialGrad and KvReplica are what tensor parallelism leaves half-finished: under sequence parallelism a
+norm or the row-parallel output bias sees only this rank's tokens (PartialGrad); when p > num_kv_heads each
+k/v replica in the fused QKV weight sees only this rank's queries (KvReplica). `finalize_grads` sums both.
+Neither is DTensor's `Partial` (pending sums of *values*): here the values are complete, only gradients are
+partial. A module declares kinds with `parameter_kinds() -> {local name: kind}` (names relative to the module,
+so a module may declare its children's parameters: the outermost declaration wins). Parameters no module
+declares are Replicated (plain torch modules inside a tensor-parallel model: same seed, same values).
 
-Readers: `finalize_grads` here, the global gradient norm (training.gradients), canonical
-(checkpoint) gathering (GPTModel.canonical_state_dict) and the replicated-parameter audit
-(tensor_parallel.audit); the sharded optimizer is to read it too. No reader inspects layer classes.
+Readers: `finalize_grads` here, the global gradient norm (`grad_clip`), canonical (checkpoint) gathering
+(GPTModel.canonical_state_dict) and the replicated-parameter audit (`audit`). No reader inspects layer classes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .collectives import all_reduce_
 from .parallel_state import ProcessGroup, group_size
+
+__all__ = ["KvReplica", "ParamKind", "PartialGrad", "Replicated", "Sharded", "finalize_grads", "is_distributed",
+           "local_rows", "local_shard", "parameter_kinds", "shared_rows"]
 
 
 @dataclass(frozen=True)
@@ -46,26 +51,68 @@ class Replicated:
 
 
 @dataclass(frozen=True)
-class Partial:
-    """Rows `rows` are replicated across the ranks of `group` that use slot `slot` (of `num_slots`), and
-    each rank's gradient of those rows is only its share of the sum.
+class PartialGrad:
+    """The same full parameter on every rank of `group`, but each rank's gradient is only its share of the sum
+    (its own tokens under sequence parallelism, its own heads for per-head norms).
 
-    Every rank of the group declares the same rows and `num_slots`; only `slot` differs. Outside
-    `rows` the parameter is sharded along `sharded_dim` (None: `rows` is the whole parameter).
-    reduced_in_backward: the module sums the shares inside its own backward (transformers models made
-    parallel by `hf.parallelize`, whose training loops never call finalize_grads): the gradient is complete
-    when backward returns, finalize_grads leaves it alone, and the norm still counts the shared rows once.
-    """
+    reduced_in_backward: the module sums the shares inside its own backward (transformers models made parallel
+    by `hf.parallelize`, whose training loops never call finalize_grads): finalize_grads leaves it alone."""
 
-    group: ProcessGroup | None
-    rows: slice = field(default_factory=lambda: slice(None))
-    slot: int = 0
-    num_slots: int = 1
-    sharded_dim: int | None = None
+    group: ProcessGroup | None = None
     reduced_in_backward: bool = False
 
 
-ParamKind = Sharded | Replicated | Partial
+@dataclass(frozen=True)
+class KvReplica:
+    """Rows `rows` of a parameter sharded along `sharded_dim` hold a k/v head that p > num_kv_heads replicates:
+    identical on the ranks that use slot `slot` (of `num_slots`, the k/v heads), each rank's gradient of them
+    only its share of the sum. Every rank of the group declares the same rows and `num_slots`; `slot` differs.
+
+    reduced_in_backward: as for PartialGrad; the norm still counts the shared rows once."""
+
+    group: ProcessGroup | None
+    rows: slice
+    slot: int
+    num_slots: int
+    sharded_dim: int = 0
+    reduced_in_backward: bool = False
+
+
+ParamKind = Sharded | Replicated | PartialGrad | KvReplica
+
+
+class _LegacyPartialMeta(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, (PartialGrad, KvReplica))
+
+
+class _LegacyPartial(metaclass=_LegacyPartialMeta):
+    """The 0.2 name `Partial`, split into PartialGrad and KvReplica: builds the one its arguments describe."""
+
+    def __new__(cls, group=None, rows=slice(None), slot=0, num_slots=1, sharded_dim=None,
+                reduced_in_backward=False):
+        if sharded_dim is None:
+            return PartialGrad(group, reduced_in_backward)
+        return KvReplica(group, rows, slot, num_slots, sharded_dim, reduced_in_backward)
+
+
+def __getattr__(name: str):
+    if name == "Partial":
+        warnings.warn("tensor_parallel.Partial is deprecated and goes in the next release: declare PartialGrad "
+                      "(a replicated parameter whose gradient is partial) or KvReplica (k/v replica rows).",
+                      DeprecationWarning, stacklevel=2)
+        return _LegacyPartial
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def shared_rows(kind: ParamKind) -> tuple[slice, int, int] | None:
+    """(rows, slot, num_slots) of a kind whose gradient finalize_grads must sum, None for the others: a
+    PartialGrad is all rows of one slot."""
+    if isinstance(kind, PartialGrad):
+        return slice(None), 0, 1
+    if isinstance(kind, KvReplica):
+        return kind.rows, kind.slot, kind.num_slots
+    return None
 
 
 def parameter_kinds(model: nn.Module) -> dict[str, tuple[nn.Parameter, ParamKind]]:
@@ -126,19 +173,21 @@ def finalize_grads(module: nn.Module) -> None:
     tensor-parallel sum and the data-parallel reduce-scatter commute, so each rank sums the partial rows
     its local shard holds (`local_rows`; the ranks of one tensor-parallel group hold the same rows).
     """
-    by_group: dict[int, list[tuple[nn.Parameter, Partial]]] = {}
+    by_group: dict[int, list[tuple]] = {}
     for param, kind in parameter_kinds(module).values():
-        if isinstance(kind, Partial) and is_distributed(kind) and not kind.reduced_in_backward:
-            by_group.setdefault(id(kind.group), []).append((param, kind))
+        shared = shared_rows(kind)
+        if shared is not None and is_distributed(kind) and not kind.reduced_in_backward:
+            by_group.setdefault(id(kind.group), []).append((param, kind.group, *shared))
     for entries in by_group.values():
-        views = [_grad_rows(param, kind.rows) for param, kind in entries]
-        sizes = [v.numel() * kind.num_slots for v, (_, kind) in zip(views, entries)]
+        views = [_grad_rows(param, rows) for param, _, rows, _, _ in entries]
+        sizes = [view.numel() * entry[4] for view, entry in zip(views, entries)]  # entry[4]: num_slots
         if not sum(sizes):  # FSDP2 left this rank no row of them (the ranks of one tp group share a dp rank)
             continue
         buffer = torch.zeros(sum(sizes), dtype=views[0].dtype, device=views[0].device)
-        offsets = [sum(sizes[:i]) + kind.slot * v.numel() for i, (v, (_, kind)) in enumerate(zip(views, entries))]
+        offsets = [sum(sizes[:i]) + entry[3] * view.numel()  # entry[3]: this rank's slot
+                   for i, (view, entry) in enumerate(zip(views, entries))]
         for view, start in zip(views, offsets):
             buffer[start:start + view.numel()].copy_(view.reshape(-1))
-        all_reduce_(buffer, entries[0][1].group)
+        all_reduce_(buffer, entries[0][1])
         for view, start in zip(views, offsets):
             view.copy_(buffer[start:start + view.numel()].view_as(view))

@@ -7,7 +7,7 @@ layout is written down once. Shapes: p tensor-parallel size, nh heads, nkv k/v h
     kind         canonical            shard of rank r
     column       [out, ...]           rows r*out/p ..            (ColumnParallelLinear weight/bias)
     row          [out, in]            columns r*in/p ..          (RowParallelLinear weight)
-    vocab        [V, h]               rows of the table padded to V_padded (zeros past V)
+    vocab        [V, h]               rows of the table padded to V_padded (`padded_vocab_size`, zeros past V)
     qkv          q [nh d, ...], k, v [nkv d, ...]
                                       [its q heads | its k heads | its v heads]; k/v replicated if p > nkv
                                       (checkpoint format 1 held per local group [q heads | k | v]:
@@ -35,6 +35,16 @@ def column_shard(t: torch.Tensor, p: int, rank: int) -> torch.Tensor:
 
 def row_shard(t: torch.Tensor, p: int, rank: int) -> torch.Tensor:
     return t.chunk(p, dim=1)[rank]
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The project's one vocabulary padding: round up to a multiple of 64 p, for GPTModel and for
+    `hf.parallelize` alike. Why 64 p: the table splits evenly over p ranks and each rank's [V_padded/p, h] GEMM
+    keeps a multiple of 64 rows (Megatron-LM pads to 128 p for the same reason); and GPTModel's checkpoint
+    shards (`model_tpNN`) hold V_padded/p rows, so this rule is part of the checkpoint format. The padding rows
+    are zeros that no token id reaches; canonical weights and saved transformers models drop them."""
+    multiple = 64 * tp_size
+    return multiple * -(-vocab_size // multiple)
 
 
 def vocab_shard(t: torch.Tensor, padded_size: int, p: int, rank: int) -> torch.Tensor:

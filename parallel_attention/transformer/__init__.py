@@ -7,6 +7,7 @@ canonical key layout (`model_layout`), and sampling (`generation`).
 May import `tensor_parallel` only.
 """
 
+from ..tensor_parallel.sharding import padded_vocab_size
 from .apex_kernels import apex_available
 from .attention import ParallelSelfAttention
 from .attention_config import AttentionConfig
@@ -17,4 +18,4 @@ from .kv_cache import KVCache
 from .mlp import ParallelMLP
 from .model import GPTModel
 from .model_config import ModelConfig
-from .model_layout import padded_vocab_size, shard_state_dict, state_dict_keys, unshard_state_dict
+from .model_layout import shard_state_dict, state_dict_keys, unshard_state_dict

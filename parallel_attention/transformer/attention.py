@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..tensor_parallel import sharding
 from .attention_config import AttentionConfig
 from .core_attention import build_core_attention
-from ..tensor_parallel.param_kinds import Partial
+from ..tensor_parallel.param_kinds import KvReplica
 from .kv_cache import LayerKVCache
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.collectives import all_gather_along_dim
@@ -197,12 +197,12 @@ class ParallelSelfAttention(nn.Module):
         return out
 
     def parameter_kinds(self) -> dict:
-        """Replicated k/v heads (p > nkv): each replica's rows of the fused QKV weight/bias are Partial
+        """Replicated k/v heads (p > nkv): each replica's rows of the fused QKV weight/bias are KvReplica
         (its gradient covers only this rank's queries); the other rows stay sharded."""
         if not self.kv_replicated or self.tp_size == 1:
             return {}
         d, qpg = self.config.head_dim, self.queries_per_group
-        kind = Partial(self.tp_group, rows=slice(qpg * d, (qpg + 2) * d),  # one local group: [q heads | k | v]
+        kind = KvReplica(self.tp_group, rows=slice(qpg * d, (qpg + 2) * d),  # one local group: [q heads | k | v]
                        slot=sharding.kv_heads_of_rank(self.config.num_kv_heads, self.tp_size, self.tp_rank)[0],
                        num_slots=self.config.num_kv_heads, sharded_dim=0)
         return {f"query_key_value.{name}": kind for name, _ in self.query_key_value.named_parameters()}

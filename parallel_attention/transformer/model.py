@@ -22,7 +22,7 @@ from torch import nn
 from ..tensor_parallel import collectives, sharding
 from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
-from ..tensor_parallel.param_kinds import Partial, Replicated, Sharded, parameter_kinds
+from ..tensor_parallel.param_kinds import PartialGrad, Replicated, Sharded, parameter_kinds
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_cp_group, resolve_tp_group
 from ..tensor_parallel.rng import checkpoint_with_tp_rng
 from .attention import ParallelSelfAttention
@@ -33,7 +33,7 @@ from .dropout import DropoutSite, build_hidden_dropout
 from .kv_cache import KVCache
 from .mlp import ParallelMLP
 from .model_config import ModelConfig
-from .model_layout import padded_vocab_size, shard_state_dict, unshard
+from .model_layout import shard_state_dict, unshard
 from .norms import build_norm
 
 
@@ -101,7 +101,7 @@ class GPTModel(nn.Module):
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
         self.vocab_size = cfg.vocab_size
-        self.padded_vocab_size = padded_vocab_size(cfg.vocab_size, self.tp_size)
+        self.padded_vocab_size = sharding.padded_vocab_size(cfg.vocab_size, self.tp_size)
         h, std = cfg.hidden_size, cfg.init_std
         # Construction order is the order the seeded generator is drawn in: it must not depend on p.
         self.embed_tokens = VocabParallelEmbedding(self.padded_vocab_size, h, init_std=None,
@@ -142,7 +142,7 @@ class GPTModel(nn.Module):
         """Learned positions are replicated; under SP each rank adds only its own positions' gradient."""
         if self.embed_positions is None:
             return {}
-        return {"embed_positions": Partial(self.tp_group) if self.sequence_parallel else Replicated(self.tp_group)}
+        return {"embed_positions": PartialGrad(self.tp_group) if self.sequence_parallel else Replicated(self.tp_group)}
 
     # ------------------------------------------------------------------------------ forward
     def _all_positions(self, table: torch.Tensor) -> torch.Tensor:

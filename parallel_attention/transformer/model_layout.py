@@ -19,12 +19,6 @@ _ATTN = re.compile(r"layers\.(\d+)\.attention\.(query_key_value|dense)\.(weight|
 _MLP = re.compile(r"layers\.(\d+)\.mlp\.(fc_in|fc_out)\.(weight|bias)")
 
 
-def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
-    """Round up to a multiple of 64 p: the embedding splits evenly and matmuls stay aligned."""
-    multiple = 64 * tp_size
-    return multiple * -(-vocab_size // multiple)
-
-
 def _mlp_names(cfg: ModelConfig) -> tuple[tuple[str, ...], str]:
     return (("gate_proj", "up_proj"), "down_proj") if cfg.activation == "swiglu" else (("fc_in",), "fc_out")
 
@@ -74,7 +68,7 @@ def shard(cfg: ModelConfig, key: str, canonical: dict[str, torch.Tensor], p: int
     kind, names = canonical_sources(cfg, key)
     tensors = [canonical[n] for n in names]
     if kind == "vocab":
-        return sharding.vocab_shard(tensors[0], padded_vocab_size(cfg.vocab_size, p), p, rank)
+        return sharding.vocab_shard(tensors[0], sharding.padded_vocab_size(cfg.vocab_size, p), p, rank)
     if kind == "qkv":
         attn = cfg.attention_config()
         return sharding.fuse_qkv(*tensors, attn.num_heads, attn.num_kv_heads, attn.head_dim, p, rank)

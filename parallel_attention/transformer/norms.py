@@ -2,7 +2,7 @@
 
 Under sequence parallelism a norm runs on this rank's [s/p, b, h] tokens with weights replicated
 across the tensor-parallel group, so its gradient is a partial sum: the norm declares its
-parameters Partial, and finalize_grads() completes them.
+parameters PartialGrad, and finalize_grads() completes them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel.param_kinds import Partial, Replicated
+from ..tensor_parallel.param_kinds import PartialGrad, Replicated
 from ..tensor_parallel.parallel_state import ProcessGroup, resolve_tp_group
 from .apex_kernels import fused_norms_module
 
@@ -28,7 +28,7 @@ class _Norm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if self.has_bias else None
 
     def parameter_kinds(self) -> dict:
-        kind = Partial(self.tp_group) if self.sequence_parallel else Replicated(self.tp_group)
+        kind = PartialGrad(self.tp_group) if self.sequence_parallel else Replicated(self.tp_group)
         return {name: kind for name, _ in self.named_parameters(recurse=False)}
 
     def extra_repr(self) -> str:
@@ -88,13 +88,18 @@ def build_norm(kind: str, hidden_size: int, eps: float, sequence_parallel: bool,
 
 
 class HeadRMSNorm(RMSNorm):
-    """RMSNorm over the head dim of q or k [s, b, heads, d] (Qwen3's q_norm / k_norm): one weight [d] shared by
-    every head. Each rank normalises only its own heads, so the gradient of the replicated weight is a partial
-    sum across the tensor-parallel group (with or without sequence parallelism): Partial, completed by
-    finalize_grads()."""
+    """RMSNorm over the head dim of q or k [..., heads, d] (Qwen3's q_norm / k_norm): one weight [d] shared by
+    every head, the project's one per-head norm (GPTModel's attention and `hf.parallelize`'s Qwen3 attention).
+    Each rank normalises only its own heads, so the gradient of the replicated weight is a partial sum across
+    the tensor-parallel group (with or without sequence parallelism): PartialGrad, completed by finalize_grads()
+    unless the owner completes it in its backward (`normalize` with a weight that went through a collective)."""
+
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x normalised and scaled by `weight` (this norm's own, or one an owner passed through a collective)."""
+        return _RMSNormFunction.apply(x, weight, self.eps)
 
     def parameter_kinds(self) -> dict:
-        return {"weight": Partial(self.tp_group)}
+        return {"weight": PartialGrad(self.tp_group)}
 
 
 class NoHeadNorm(nn.Module):
