@@ -25,6 +25,7 @@ from parallel_attention.training import (
 from parallel_attention.training.token_source import open_source
 from launch import ROOT
 from parallel_attention.training import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
+from parallel_attention.training.indexed_dataset import IndexedTokens
 from parallel_attention.training.token_files import DataFileError
 
 
@@ -86,7 +87,17 @@ def test_unknown_tokenizer_names_the_choices():
         get_tokenizer("sentencepiece")
 
 
-def test_prepare_writes_little_endian_uint16_with_checksums(corpus, tmp_path):
+def _shard_documents(out: Path, meta: dict) -> list[np.ndarray]:
+    """Every document of every shard, in order, each checked to end with the end-of-text token."""
+    docs = []
+    for shard in meta["shards"]:
+        tokens = IndexedTokens(out / shard["prefix"])
+        docs += [tokens.document(i) for i in range(tokens.num_documents)]
+    assert all(doc[-1] == meta["eot_token"] and meta["eot_token"] not in doc[:-1] for doc in docs)
+    return docs
+
+
+def test_prepare_writes_little_endian_uint16_shards_with_checksums(corpus, tmp_path):
     out = tmp_path / "out"
     meta = prepare_data(str(corpus), "byte", out, val_fraction=0.3)
     assert meta == json.loads((out / "meta.json").read_text())
@@ -94,24 +105,22 @@ def test_prepare_writes_little_endian_uint16_with_checksums(corpus, tmp_path):
     assert (meta["num_files"], meta["num_documents"]) == (3, 5)
     assert meta["skipped"] == {"files of another type": 1} and meta["skipped_examples"]["files of another type"] \
         == "ignored.bin"
-    for split in ("train", "val"):
-        path = out / f"{split}.bin"
-        assert path.stat().st_size == 2 * meta[f"num_{split}_tokens"] > 0
-        assert meta[f"{split}_sha256"] == _sha256(path)
-    train = np.fromfile(out / "train.bin", dtype="<u2")
-    val = np.fromfile(out / "val.bin", dtype="<u2")
-    # Every document ends in eot, and the two splits together hold exactly the corpus's documents.
-    docs = ByteTokenizer().decode(np.concatenate([train, val]).tolist()).split("\x00")
-    assert docs[-1] == "" and len(docs) - 1 == 5
-    assert sorted(docs[:-1])[0].startswith("document 0: héllo")
+    for shard in meta["shards"]:
+        path = out / f"{shard['prefix']}.bin"
+        assert path.stat().st_size == 2 * shard["num_tokens"] > 0
+        assert shard["bin_sha256"] == _sha256(path) and shard["idx_sha256"] == _sha256(path.with_suffix(".idx"))
+    assert np.array_equal(np.fromfile(out / "shard_00000.bin", dtype="<u2"), IndexedTokens(out / "shard_00000").tokens)
+    # Every document ends in eot, and the shards hold exactly the corpus's documents.
+    docs = [ByteTokenizer().decode(doc[:-1].tolist()) for doc in _shard_documents(out, meta)]
+    assert len(docs) == 5 and sorted(docs)[0].startswith("document 0: héllo")
     assert not list(out.glob(".*tmp*"))
 
 
 def test_prepare_is_deterministic(corpus, tmp_path):
     first = prepare_data(str(corpus), "byte", tmp_path / "one", val_fraction=0.3)
     second = prepare_data(str(corpus), "byte", tmp_path / "two", val_fraction=0.3)
-    for split in ("train", "val"):
-        assert (tmp_path / "one" / f"{split}.bin").read_bytes() == (tmp_path / "two" / f"{split}.bin").read_bytes()
+    for name in ("shard_00000.bin", "shard_00000.idx"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     assert first == second
 
 
@@ -136,15 +145,14 @@ def test_ensure_prepared_reuses_complete_data_and_refuses_what_it_did_not_prepar
                      max_bytes=None)
     meta = ensure_prepared(cfg)  # does not exist yet: prepared
     out = tmp_path / "out"
-    stamp = (out / "train.bin").stat().st_mtime_ns
-    assert ensure_prepared(cfg) == meta and (out / "train.bin").stat().st_mtime_ns == stamp  # complete: reused
+    stamp = (out / "shard_00000.bin").stat().st_mtime_ns
+    assert ensure_prepared(cfg) == meta and (out / "shard_00000.bin").stat().st_mtime_ns == stamp  # reused
     assert ensure_prepared(replace(cfg, bpe_vocab_size=300)) == meta  # a setting the byte tokenizer does not use
 
     # Other settings: refused before anything is written, naming the key, both values and the fix.
     before = _tree(out)
     for change, key, values in [({"max_bytes": 500}, "max_bytes", ("None", "500")),
                                 ({"text_field": "body"}, "text_field", ("'text'", "'body'")),
-                                ({"val_fraction": 0.1}, "val_fraction", ("0.3", "0.1")),
                                 ({"source": str(corpus / "sub")}, "source", (repr(str(corpus.resolve())),
                                                                    repr(str((corpus / "sub").resolve())))),
                                 ({"tokenizer": "bpe", "bpe_vocab_size": 300}, "tokenizer", ("'byte'", "'bpe'"))]:
@@ -173,16 +181,7 @@ def test_a_directory_of_every_format_gives_one_document_per_file_line_and_row(mi
     assert meta["skipped"] == {"bad JSON lines": 2, "binary or not UTF-8 files": 1, "empty files": 1}
     assert meta["skipped_examples"]["binary or not UTF-8 files"] == "binary.txt"
     assert meta["skipped_examples"]["bad JSON lines"].startswith("rows.jsonl:2")
-    found = []
-    for split in ("train", "val"):
-        data = TokenDataset(tmp_path / "out", split)
-        assert data.num_documents == meta[f"num_{split}_documents"] == len(data.doc_offsets)
-        assert data.doc_offsets[0] == 0 and np.all(np.diff(data.doc_offsets.astype(np.int64)) > 0)
-        for i in range(data.num_documents):  # the offsets index each document, which ends in the separator
-            doc = data.document(i)
-            assert doc[-1] == 0 and 0 not in doc[:-1]
-            found.append(ByteTokenizer().decode(doc[:-1].tolist()))
-        assert sum(len(data.document(i)) for i in range(data.num_documents)) == data.num_tokens
+    found = [ByteTokenizer().decode(doc[:-1].tolist()) for doc in _shard_documents(tmp_path / "out", meta)]
     assert sorted(found) == sorted(MIXED_DOCUMENTS)
 
 

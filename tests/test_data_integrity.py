@@ -15,10 +15,11 @@ import pytest
 
 from distributed import run_distributed
 from launch import ROOT, environment, torchrun_command
-from parallel_attention.training import ConfigError, DataConfig, TokenDataset, ensure_prepared, load_config, \
-    prepare_data, train_bpe
+from parallel_attention.training import ConfigError, DataConfig, ensure_prepared, load_config, prepare_data, \
+    train_bpe
 from parallel_attention.training import token_files
 from parallel_attention.training.token_files import SHA_CACHE, DataFileError, sha256_of
+from parallel_attention.training.token_source import open_source
 
 MAX_BYTES, VAL_FRACTION = 20_000, 0.05
 
@@ -35,16 +36,20 @@ def data_cfg(tmp_path) -> DataConfig:
     return cfg
 
 
+def _open(cfg: DataConfig, verify: bool = True):
+    return open_source(cfg.data_dir, cfg.val_fraction, (256, "byte"), verify=verify)
+
+
 def _zero(path: Path) -> None:
     path.write_bytes(bytes(path.stat().st_size))
 
 
 def test_a_same_size_zeroed_token_file_is_refused_naming_the_file_and_both_hashes(data_cfg):
-    train = Path(data_cfg.data_dir) / "train.bin"
-    recorded = json.loads((train.parent / "meta.json").read_text())["train_sha256"]
-    TokenDataset(data_cfg.data_dir, "train")  # hashed (and cached) while intact
+    train = Path(data_cfg.data_dir) / "shard_00000.bin"
+    recorded = json.loads((train.parent / "meta.json").read_text())["shards"][0]["bin_sha256"]
+    _open(data_cfg)  # hashed (and cached) while intact
     _zero(train)
-    for open_it in (lambda: TokenDataset(data_cfg.data_dir, "train"), lambda: ensure_prepared(data_cfg)):
+    for open_it in (lambda: _open(data_cfg), lambda: ensure_prepared(data_cfg)):
         with pytest.raises(DataFileError) as info:
             open_it()
         message = str(info.value)
@@ -55,11 +60,11 @@ def test_a_same_size_zeroed_token_file_is_refused_naming_the_file_and_both_hashe
 
 
 def test_the_hash_cache_is_used_only_while_the_file_is_unchanged(data_cfg, monkeypatch):
-    train = Path(data_cfg.data_dir) / "train.bin"
+    train = Path(data_cfg.data_dir) / "shard_00000.bin"
     monkeypatch.setattr(token_files, "_RACY_NS", 0)  # the file was written just now: trust the hash at once
     real = sha256_of(train)
     cache = json.loads((train.parent / SHA_CACHE).read_text())
-    cache["train.bin"]["sha256"] = "f" * 64
+    cache["shard_00000.bin"]["sha256"] = "f" * 64
     (train.parent / SHA_CACHE).write_text(json.dumps(cache))
     assert sha256_of(train) == "f" * 64  # unchanged (size, mtime, ctime, inode): not read again
     stat = train.stat()
@@ -69,10 +74,10 @@ def test_the_hash_cache_is_used_only_while_the_file_is_unchanged(data_cfg, monke
 
 
 def test_a_hash_taken_right_after_a_write_is_taken_again(data_cfg):
-    train = Path(data_cfg.data_dir) / "train.bin"
+    train = Path(data_cfg.data_dir) / "shard_00000.bin"
     sha256_of(train)
     cache = json.loads((train.parent / SHA_CACHE).read_text())
-    cache["train.bin"]["sha256"] = "f" * 64  # racy: hashed within _RACY_NS of the last write
+    cache["shard_00000.bin"]["sha256"] = "f" * 64  # racy: hashed within _RACY_NS of the last write
     (train.parent / SHA_CACHE).write_text(json.dumps(cache))
     assert sha256_of(train) != "f" * 64
 
@@ -82,7 +87,7 @@ def test_a_read_only_data_dir_just_has_no_cache(data_cfg, monkeypatch):
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(token_files.os, "replace", refuse)
-    TokenDataset(data_cfg.data_dir, "train")
+    _open(data_cfg)
     assert not list(Path(data_cfg.data_dir).glob(f"*{SHA_CACHE}*"))
 
 
@@ -93,8 +98,9 @@ def _tree(root: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("damage, why", [
     (lambda d: (d / "meta.json").unlink(), "meta.json missing"),
     (lambda d: (d / "meta.json").write_text('{"vocab_size": 2'), "is not a valid meta.json (JSONDecodeError"),
-    (lambda d: (d / "train.bin").write_bytes(b"0123456789"), "train.bin has 10 bytes, meta.json records "),
-    (lambda d: (d / "val.idx").unlink(), "val.idx missing"),
+    (lambda d: (d / "shard_00000.bin").write_bytes(b"0123456789"),
+     "shard_00000.bin has 10 bytes, meta.json records "),
+    (lambda d: (d / "shard_00000.idx").unlink(), "shard_00000.idx missing"),
 ])
 def test_a_damaged_directory_is_refused_naming_why_and_left_as_it_is(data_cfg, capfd, damage, why):
     data_dir = Path(data_cfg.data_dir)
@@ -132,17 +138,14 @@ def test_changed_settings_or_tokenizer_are_refused_naming_both(data_cfg, tmp_pat
 
 def test_ids_outside_the_vocabulary_name_the_data_file(data_cfg):
     data_dir = Path(data_cfg.data_dir)
-    meta = json.loads((data_dir / "meta.json").read_text())
-    del meta["train_sha256"]  # as data prepared by an old version, which recorded no hash
-    (data_dir / "meta.json").write_text(json.dumps(meta))
-    tokens = np.fromfile(data_dir / "train.bin", dtype="<u2")
+    tokens = np.fromfile(data_dir / "shard_00000.bin", dtype="<u2")
     tokens[5] = 300  # the byte tokenizer has 256
-    tokens.tofile(data_dir / "train.bin")
-    dataset = TokenDataset(data_dir, "train")
-    with pytest.raises(DataFileError, match=f"{data_dir / 'train.bin'} holds token id 300 .* outside the vocabulary "
-                                            r"\[0, 256\) its meta.json records: the file is corrupt"):
-        dataset.windows([0], 16)
-    assert dataset.windows([6], 16).shape == (1, 16)
+    tokens.tofile(data_dir / "shard_00000.bin")
+    stream = _open(data_cfg, verify=False).train  # read past the hashes, as a damaged copy might be
+    with pytest.raises(DataFileError, match=f"{data_dir / 'shard_00000.bin'} holds token id 300, outside the "
+                                            r"vocabulary \[0, 256\) of the tokenizer byte"):
+        stream.windows([0], 16)
+    assert stream.windows([6], 16).shape == (1, 16)
 
 
 @pytest.mark.parametrize("broken", ["tokenizer.json", "tokenizer_config.json"])
@@ -185,19 +188,19 @@ def test_every_rank_refuses_alike_whichever_rank_finds_the_fault(tmp_path):
     good, bad = tmp_path / "good", tmp_path / "bad"
     for path in (good, bad):
         prepare_data("stdlib", "byte", path, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
-    _zero(bad / "val.bin")
+    _zero(bad / "shard_00000.bin")
     cfg = _pretrain_config(good, tmp_path / "run")
     assert run_distributed(_build_data_on_each_rank, 2, 1, cfg, None) == [None, None]
     said = run_distributed(_build_data_on_each_rank, 2, 1, cfg, str(bad))  # only rank 1 finds it: no hang
-    assert said[0] == said[1] and str(bad / "val.bin") in said[0], said
+    assert said[0] == said[1] and str(bad / "shard_00000.bin") in said[0], said
     said = run_distributed(_build_data_on_each_rank, 2, 1, _pretrain_config(bad, tmp_path / "run"), None)
-    assert said[0] == said[1] and str(bad / "val.bin") in said[0], said  # rank 0 found it while preparing
+    assert said[0] == said[1] and str(bad / "shard_00000.bin") in said[0], said  # rank 0 found it first
 
 
 def test_pretraining_on_a_zeroed_token_file_stops_before_any_step_with_exit_2(tmp_path):
     data_dir = tmp_path / "data"
     prepare_data("stdlib", "byte", data_dir, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
-    _zero(data_dir / "train.bin")
+    _zero(data_dir / "shard_00000.bin")
     args = ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
             "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=4",
             "--training.micro_batch_size=2", "--training.max_steps=2", "--logging.progress_bar=false",
@@ -207,7 +210,7 @@ def test_pretraining_on_a_zeroed_token_file_stops_before_any_step_with_exit_2(tm
     result = subprocess.run(torchrun_command("pretrain.py", 2, args), cwd=ROOT, env=environment(),
                             capture_output=True, text=True, timeout=240)
     said = [line for line in result.stderr.splitlines() if line.startswith("config error: ")]
-    assert len(said) == 1 and f"{data_dir / 'train.bin'} has sha256 " in said[0], result.stderr[-4000:]
+    assert len(said) == 1 and f"{data_dir / 'shard_00000.bin'} has sha256 " in said[0], result.stderr[-4000:]
     exit_codes = [line.split(":")[1].split()[0] for line in result.stderr.splitlines() if "exitcode  :" in line]
     assert exit_codes == ["2", "2"], result.stderr[-4000:]
     # torchrun prints its own ChildFailedError traceback; none comes from the package or the script

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from launch import ROOT, torchrun
-from parallel_attention.training import (ConfigError, DataConfig, HFTokenizer, TokenDataset, ensure_prepared,
-                                         get_tokenizer, load_config, prepare_data, train_bpe)
+from parallel_attention.training import (ConfigError, DataConfig, HFTokenizer, ensure_prepared, get_tokenizer,
+                                         load_config, prepare_data, train_bpe)
+from parallel_attention.training.indexed_dataset import IndexedTokens
 
 TEXTS = [f"def function_{i}(x):\n    return x * {i} + len('héllo wörld')\n" for i in range(60)]
 TEXTS += ["The quick brown fox jumps over the lazy dog. " * 5, "import os\nimport sys\nprint(os.getcwd())\n"]
@@ -53,13 +54,13 @@ def test_prepare_with_bpe_is_deterministic_for_any_worker_count(jsonl_corpus, tm
     two = prepare_data(str(jsonl_corpus), "bpe", tmp_path / "two", val_fraction=0.1, text_field="body",
                        bpe_vocab_size=320, num_workers=2)
     assert one == two and one["tokenizer"] == "bpe" and one["vocab_size"] == 320
-    for name in ("tokenizer.json", "train.bin", "train.idx", "val.bin", "val.idx"):
+    for name in ("tokenizer.json", "shard_00000.bin", "shard_00000.idx"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
     tok = get_tokenizer("bpe", tmp_path / "one")
-    train = TokenDataset(tmp_path / "one", "train")
-    assert one["num_documents"] == len(TEXTS) * 4
-    for i in (0, 1, train.num_documents - 1):  # every document is its text, then the EOS
-        doc = train.document(i)
+    shard = IndexedTokens(tmp_path / "one" / "shard_00000")
+    assert one["num_documents"] == len(TEXTS) * 4 == shard.num_documents
+    for i in (0, 1, shard.num_documents - 1):  # every document is its text, then the EOS
+        doc = shard.document(i)
         assert doc[-1] == tok.eot_token and tok.eot_token not in doc[:-1]
         assert tok.decode(doc[:-1].tolist()) in TEXTS
 
@@ -87,8 +88,8 @@ def test_a_saved_tokenizer_directory_is_a_tokenizer(jsonl_corpus, tmp_path):
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").read_bytes() == (saved / "tokenizer.json").read_bytes()
     assert (tmp_path / "run" / "tokenizer" / "tokenizer_config.json").is_file()
     assert isinstance(get_tokenizer(str(tmp_path / "run" / "tokenizer")), HFTokenizer)
-    stamp = (tmp_path / "data" / "train.bin").stat().st_mtime_ns
-    assert ensure_prepared(cfg) == meta and (tmp_path / "data" / "train.bin").stat().st_mtime_ns == stamp
+    stamp = (tmp_path / "data" / "shard_00000.bin").stat().st_mtime_ns
+    assert ensure_prepared(cfg) == meta and (tmp_path / "data" / "shard_00000.bin").stat().st_mtime_ns == stamp
 
     # A changed tokenizer file is refused, though its path is the same: the data's ids are the old tokenizer's.
     train_bpe(iter(TEXTS), 290, saved / "tokenizer.json")

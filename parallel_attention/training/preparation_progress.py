@@ -31,16 +31,19 @@ class PreparationBar:
     def update(self, num_tokens: int) -> None:
         self.documents += 1
         self.tokens += num_tokens
-        now = time.perf_counter()
-        if self._bar is None or self._bar.disable or now - self._shown < _REFRESH_S:
-            return
-        self._shown = now
+        if self._bar is not None and not self._bar.disable and time.perf_counter() - self._shown >= _REFRESH_S:
+            self._show()
+
+    def _show(self) -> None:
+        self._shown = now = time.perf_counter()
         self._bar.update(self.corpus.stats.num_bytes - self._bar.n)
-        self._bar.set_postfix_str(f"{self.documents:,} docs, {self.tokens / (now - self._start):,.0f} tok/s",
+        self._bar.set_postfix_str(f"{self.documents:,} docs, {self.tokens / max(now - self._start, 1e-9):,.0f} tok/s",
                                   refresh=False)
 
     def close(self) -> None:
         if self._bar is not None:
+            if not self._bar.disable:
+                self._show()  # the last figures
             self._bar.close()
 
 
