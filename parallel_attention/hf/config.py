@@ -2,7 +2,8 @@
 
     Llama family  LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM: rotary over the
                   whole head (rotate-half form; rope_type default or llama3), RMSNorm, SwiGLU, grouped-query
-                  attention, no hidden dropout; the biases and q/k norms of each are in `family_tables`
+                  attention, no hidden dropout; the biases and q/k norms of each are in `family_tables`,
+                  the architectures in `families`
     GPT-2         GPT2LMHeadModel: learned positions, LayerNorm with bias, GELU (tanh form), biases everywhere
 
 Reading is explicit: every field that changes the forward is either mapped to a ModelConfig field or
@@ -24,7 +25,8 @@ from typing import Any
 from ..checkpointing.tensor_io import size_of
 from ..transformer.model_config import ModelConfig
 from .export_config import hf_config_from_model, infer_architecture
-from .family_tables import CARRIED, DEFAULTS, FAMILY, MODEL_TYPE, NOT_MATH, architecture_of
+from .families import DEFAULTS, FAMILY, MODEL_TYPE, architecture_of
+from .family_tables import CARRIED, NOT_MATH
 from .rope_config import rope_from_hf
 
 __all__ = ["CARRIED", "DEFAULTS", "FAMILY", "MODEL_TYPE", "architecture_of", "hf_config_from_model",

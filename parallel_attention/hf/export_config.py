@@ -11,7 +11,8 @@ import warnings
 from typing import Any
 
 from ..transformer.model_config import ModelConfig
-from .family_tables import CARRIED, FAMILY, MODEL_TYPE, architecture_of
+from .families import FAMILY, MODEL_TYPE, architecture_of
+from .family_tables import CARRIED
 from .rope_config import rope_to_hf
 
 # (qkv_bias, out_bias, mlp_bias, qk_norm) each architecture can hold; None: either value

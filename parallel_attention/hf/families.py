@@ -1,4 +1,6 @@
-"""The transformers families `parallelize` knows: where each keeps its pieces, and how to read its attention.
+"""The supported transformers architectures, the one registry (`FAMILIES`): for the converter, each one's
+model_type, weight-rule table (`weights`) and config class defaults (`family_tables`); for `parallelize`, where
+it keeps its pieces and how to read its attention.
 
     architecture         layers           attention   embedding            q/k/v              extra
     LlamaForCausalLM     model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   rope scaling, biases
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import family_tables as tables
 from .tp_mlp import Conv1DMLP, GatedMLP
 
 
@@ -110,8 +113,13 @@ class GPT2AttentionSource(_AttentionSource):
 
 @dataclass(frozen=True)
 class Family:
-    """Where a family keeps its pieces (attribute paths from the *ForCausalLM) and how to read them."""
+    """One architecture: what its config.json says (`model_type`, the class `defaults` of its fields), which
+    weight-rule table converts its files (`weights`: "llama" or "gpt2"), and where it keeps its pieces
+    (attribute paths from the *ForCausalLM) and how to read them."""
 
+    model_type: str
+    weights: str
+    defaults: dict
     decoder: str  # the base model inside the *ForCausalLM
     layers: str
     embedding: str
@@ -123,15 +131,35 @@ class Family:
         return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
 
 
-_LLAMA_LIKE = dict(decoder="model", layers="layers", embedding="embed_tokens", attention="self_attn", mlp=GatedMLP)
+_LLAMA_LIKE = dict(weights="llama", decoder="model", layers="layers", embedding="embed_tokens", attention="self_attn",
+                   mlp=GatedMLP)
 FAMILIES = {
-    "LlamaForCausalLM": Family(attention_source=LlamaAttentionSource(), **_LLAMA_LIKE),
-    "MistralForCausalLM": Family(attention_source=MistralAttentionSource(), **_LLAMA_LIKE),
-    "Qwen2ForCausalLM": Family(attention_source=LlamaAttentionSource(), **_LLAMA_LIKE),
-    "Qwen3ForCausalLM": Family(attention_source=LlamaAttentionSource(), **_LLAMA_LIKE),
-    "GPT2LMHeadModel": Family(decoder="transformer", layers="h", embedding="wte", attention="attn",
-                              attention_source=GPT2AttentionSource(), mlp=Conv1DMLP),
+    "LlamaForCausalLM": Family("llama", defaults=tables.LLAMA, attention_source=LlamaAttentionSource(), **_LLAMA_LIKE),
+    "MistralForCausalLM": Family("mistral", defaults=tables.MISTRAL, attention_source=MistralAttentionSource(),
+                                 **_LLAMA_LIKE),
+    "Qwen2ForCausalLM": Family("qwen2", defaults=tables.QWEN2, attention_source=LlamaAttentionSource(),
+                               **_LLAMA_LIKE),
+    "Qwen3ForCausalLM": Family("qwen3", defaults=tables.QWEN3, attention_source=LlamaAttentionSource(),
+                               **_LLAMA_LIKE),
+    "GPT2LMHeadModel": Family("gpt2", weights="gpt2", defaults=tables.GPT2, decoder="transformer", layers="h",
+                              embedding="wte", attention="attn", attention_source=GPT2AttentionSource(),
+                              mlp=Conv1DMLP),
 }
+# the converter's views of the registry: architecture -> weight-rule table, model_type, config class defaults
+FAMILY = {arch: family.weights for arch, family in FAMILIES.items()}
+MODEL_TYPE = {arch: family.model_type for arch, family in FAMILIES.items()}
+DEFAULTS = {arch: family.defaults for arch, family in FAMILIES.items()}
+
+
+def architecture_of(hf: dict) -> str:
+    """The supported architecture config.json names (or its model_type implies); ValueError otherwise."""
+    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+    if not archs:
+        archs = [a for a, t in MODEL_TYPE.items() if t == model_type][:1] or [None]
+    if len(archs) != 1 or archs[0] not in FAMILY or MODEL_TYPE[archs[0]] != model_type:
+        raise ValueError(f"unsupported architecture {archs} (model_type {model_type!r}): this converter reads "
+                         f"{', '.join(f'{a} (model_type {t!r})' for a, t in MODEL_TYPE.items())}.")
+    return archs[0]
 
 
 def family_of(model: nn.Module) -> Family:

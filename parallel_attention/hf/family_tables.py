@@ -1,4 +1,5 @@
-"""The architectures the Hugging Face converter reads and writes, and the class defaults of their config fields.
+"""The class defaults of the config fields of each architecture the Hugging Face converter reads and writes, and
+the fields it ignores or carries. Which architectures those are is `families.FAMILIES`, the one registry.
 
     architecture         model_type  weights   what it adds to the Llama block
     LlamaForCausalLM     llama       llama     attention_bias (q, k, v and o together), mlp_bias
@@ -12,32 +13,25 @@ A field absent from config.json takes the Hugging Face class default listed here
 
 from __future__ import annotations
 
-FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-          "Qwen3ForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
-MODEL_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-              "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2"}
-
 # Hugging Face class defaults of the fields read (what from_pretrained assumes when a field is absent).
-_LLAMA = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-              num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
-              max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
-              mlp_bias=False, attention_dropout=0.0, initializer_range=0.02, rope_theta=10000.0,
-              rope_scaling=None, rope_parameters=None, partial_rotary_factor=None, pretraining_tp=1)
-_MISTRAL = {**{k: v for k, v in _LLAMA.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")},
-            "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
-            "sliding_window": 4096}
-_QWEN2 = {**{k: v for k, v in _LLAMA.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")},
-          "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
-          "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
-          "max_window_layers": 28, "layer_types": None}
-_QWEN3 = {**_QWEN2, "head_dim": 128, "attention_bias": False}
-_GPT2 = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
-             activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
-             layer_norm_epsilon=1e-5, initializer_range=0.02, scale_attn_weights=True,
-             scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, add_cross_attention=False,
-             tie_word_embeddings=True)
-DEFAULTS = {"LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _MISTRAL, "Qwen2ForCausalLM": _QWEN2,
-            "Qwen3ForCausalLM": _QWEN3, "GPT2LMHeadModel": _GPT2}
+LLAMA = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+             num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+             max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+             mlp_bias=False, attention_dropout=0.0, initializer_range=0.02, rope_theta=10000.0,
+             rope_scaling=None, rope_parameters=None, partial_rotary_factor=None, pretraining_tp=1)
+MISTRAL = {**{k: v for k, v in LLAMA.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")},
+           "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+           "sliding_window": 4096}
+QWEN2 = {**{k: v for k, v in LLAMA.items() if k not in ("attention_bias", "mlp_bias", "pretraining_tp")},
+         "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+         "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+         "max_window_layers": 28, "layer_types": None}
+QWEN3 = {**QWEN2, "head_dim": 128, "attention_bias": False}
+GPT2 = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
+            activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+            layer_norm_epsilon=1e-5, initializer_range=0.02, scale_attn_weights=True,
+            scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, add_cross_attention=False,
+            tie_word_embeddings=True)
 
 # Fields that do not change the forward: identity, bookkeeping, generation, other heads of GPT-2.
 NOT_MATH = {"architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
@@ -48,13 +42,3 @@ NOT_MATH = {"architectures", "model_type", "transformers_version", "_name_or_pat
             "summary_proj_to_labels", "summary_first_dropout"}
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept from the source config on export
 
-
-def architecture_of(hf: dict) -> str:
-    """The supported architecture config.json names (or its model_type implies); ValueError otherwise."""
-    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
-    if not archs:
-        archs = [a for a, t in MODEL_TYPE.items() if t == model_type][:1] or [None]
-    if len(archs) != 1 or archs[0] not in FAMILY or MODEL_TYPE[archs[0]] != model_type:
-        raise ValueError(f"unsupported architecture {archs} (model_type {model_type!r}): this converter reads "
-                         f"{', '.join(f'{a} (model_type {t!r})' for a, t in MODEL_TYPE.items())}.")
-    return archs[0]

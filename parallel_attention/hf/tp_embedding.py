@@ -7,8 +7,8 @@
                        Y_r is pinned to them: the model's loss reads Y_r alone (`tp_loss`), so its gradient never
                        spans the vocabulary
 
-The table is padded with zero rows to V_padded (`sharding.padded_vocab_size`, the one rule GPTModel uses too); the padding's logits are cut off after the
-gather. With tied embeddings the head holds the embedding's very Parameter (one shard, one gradient).
+The table is padded with zero rows to V_padded (`sharding.padded_vocab_size`, the one rule GPTModel uses too); the
+padding's logits are cut off after the gather. With tied embeddings the head holds the embedding's very Parameter (one shard, one gradient).
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class VocabParallelHead(ColumnParallelLinear):
         return self._logits(x)
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
-        """p = 1: the logits are the GEMM's output; transformers' loss reads them directly."""
-        return self._linear(x, self.weight, self.bias)
+        """p = 1: the logits are the GEMM's output over the table's first V rows (the padding is not read), so
+        transformers' loss reads them directly."""
+        return self._linear(x, self.weight[:self.vocab_size], self.bias)
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         full, local = vocab_major_logits(x.reshape(-1, x.shape[-1]), self.weight, self.tp_group)
