@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from launch import ROOT, torchrun
+from parallel_attention.training.data_identity import keep_run_tokenizer
+from parallel_attention.training.token_source import open_source
 from parallel_attention.training import (ConfigError, DataConfig, HFTokenizer, ensure_prepared, get_tokenizer,
                                          load_config, prepare_data, train_bpe)
 from parallel_attention.training.indexed_dataset import IndexedTokens
@@ -83,8 +85,11 @@ def test_a_saved_tokenizer_directory_is_a_tokenizer(jsonl_corpus, tmp_path):
     train_bpe(iter(TEXTS), 280, saved / "tokenizer.json")
     cfg = DataConfig(source=str(jsonl_corpus), tokenizer=str(saved), data_dir=str(tmp_path / "data"),
                      text_field="body", max_bytes=None, num_workers=1)
-    meta = ensure_prepared(cfg, tokenizer_dir=tmp_path / "run" / "tokenizer")
+    meta = ensure_prepared(cfg)
     assert meta["tokenizer"] == str((saved / "tokenizer.json").resolve()) and meta["vocab_size"] == 280
+    run_cfg = load_config(None, [f"--data.data_dir={cfg.data_dir}", f"--data.tokenizer={saved}",
+                                 f"--logging.run_dir={tmp_path / 'run'}"])
+    keep_run_tokenizer(run_cfg, [open_source(cfg.data_dir, 0.02, (280, str(saved)))])  # what a run keeps
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").read_bytes() == (saved / "tokenizer.json").read_bytes()
     assert (tmp_path / "run" / "tokenizer" / "tokenizer_config.json").is_file()
     assert isinstance(get_tokenizer(str(tmp_path / "run" / "tokenizer")), HFTokenizer)

@@ -13,7 +13,7 @@ from .config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, M
                      save_config)
 from .corpus import Corpus, CorpusStats
 from .batches import GlobalBatchSampler, validation_batches
-from .data import TokenDataset, ensure_prepared, prepare_data, read_meta
+from .data import ensure_prepared, prepare_data, read_meta
 from .data_parallel import wrap_data_parallel
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
 from .optim import build_optimizer, learning_rate

@@ -22,8 +22,8 @@ from ..checkpointing.tensor_io import file_digest
 from .config_checks import ConfigError
 from .tokenizer import TokenizerUnavailableError
 
-__all__ = ["REFUSALS", "DataFileError", "check_ids_in_vocab", "meta_and_reason", "prepare_again", "refusal_message",
-           "settings_changed", "sha256_of", "verify_files", "verify_sha256"]
+__all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "refuse_other_settings",
+           "sha256_of", "verify_files", "verify_sha256"]
 
 META = "meta.json"
 FORMAT_VERSION = 2  # shards in Megatron-LM's indexed-dataset format; 1 (no "format_version" key): train/val .bin
@@ -116,9 +116,13 @@ def refuse_other_settings(data_dir, meta: dict, wanted: dict) -> None:
                 f"{meta.get(key)}: the tokenizer changed since the data was prepared, and its ids would not mean what "
                 f"the data's ids mean. Use the tokenizer the data was prepared with, point data.data_dir at another "
                 f"directory (it is prepared there), or delete {data_dir} to prepare it again.")
+        tokenizer = str(meta.get("tokenizer")) + (f" (tokenizer.json sha256 {meta['tokenizer_sha256']})"
+                                                  if meta.get("tokenizer_sha256") else "")
         raise DataFileError(
             f"data.data_dir={str(data_dir)!r} holds data prepared with data.{key}={meta.get(key)!r}, but the config "
-            f"gives data.{key}={value!r}. A run never rewrites data it did not prepare: set data.{key}="
+            f"gives data.{key}={value!r} (that data's tokenizer: {tokenizer}"
+            + ("; data.tokenizer=bpe would train another one on the new data" if wanted.get("tokenizer") == "bpe"
+               else "") + f"). A run never rewrites data it did not prepare: set data.{key}="
             f"{_yaml(meta.get(key))} to train on this data, point data.data_dir at another directory (it is prepared "
             f"there), or delete {data_dir} to prepare it again.")
 
@@ -176,16 +180,6 @@ def _check_offsets(data_dir: Path, meta: dict, split: str) -> None:
         raise DataFileError(f"{path} does not hold increasing document offsets from 0 inside the "
                             f"{meta[f'num_{split}_tokens']} tokens of {split}.bin: the file changed after it was "
                             f"prepared; {prepare_again(data_dir, meta)}.")
-
-
-def check_ids_in_vocab(rows: np.ndarray, vocab_size: int, path: Path, offsets) -> None:
-    """DataFileError naming `path` if a token id read from it lies outside [0, vocab_size) of its meta.json."""
-    if rows.size and int(rows.max()) >= vocab_size:
-        row = int(np.argmax(rows.max(axis=1) >= vocab_size))
-        value = int(rows[row].max())
-        raise DataFileError(f"{path} holds token id {value} (in the window at token {int(offsets[row])}), outside "
-                            f"the vocabulary [0, {vocab_size}) its meta.json records: the file is corrupt, not "
-                            f"the tokenizer; {prepare_again(path.parent)}.")
 
 
 def sha256_of(path: Path) -> str:
