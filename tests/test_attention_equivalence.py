@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import parallel_attention as pa
+from parallel_attention.check.reference import reference_attention
 from distributed import backend_for, device_params, local_device, run_distributed
-from reference_attention import expected_fused_rows, reference_attention
+from fused_rows import expected_fused_rows
 
 # float32 module vs float64 reference: each output element sums ~h*d products with ~1e-7
 # relative rounding each, so errors sit near 1e-6 of the largest value; 1e-5 leaves margin

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import parallel_attention as pa
-from collective_counter import count_collectives
+from parallel_attention.check.collective_counter import count_collectives
 from distributed import backend_for, device_params, local_device, run_distributed
 
 GQA = dict(hidden_size=24, num_heads=8, num_kv_heads=2, head_dim=6, rotary=True)

@@ -12,15 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from collective_counter import count_collectives
 from distributed import run_distributed
-from reference_attention import expected_fused_rows, reference_attention
+from fused_rows import expected_fused_rows
 
 import parallel_attention as pa
 from parallel_attention.transformer.context_parallel import (gather_from_context_parallel, split_for_context_parallel,
                                                              zigzag_indices)
 from parallel_attention.transformer.context_parallel.ring_attention import BlockMasks, RingPlan
 from parallel_attention.transformer.documents import DocumentLayout
+from parallel_attention.check.reference import reference_attention
+from parallel_attention.check.collective_counter import count_collectives
 
 S, B, H, D = 16, 2, 20, 6
 TOL = dict(rtol=1e-10, atol=1e-10)  # float64: the ring merges partial softmaxes by lse, another summation order

@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from collective_counter import count_collectives
 from distributed import run_distributed
 
 import parallel_attention as pa
 from parallel_attention.tensor_parallel.rng import dropout_coordinates
+from parallel_attention.check.collective_counter import count_collectives
 
 LAYERS = 2
 SPEC = dict(vocab_size=37, hidden_size=24, num_layers=LAYERS, num_heads=4, num_kv_heads=2, activation="swiglu",

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from reference_attention import expected_fused_rows, reference_attention
+from fused_rows import expected_fused_rows
 from torch.distributed.device_mesh import init_device_mesh
 
 import parallel_attention as pa
+from parallel_attention.check.reference import reference_attention
 
 S, B, H, NH, NKV = 6, 3, 20, 4, 2
 TOL = dict(rtol=1e-10, atol=1e-10)  # float64; the sharded block sums per-rank partials in another order

@@ -12,7 +12,8 @@ import parallel_attention as pa
 from parallel_attention.tensor_parallel.rng import dropout_coordinates
 from parallel_attention.transformer import causal_chunks
 from parallel_attention.transformer.documents import DocumentLayout, check_document_ids
-from reference_attention import expected_fused_rows, reference_attention
+from parallel_attention.check.reference import reference_attention
+from fused_rows import expected_fused_rows
 
 # ids per row: lengths 1, 70 (across the chunk boundary at 64), 3, 1, 55, 10 in row 0; other ones in row 1
 LENGTHS = [[1, 70, 3, 1, 55, 10], [130, 1, 9]]  # 130: a document chunked inside (>= 2 * CHUNK_ROWS)

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from collective_counter import count_collectives
 from distributed import run_distributed
 from rank_pool import RankPool
 
 import parallel_attention as pa
+from parallel_attention.check.collective_counter import count_collectives
 from parallel_attention.tensor_parallel.linear_functions import local_linear
 from parallel_attention.tensor_parallel.collectives import (CollectiveMismatchError, CollectiveTimeoutError,
                                                             all_reduce_, copy_to_tensor_parallel_region,

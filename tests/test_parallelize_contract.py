@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import parallel_attention as pa
-from collective_counter import count_collectives
+from parallel_attention.check.collective_counter import count_collectives
 from distributed import run_distributed
 from hf_fixtures import VOCAB, build
 

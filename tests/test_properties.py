@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 import parallel_attention as pa
 from parallel_attention import load_config
 from parallel_attention.training import PretrainConfig
+from parallel_attention.check.reference import reference_attention
 from rank_pool import RankPool
-from reference_attention import reference_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "gpt_tiny.yaml"

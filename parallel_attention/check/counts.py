@@ -1,13 +1,14 @@
 """(d) One attention block issues exactly the documented collectives, all on the tensor-parallel group.
 
-Expected, per attention block (DESIGN.md, "Minimal communication"):
+Expected, per attention block (docs/architecture.md, "Where sequence parallelism is decided"):
 
     p = 1                   forward: none                               backward: none
     p > 1                   forward: 1 all-reduce                       backward: 1 all-reduce
-    p > 1, sequence par.    forward: 1 all-gather + 1 reduce-scatter    backward: the same
+    p > 1, sequence par.    forward: 1 all-gather + 1 reduce-scatter    backward: 2 all-gathers + 1 reduce-scatter
+                                                                        (QKV re-gathers its input: Korthikanti)
 
-Counted by wrapping torch.distributed's collective functions for the duration of one forward and,
-separately, one backward; a collective on another group is counted under `name@other-group`.
+Counted by `collective_counter` for the duration of one forward and, separately, one backward; a collective on
+another group is counted under `name@other-group`.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import contextlib
 from collections import Counter
 
 import torch
-import torch.distributed as dist
 
 from ..tensor_parallel import manual_seed
 from ..transformer import AttentionConfig, ParallelSelfAttention
+from .collective_counter import count_collectives as count_calls
 from .context import BATCH, CheckContext, attention_cases, my_chunk, seq_len
 
 # every spelling torch has had, counted under one name each
@@ -42,25 +43,15 @@ def expected_counts(p: int, sequence_parallel: bool) -> tuple[Counter, Counter]:
 
 
 @contextlib.contextmanager
-def count_collectives(tp_group):
-    """Yields a Counter of the collectives called inside the block (name, or name@other-group)."""
-    counts: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in _KIND if hasattr(dist, name)}
-
-    def counted(name, fn):
-        def call(*args, **kwargs):
-            on_tp = kwargs.get("group") is tp_group and tp_group is not None
-            counts[_KIND[name] if on_tp else f"{_KIND[name]}@other-group"] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
-    try:
-        yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+def count_collectives(group):
+    """The library's counter (`collective_counter`) under the self-check's names, one per kind of collective
+    (isend and send are both "send"); calls on another group count under `kind@other-group`."""
+    kinds: Counter = Counter()
+    with count_calls(group) as calls:
+        yield kinds
+    for name, n in calls.items():
+        op, at, other = name.partition("@")
+        kinds[_KIND[op] + at + other] += n
 
 
 def _describe(counts: Counter) -> str:

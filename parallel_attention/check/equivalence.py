@@ -41,7 +41,8 @@ def mis_shard(module: ParallelSelfAttention, weights: dict[str, torch.Tensor]) -
 def _attention_reference(cfg, weights, x, upstream, mask):
     weights = {k: v.clone().requires_grad_() for k, v in weights.items()}
     x = x.clone().requires_grad_()
-    out = reference_attention(x, weights, cfg, mask)
+    out = reference_attention(x, weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.causal, mask, cfg.rotary,
+                              theta=cfg.rope_theta)
     (out * upstream).sum().backward()
     return out.detach(), x.grad, {k: v.grad for k, v in weights.items()}
 
