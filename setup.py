@@ -3,6 +3,10 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+# the range parallelize is tested on (it reads transformers' private attention API: parallel_attention/hf/
+# transformers_api.py checks the same range at run time)
+TRANSFORMERS = "transformers>=5.0,<6"
+
 
 def read_version() -> str:
     """__version__ from parallel_attention/version.py, read as text: importing the package would need torch."""
@@ -23,11 +27,11 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy", "pyyaml", "safetensors", "matplotlib", "tqdm", "tokenizers"],
     extras_require={
-        "hf": ["transformers>=4.45"],
+        "hf": [TRANSFORMERS],
         "tb": ["tensorboard"],
         "data": ["pyarrow", "datasets"],  # .parquet corpora, datasets save_to_disk directories
         # the baselines of benchmarks/benchmark_attention.py (fairscale) and benchmark_training.py (transformers)
-        "bench": ["fairscale==0.4.13", "transformers>=4.45", "accelerate"],  # accelerate: transformers' tp_plan
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", "transformers>=4.45", "accelerate", "tensorboard", "pyarrow", "datasets"],
+        "bench": ["fairscale==0.4.13", TRANSFORMERS, "accelerate"],  # accelerate: transformers' tp_plan
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", TRANSFORMERS, "accelerate", "tensorboard", "pyarrow", "datasets"],
     },
 )

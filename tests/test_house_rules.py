@@ -183,3 +183,12 @@ def test_import_needs_no_optional_dependency():
     assert _printed_by_a_fresh_interpreter(
         "import sys, parallel_attention; optional = ('transformers', 'tensorboard', 'tokenizers', 'fairscale', "
         "'apex', 'matplotlib'); print([m for m in sys.modules if m.split('.')[0] in optional])") == "[]"
+
+
+def test_transformers_private_names_go_through_one_adapter():
+    """apply_rotary_pos_emb, eager_attention_forward, ALL_ATTENTION_FUNCTIONS and config._attn_implementation are
+    transformers' private API: only hf/transformers_api.py (which checks the version) reads them."""
+    private = ("apply_rotary_pos_emb", "eager_attention_forward", "ALL_ATTENTION_FUNCTIONS", "_attn_implementation")
+    readers = {str(p.relative_to(PACKAGE)) for p in SOURCES for name in private
+               if name in p.read_text() and p.name != "transformers_api.py"}
+    assert not readers, readers

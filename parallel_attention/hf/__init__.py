@@ -1,10 +1,11 @@
 """Hugging Face interchange: Llama, Mistral, Qwen2, Qwen3 and GPT-2 configs and weights <-> canonical state dicts.
 
 Owns the config mapping (`config`), the per-family weight rules (`weights`) and import/export
-(`convert`). transformers itself is never imported here: files are read with safetensors and
-JSON. May import `tensor_parallel`, `transformer` and `checkpointing.tensor_io`.
-`parallelize` and `save_pretrained` take a loaded transformers model (transformers' attention functions are
-imported lazily, at its first forward): see `parallelize`.
+(`convert`), which never import transformers: files are read with safetensors and JSON.
+`parallelize` and `save_pretrained` take a loaded transformers model and call into transformers' own modeling
+code; every private name they read goes through `transformers_api`, which checks the version first (nothing
+here imports transformers when the package is imported). May import `tensor_parallel`, `transformer` and
+`checkpointing.tensor_io`.
 """
 
 from .config import FAMILY, read_hf_config

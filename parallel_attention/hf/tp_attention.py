@@ -17,8 +17,6 @@ norm weights (replicated, each rank's gradient covers its heads) through one cop
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
@@ -29,6 +27,7 @@ from ..tensor_parallel.parallel_state import group_rank, group_size
 from ..tensor_parallel.sharding import fuse_qkv, kv_heads_of_rank, row_shard, unfuse_qkv
 from ..transformer import causal_chunks
 from ..transformer.norms import HeadRMSNorm
+from . import transformers_api
 from .replica_grads import complete_replica_grads
 
 
@@ -120,9 +119,8 @@ class TensorParallelAttention(nn.Module):
         self.num_key_value_groups = heads // kv
         self._split = [heads * self.head_dim, kv * self.head_dim, kv * self.head_dim]
         self._init_norms(old, source)
-        family_module = sys.modules[type(old).__module__]  # transformers' modeling file of this family
-        self._rotary = family_module.apply_rotary_pos_emb if source.rotary else None
-        self._eager = family_module.eager_attention_forward
+        rotary, self._eager = transformers_api.family_functions(old)  # transformers' modeling file of this family
+        self._rotary = rotary if source.rotary else None
         self._position = self._rotate if source.rotary else _no_positions
         self.resid_dropout = getattr(old, "resid_dropout", nn.Identity())
         self._names = source
@@ -132,7 +130,7 @@ class TensorParallelAttention(nn.Module):
         """The project's CPU chunked causal kernel (causal_chunks) where it computes what transformers' SDPA would:
         on CPU, SDPA configured, no attention dropout, no sliding window, the default 1/sqrt(d) scale; per call it
         still needs no mask (no padding) and self-attention of 128..512 tokens (`causal_chunks.applies`)."""
-        chunkable = (self.qkv.weight.device.type == "cpu" and self.config._attn_implementation == "sdpa"
+        chunkable = (self.qkv.weight.device.type == "cpu" and transformers_api.attn_implementation(self.config) == "sdpa"
                      and self.attention_dropout == 0.0 and self.sliding_window is None
                      and self.scaling == self.head_dim ** -0.5 and causal_chunks.kernel_available())
         self._attend = self._chunked_or_transformers if chunkable else self._transformers_attention
@@ -163,9 +161,7 @@ class TensorParallelAttention(nn.Module):
         return self.resid_dropout(self.o_proj(out.reshape(*batch_seq, -1))), weights
 
     def _transformers_attention(self, q, k, v, attention_mask, **kwargs):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
+        attend = transformers_api.attention_function(self.config, self._eager)
         return attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
                       scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
 
