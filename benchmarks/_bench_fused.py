@@ -1,7 +1,7 @@
 """The fused-QKV baselines of benchmarks/benchmark_attention.py: DTensor TP and fairscale, one QKV GEMM each.
 
-Both project q, k and v with one [(nh + 2 nkv) d, h] weight whose rows are in the per-group layout of
-DESIGN.md (for each k/v head g: [q heads of g | k_g | v_g]), so that an even split of the rows over p
+Both project q, k and v with one [(nh + 2 nkv) d, h] weight whose rows are in the per-group layout
+(for each k/v head g: [q heads of g | k_g | v_g]; checkpoint format 1's, `sharding.grouped_to_blocked_qkv`), so that an even split of the rows over p
 ranks keeps whole query groups on each rank (needs nkv % p == 0). Shapes: s sequence, b batch, h hidden,
 p TP size, nh heads, nkv k/v heads, d head dim, qpg = nh / nkv queries per group.
 """

@@ -90,8 +90,8 @@ def _case_worker(tp, cp, kind, nh, nkv, sp, causal, rotary, documents=False):
 
 
 def _expected_counts(tp, cp, kind, sp):
-    """Per layer on each rank. TP's own (DESIGN.md): 1 all-reduce each way; SP: all-gather + reduce-scatter forward,
-    the same plus 1 re-gather backward. Ring: cp - 1 exchanges forward, 2 cp - 1 backward (k/v on, dK/dV home),
+    """Per layer on each rank. TP's own (docs/architecture.md, "Communication per block"): 1 all-reduce each
+    way; SP: all-gather + reduce-scatter forward, the same plus 1 re-gather backward. Ring: cp - 1 exchanges forward, 2 cp - 1 backward (k/v on, dK/dV home),
     each one isend + one irecv. all_to_all: q, k and v (stacked), output: 3 each way."""
     forward, backward = {}, {}
     if tp > 1 and sp:

@@ -15,7 +15,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "parallel_attention"
-LAYER = {"tensor_parallel": 1, "launch": 2, "transformer": 2, "checkpointing": 3, "hf": 3, "training": 4}
+# docs/architecture.md, "The layer stack": a package imports only from packages of a lower number (or its own);
+# check/ (the self-check tool) sits beside checkpointing/ and hf/, and nothing imports it
+LAYER = {"tensor_parallel": 1, "launch": 2, "transformer": 2, "checkpointing": 3, "hf": 3, "check": 3, "training": 4}
+# Files allowed past the 300-line budget because their one concept needs it (split by concept, never by count):
+LONGER = {"tensor_parallel/collectives.py": 350}  # every collective and its timeout hook: one module to follow
 FLAGS_NOT_IN_FORWARD = {"sequence_parallel", "kv_cache", "gated", "rotary", "recompute_activations"}
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
@@ -40,7 +44,8 @@ def _package_of(path: Path) -> str | None:
 
 
 def test_files_and_functions_are_short():
-    long_files = {str(p.relative_to(PACKAGE)): n for p in SOURCES if (n := len(p.read_text().splitlines())) > 300}
+    long_files = {name: n for p in SOURCES if (n := len(p.read_text().splitlines()))
+                  > LONGER.get(name := str(p.relative_to(PACKAGE)), 300)}
     long_functions = {f"{p.relative_to(PACKAGE)}:{fn.name}": fn.end_lineno - fn.lineno + 1
                       for p in SOURCES for fn in _functions(_tree(p)) if fn.end_lineno - fn.lineno + 1 > 50}
     assert not long_files and not long_functions, (long_files, long_functions)
@@ -192,3 +197,14 @@ def test_transformers_private_names_go_through_one_adapter():
     readers = {str(p.relative_to(PACKAGE)) for p in SOURCES for name in private
                if name in p.read_text() and p.name != "transformers_api.py"}
     assert not readers, readers
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A module's private names stay private; what others need is public (docs/architecture.md, "House rules")."""
+    offenders = []
+    for path in SOURCES:
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("parallel_attention")):
+                offenders += [f"{path.relative_to(PACKAGE)}: from {node.module} import {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not offenders, offenders

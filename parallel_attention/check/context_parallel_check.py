@@ -19,7 +19,7 @@ from ..transformer.documents import DocumentLayout
 from .compare import canonical_grads, grad_errors, relative_error, verdict
 from .context import BATCH, HEAD_DIM, HIDDEN, CheckContext
 from .counts import count_collectives
-from .equivalence import _attention_reference, _random_weights
+from .equivalence import attention_reference, random_weights
 
 
 def _expected_p2p(kind: str, cp: int) -> tuple[dict, dict]:
@@ -37,7 +37,7 @@ def _case(ctx: CheckContext, kind: str, documents: bool, gen) -> tuple[dict[str,
                           rotary=not documents, params_dtype=ctx.dtype)
     module = ParallelSelfAttention(cfg, tp_group=ctx.tp_group, cp_group=cp_group, device=ctx.device,
                                    context_parallel_kind=kind)
-    weights = _random_weights(module.canonical_shapes(), gen, ctx.dtype)
+    weights = random_weights(module.canonical_shapes(), gen, ctx.dtype)
     module.load_canonical_state_dict(weights)
     ids = torch.tensor([[0] * (s // 2 + 1) + [1] * (s // 2 - 1)] * BATCH)
     layout = DocumentLayout.from_ids(ids.to(ctx.device)) if documents else None
@@ -45,7 +45,7 @@ def _case(ctx: CheckContext, kind: str, documents: bool, gen) -> tuple[dict[str,
     mask = DocumentLayout.from_ids(ids).mask(index, index, False) if documents else None
     x = torch.randn(s, BATCH, HIDDEN, generator=gen, dtype=torch.float64)
     upstream = torch.randn(s, BATCH, HIDDEN, generator=gen, dtype=torch.float64)
-    ref_out, ref_dx, ref_grads = _attention_reference(cfg, weights, x, upstream, mask)
+    ref_out, ref_dx, ref_grads = attention_reference(cfg, weights, x, upstream, mask)
     mine = lambda t: split_for_context_parallel(t, cp_group)  # noqa: E731
     local_x = mine(x).to(ctx.device, ctx.dtype).requires_grad_()
     with count_collectives(cp_group) as forward:

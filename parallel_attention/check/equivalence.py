@@ -17,7 +17,7 @@ from .context import BATCH, CheckContext, attention_cases, model_configs, my_chu
 from .reference import reference_attention
 
 
-def _random_weights(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, dtype) -> dict[str, torch.Tensor]:
+def random_weights(shapes: dict[str, tuple[int, ...]], gen: torch.Generator, dtype) -> dict[str, torch.Tensor]:
     """Canonical weights with nonzero biases, representable in `dtype` (float64, CPU)."""
     return {name: representable(torch.randn(shape, generator=gen, dtype=torch.float64)
                                 * (0.3 if name.endswith("weight") else 0.1), dtype)
@@ -38,7 +38,7 @@ def mis_shard(module: ParallelSelfAttention, weights: dict[str, torch.Tensor]) -
         param.copy_(wrong.to(param.device, param.dtype))
 
 
-def _attention_reference(cfg, weights, x, upstream, mask):
+def attention_reference(cfg, weights, x, upstream, mask):
     weights = {k: v.clone().requires_grad_() for k, v in weights.items()}
     x = x.clone().requires_grad_()
     out = reference_attention(x, weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.causal, mask, cfg.rotary,
@@ -51,7 +51,7 @@ def _attention_case(ctx: CheckContext, kwargs: dict, use_mask: bool, sp: bool, g
     """Relative errors of one attention configuration: output, input gradient, weight gradients."""
     cfg = AttentionConfig(**kwargs, params_dtype=ctx.dtype)
     module = ParallelSelfAttention(cfg, tp_group=ctx.tp_group, device=ctx.device, sequence_parallel=sp)
-    weights = _random_weights(module.canonical_shapes(), gen, ctx.dtype)
+    weights = random_weights(module.canonical_shapes(), gen, ctx.dtype)
     module.load_canonical_state_dict(weights)
     if ctx.fault == "layout":
         mis_shard(module, weights)
@@ -62,7 +62,7 @@ def _attention_case(ctx: CheckContext, kwargs: dict, use_mask: bool, sp: bool, g
     if use_mask:  # batch 1 may not attend its last key
         mask = torch.ones(BATCH, 1, 1, s, dtype=torch.bool)
         mask[1, ..., -1] = False
-    ref_out, ref_dx, ref_grads = _attention_reference(cfg, weights, x, upstream, mask)
+    ref_out, ref_dx, ref_grads = attention_reference(cfg, weights, x, upstream, mask)
     local_x = my_chunk(x, ctx, sp).to(ctx.device, ctx.dtype).requires_grad_()
     out = module(local_x, None if mask is None else mask.to(ctx.device))
     (out.to(torch.float64) * my_chunk(upstream, ctx, sp).to(ctx.device)).sum().backward()

@@ -29,13 +29,14 @@ def _major_minor(version: str) -> tuple[int, int]:
     return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
 
 
-def check_version() -> None:
-    """ImportError unless the installed transformers is in SUPPORTED (checked once per process)."""
-    if _checked:
+def check_version(version: str | None = None) -> None:
+    """ImportError unless `version` (default: the installed transformers') is in SUPPORTED (checked once)."""
+    if _checked and version is None:
         return
-    import transformers
+    if version is None:
+        import transformers
 
-    version = transformers.__version__
+        version = transformers.__version__
     if not SUPPORTED[0] <= _major_minor(version)[0] < SUPPORTED[1]:
         raise ImportError(f"parallelize reads transformers' attention internals and supports transformers>="
                           f"{SUPPORTED[0]}.0,<{SUPPORTED[1]}, but {version} is installed: "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..tensor_parallel.collectives import _all_gather_first_dim, _all_reduce
+from ..tensor_parallel.collectives import all_gather_first_dim, all_reduce
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank
 
 
@@ -31,7 +31,7 @@ class _VocabMajorHead(torch.autograd.Function):
         ctx.group, ctx.input_dtype = group, rows.dtype
         ctx.set_materialize_grads(False)  # no [V, N] of zeros where nothing read the full logits
         local = weight.mm(rows.t())
-        return _all_gather_first_dim(local, group), local
+        return all_gather_first_dim(local, group), local
 
     @staticmethod
     @once_differentiable
@@ -42,7 +42,7 @@ class _VocabMajorHead(torch.autograd.Function):
             return None, None, None
         pending = None
         if ctx.needs_input_grad[0]:
-            pending = _all_reduce(grad.t().mm(weight.to(grad.dtype)).to(ctx.input_dtype), ctx.group, async_op=True)
+            pending = all_reduce(grad.t().mm(weight.to(grad.dtype)).to(ctx.input_dtype), ctx.group, async_op=True)
         grad_weight = grad.mm(rows.to(grad.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return (pending.wait() if pending is not None else None), grad_weight, None
 

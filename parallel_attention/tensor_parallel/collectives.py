@@ -44,6 +44,17 @@ _await = named_timeouts  # (op, group) -> the context an asynchronous collective
 _LOG: CollectiveLog | None = None
 
 
+def issuing(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
+    """The context every collective runs in, for those issued outside this module (the ring's isend/irecv, the
+    all-to-all): the timeout hook, or after `enable_collective_log()` the guard."""
+    return _issue(op, x, group)
+
+
+def awaiting(op: str, group: ProcessGroup | None):
+    """The context an asynchronous collective's wait() runs in (the timeout hook, or the guard's)."""
+    return _await(op, group)
+
+
 def enable_collective_log(size: int = RECENT_CALLS) -> None:
     """The collective guard, for this process: from now on each collective is recorded (op, shape, dtype,
     group, call site) and its signature all-gathered across its group before it runs, so that diverging
@@ -130,7 +141,8 @@ class PendingCollective:
         return self.result
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
+def all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """x (made contiguous) summed over `group` in place; with async_op a PendingCollective (no autograd)."""
     x = x.contiguous()
     with _issue("all_reduce", x, group):
         work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
@@ -153,7 +165,7 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out.view(p, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], p * x.shape[-1])
 
 
-def _all_gather_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+def all_gather_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     """[s/p, ...] chunks -> [s, ...] in rank order (async_op: a PendingCollective of it)."""
     x = x.contiguous()
     out = torch.empty((group_size(group) * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
@@ -161,7 +173,7 @@ def _all_gather_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool =
     return PendingCollective("all_gather", work, group, out) if async_op else out
 
 
-def _reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+def reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
     p = group_size(group)
     check_sequence_split(x.shape[0], p)
     x = x.contiguous()
@@ -190,7 +202,7 @@ def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     # autograd may hand the same gradient to other branches, and the forward input is the caller's: reduce a copy
-    return _all_reduce(x.clone(), group)
+    return all_reduce(x.clone(), group)
 
 
 # the table of the module docstring, row by row
@@ -198,10 +210,10 @@ _CopyToRegion = _region_function("_CopyToRegion", _identity, _all_reduce_copy)
 _ReduceFromRegion = _region_function("_ReduceFromRegion", _all_reduce_copy, _identity)
 _ScatterToRegion = _region_function("_ScatterToRegion", _split_last_dim, _gather_last_dim)
 _GatherFromRegion = _region_function("_GatherFromRegion", _gather_last_dim, _split_last_dim)
-_GatherFromSequenceRegion = _region_function("_GatherFromSequenceRegion", _all_gather_first_dim,
-                                             _reduce_scatter_first_dim)
-_ReduceScatterToSequenceRegion = _region_function("_ReduceScatterToSequenceRegion", _reduce_scatter_first_dim,
-                                                  _all_gather_first_dim)
+_GatherFromSequenceRegion = _region_function("_GatherFromSequenceRegion", all_gather_first_dim,
+                                             reduce_scatter_first_dim)
+_ReduceScatterToSequenceRegion = _region_function("_ReduceScatterToSequenceRegion", reduce_scatter_first_dim,
+                                                  all_gather_first_dim)
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -239,7 +251,7 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) 
     """Plain (no autograd) all-gather of the ranks' shards along `dim`, in rank order: for full weights."""
     if group_size(group) == 1:
         return x.clone()
-    return _all_gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
+    return all_gather_first_dim(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
 
 
 @torch.no_grad()
@@ -287,7 +299,7 @@ def any_rank(flag: bool, device) -> bool:
     """True on every global rank if any rank says True (one small all-reduce)."""
     if not is_distributed():
         return flag
-    return bool(_all_reduce(torch.tensor([1.0 if flag else 0.0], device=device), None, dist.ReduceOp.MAX).item())
+    return bool(all_reduce(torch.tensor([1.0 if flag else 0.0], device=device), None, dist.ReduceOp.MAX).item())
 
 
 def barrier() -> None:

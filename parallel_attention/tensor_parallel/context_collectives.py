@@ -1,7 +1,7 @@
 """The context-parallel collectives: the ring's point-to-point exchange and the all-to-all of Ulysses.
 
 A sibling of `collectives` (which holds every other collective and is at its length budget); each call goes through
-the same `collectives._issue` (timeouts named, the collective guard when enabled). Each function takes its group and
+the same `collectives.issuing` (timeouts named, the collective guard when enabled). Each function takes its group and
 returns at once when the group has one rank.
 
     name                      forward                                         backward
@@ -27,7 +27,7 @@ class PendingExchange:
         self.works, self.group, self.received = works, group, received
 
     def wait(self) -> torch.Tensor:
-        with collectives._await("ring_exchange", self.group):
+        with collectives.awaiting("ring_exchange", self.group):
             for work in self.works:
                 work.wait()
         return self.received
@@ -43,7 +43,7 @@ def ring_exchange(x: torch.Tensor, group: ProcessGroup | None, tag: int = 0) -> 
         return None
     rank = group_rank(group)
     x, received = x.contiguous(), torch.empty_like(x)
-    with collectives._issue("ring_exchange", x, group):
+    with collectives.issuing("ring_exchange", x, group):
         send = dist.isend(x, dst=dist.get_global_rank(group, (rank + 1) % size), group=group, tag=tag)
         recv = dist.irecv(received, src=dist.get_global_rank(group, (rank - 1) % size), group=group, tag=tag)
     return PendingExchange((send, recv), group, received)
@@ -53,7 +53,7 @@ def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGro
     size = group_size(group)
     pieces = torch.stack(x.chunk(size, dim=split_dim)).contiguous()  # [cp, ...]: piece j goes to rank j
     out = torch.empty_like(pieces)
-    with collectives._issue("all_to_all", pieces, group):
+    with collectives.issuing("all_to_all", pieces, group):
         dist.all_to_all_single(out, pieces, group=group)
     return torch.cat(out.unbind(0), dim=cat_dim)
 

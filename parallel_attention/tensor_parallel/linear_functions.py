@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .collectives import PendingCollective, _all_gather_first_dim, _all_reduce, _reduce_scatter_first_dim
+from .collectives import PendingCollective, all_gather_first_dim, all_reduce, reduce_scatter_first_dim
 from .parallel_state import ProcessGroup
 
 OVERLAP_COMM = True  # the default of every layer that takes overlap_comm (and of GPTModel, parallel.overlap_comm)
@@ -113,7 +113,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         pending = None
         if ctx.needs_input_grad[0]:
-            pending = ctx.settle(_all_reduce(_input_grad(grad, weight, ctx.input_dtype), ctx.group, async_op=True))
+            pending = ctx.settle(all_reduce(_input_grad(grad, weight, ctx.input_dtype), ctx.group, async_op=True))
         grad_weight, grad_bias = _weight_grads(ctx, grad, x, weight, ctx.with_bias)
         return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None
 
@@ -126,16 +126,16 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, settle):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.settle, ctx.with_bias, ctx.input_dtype = group, settle, bias is not None, x.dtype
-        return _gemm(_all_gather_first_dim(x, group), weight, bias)
+        return _gemm(all_gather_first_dim(x, group), weight, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        gathering = ctx.settle(_all_gather_first_dim(x, ctx.group, async_op=True))
+        gathering = ctx.settle(all_gather_first_dim(x, ctx.group, async_op=True))
         grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None  # meanwhile
         total = gathering.wait()
-        pending = (ctx.settle(_reduce_scatter_first_dim(grad_input, ctx.group, async_op=True))
+        pending = (ctx.settle(reduce_scatter_first_dim(grad_input, ctx.group, async_op=True))
                    if grad_input is not None else None)
         grad_weight, grad_bias = _weight_grads(ctx, grad, total, weight, ctx.with_bias)
         return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None
@@ -148,7 +148,7 @@ class _RowParallelLinear(torch.autograd.Function):
     def forward(ctx, x, weight, group):
         ctx.save_for_backward(x, weight)
         ctx.input_dtype = x.dtype
-        return _all_reduce(_gemm(x, weight), group)
+        return all_reduce(_gemm(x, weight), group)
 
     @staticmethod
     @once_differentiable
@@ -165,13 +165,13 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
     def forward(ctx, x, weight, group):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.input_dtype = group, x.dtype
-        return _reduce_scatter_first_dim(_gemm(x, weight), group)
+        return reduce_scatter_first_dim(_gemm(x, weight), group)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad = _all_gather_first_dim(grad, ctx.group)
+        grad = all_gather_first_dim(grad, ctx.group)
         grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None
         return grad_input, _weight_grads(ctx, grad, x, weight, False)[0], None
 
