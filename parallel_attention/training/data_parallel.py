@@ -15,7 +15,7 @@ replica audit, evaluation) keeps using the raw model. The average runs over the 
 `finalize_grads` sums partial gradients over the tensor-parallel group afterwards, and the two commute (both
 are linear, over disjoint groups). At dp = 1 there is no wrapper and no collective. DDP's hooks and its
 one-off parameter check and broadcast at construction are torch's own documented engine, not hidden
-collectives of this package (STYLE).
+collectives of this package (docs/architecture.md, "House rules and why").
 """
 
 from __future__ import annotations
