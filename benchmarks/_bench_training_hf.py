@@ -11,7 +11,6 @@ transformers' Trainer on torch >= 2.8).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import shutil
 from pathlib import Path
@@ -29,12 +28,6 @@ LOSS_TOLERANCE = 1e-5  # float32, same weights and tokens: only summation order 
 
 class Skipped(Exception):
     """The baseline cannot run here; the message says why."""
-
-
-def _autocast(cfg, device: torch.device):
-    if device.type != "cuda" or cfg.training.dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast("cuda", dtype=getattr(torch, cfg.training.dtype))
 
 
 def _loss(hf_model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -140,7 +133,7 @@ def _step_function(run, hf_model, clip=_clip_by_global_norm):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for tokens, labels in micro_batches:
-            with _autocast(run.cfg, run.device):
+            with run.precision.autocast():  # the same precision as ours, on every device
                 loss = _loss(hf_model, tokens.to(run.device), labels.to(run.device)) / len(micro_batches)
             loss.backward()
             total += loss.detach()

@@ -71,6 +71,7 @@ class Run:
     model: GPTModel  # the raw model: checkpoints, norms, audit and evaluation read it
     optimizer: torch.optim.Optimizer
     scaler: DynamicLossScaler
+    precision: Precision  # decided once: each forward's autocast context, whether the scaler is on
     sampler: GlobalBatchSampler
     val_batches: list
     loader: BatchPrefetcher | None = None  # this rank's micro-batches of each step, read a step ahead
@@ -105,10 +106,6 @@ def _mean_over(value: torch.Tensor, group) -> float:
     return (all_reduce_(value, group) / ps.group_size(group)).item()
 
 
-def _autocast(cfg: PretrainConfig, device: torch.device):
-    return Precision(cfg.training.dtype, device).autocast()
-
-
 def build(cfg: PretrainConfig) -> Run:
     """Process groups, run directory, data, model, optimizer: everything before the first step."""
     if cfg.parallel.debug_collectives:  # before the groups exist, so that torch's own checks wrap them too
@@ -131,12 +128,13 @@ def build(cfg: PretrainConfig) -> Run:
     val_batches = validation_batches(sources, sampler.weights, cfg.data.seq_len, cfg.training.micro_batch_size,
                                      cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size,
                                      document_masking=cfg.data.document_masking)
-    scaler = DynamicLossScaler(enabled=Precision(cfg.training.dtype, device).loss_scaling)
+    precision = Precision(cfg.training.dtype, device)
+    scaler = DynamicLossScaler(enabled=precision.loss_scaling)
     # parameters are replicated over dp x cp: their gradients are averaged (and ZeRO-1 shards) over both
     dp_group, zero_stage = ps.get_data_context_parallel_group(), cfg.parallel.zero_stage
     forward = wrap_data_parallel(model, dp_group, cfg.parallel.debug_collectives, zero_stage=zero_stage)
     optimizer = build_optimizer(model, cfg.optimizer, dp_group, zero_stage)  # over FSDP2's shards at stage 3
-    return Run(cfg, device, model, optimizer, scaler, sampler, val_batches, data_parallel_model=forward)
+    return Run(cfg, device, model, optimizer, scaler, precision, sampler, val_batches, data_parallel_model=forward)
 
 
 def resume_run(run: Run, where: str) -> None:
@@ -172,7 +170,7 @@ def evaluate(run: Run) -> float:
     run.model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # [sum of token losses, tokens]
     for batch in run.val_batches:
-        with _autocast(run.cfg, run.device):
+        with run.precision.autocast():
             mean = run.model(**_model_inputs(batch, run.device)).double()
         count = float((batch[1] != IGNORE_INDEX).sum())
         sums += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
@@ -194,7 +192,7 @@ def _forward_backward(run: Run, micro_batches: list) -> torch.Tensor:
         first_sample = dp_rank * (t.global_batch_size // dp_size) + i * t.micro_batch_size
         with dropout_coordinates(t.seed, run.step, first_sample), \
                 reduce_gradients(forward, reduce=i == len(micro_batches) - 1):
-            with _autocast(run.cfg, run.device):
+            with run.precision.autocast():
                 loss = forward(**_model_inputs(batch, run.device)) / len(micro_batches)
             run.scaler.scale_loss(loss).backward()
         loss_sum += loss.detach().float()
@@ -279,7 +277,7 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
 def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResult:
     """Summary, resume, then the steps; the caller releases the run directory on every way out."""
     if ps.get_global_rank() == 0:
-        blend = describe_blend(run.sampler, cfg.training.max_steps * cfg.training.global_batch_size)
+        blend = describe_blend(run.sampler, cfg.training.max_steps)
         print(run_summary(cfg, run.model, ps.get_world_size(), run.device, blend), file=sys.stderr, flush=True)
     resume_run(run, resume or cfg.checkpoint.resume)
     stop = StopSignals()
