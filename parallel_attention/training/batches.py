@@ -11,6 +11,7 @@ sees exactly the batches it would have seen.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,7 +21,10 @@ from ..transformer.documents import mask_cross_document_labels
 from .sampling import EpochWindows, blend, draws_before
 from .token_source import TokenSource, TokenStream
 
-__all__ = ["GlobalBatchSampler", "SampleRows", "SAMPLINGS", "validation_batches"]
+if TYPE_CHECKING:
+    from .config import PretrainConfig
+
+__all__ = ["GlobalBatchSampler", "SampleRows", "SAMPLINGS", "run_sampler", "validation_batches"]
 
 SAMPLINGS = ("epochs", "random_windows")
 
@@ -134,6 +138,12 @@ class GlobalBatchSampler:
         else:
             drawn = draws_before(self.weights, steps_done * self.global_batch_size)
         return {s.name: round(float(n) / w.num_windows, 4) for s, n, w in zip(self.sources, drawn, self.windows)}
+
+
+def run_sampler(cfg: PretrainConfig, sources: list[TokenSource], weights: list[float]) -> GlobalBatchSampler:
+    """The sampler a run of `cfg` trains with: the trainer and inspect_data.py both build it here."""
+    return GlobalBatchSampler(sources, weights, cfg.data.seq_len, cfg.training.global_batch_size,
+                              cfg.training.seed, cfg.data.document_masking, cfg.data.sampling)
 
 
 def validation_batches(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,

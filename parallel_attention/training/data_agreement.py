@@ -12,10 +12,9 @@ from typing import Callable, TypeVar
 
 from ..tensor_parallel.collectives import all_gather_objects
 from ..tensor_parallel import parallel_state as ps
-from .batches import GlobalBatchSampler
+from .batches import GlobalBatchSampler, run_sampler
 from .config import PretrainConfig
 from .data import ensure_prepared
-from .step_records import run_sampler
 from .data_blend import open_blend
 from .token_files import REFUSALS, DataFileError, refusal_message
 from .token_source import TokenSource

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpointing.tensor_io import file_digest
 from .config import BlendEntry, DataConfig
-from .sampling import draws_before
+from .preparation import tokenizer_key
 from .token_files import DataFileError
 from .token_source import TokenSource, open_source
-from .tokenizer import tokenizer_file
 
 __all__ = ["blend_entries", "describe_blend", "open_blend", "prepared_tokenizer"]
 
@@ -33,14 +31,13 @@ def prepared_tokenizer(sources: list[TokenSource], spec: str) -> Path | None:
     """The tokenizer.json the prepared sources were made with (for data.tokenizer=bpe, the first prepared
     directory's own), after checking every prepared source against `spec`; None for byte / gpt2 or no meta."""
     prepared = [s for s in sources if s.meta is not None]
-    if spec in ("byte", "gpt2"):
-        wanted, path = (spec, None), None
-    elif spec == "bpe":
+    if spec == "bpe":
         path = Path(prepared[0].name) / "tokenizer.json" if prepared else None
         wanted = ("bpe", prepared[0].meta.get("tokenizer_sha256")) if prepared else None
-    else:
-        path = tokenizer_file(spec).resolve()
-        wanted = (str(path), file_digest(path)["sha256"])
+    else:  # as meta.json records it: byte / gpt2 by name, a tokenizer.json by its absolute path and sha256
+        key = tokenizer_key(spec, None)
+        wanted = (key["tokenizer"], key["tokenizer_sha256"])
+        path = Path(key["tokenizer"]) if key["tokenizer_sha256"] is not None else None
     for source in prepared:
         have = _identity(source.meta)
         if wanted is not None and (have[1] != wanted[1] or (spec in ("byte", "gpt2", "bpe") and have[0] != spec)):
@@ -60,11 +57,10 @@ def open_blend(data: DataConfig, tokenizer_vocab: int) -> tuple[list[TokenSource
     return sources, [e.weight for e in entries]
 
 
-def describe_blend(sampler, samples: int) -> str:
+def describe_blend(sampler, max_steps: int) -> str:
     """One line per source of a GlobalBatchSampler: its path, normalised weight, training tokens, and the epochs of
-    it that `samples` samples read."""
+    it that `max_steps` steps read (the sampler's own count)."""
     share = sampler.weights / sampler.weights.sum()
-    drawn = draws_before(sampler.weights, samples)
-    return "; ".join(f"{s.name} weight {w:.3g}, {s.train.num_tokens:,} train tokens, "
-                     f"{n / max(1, windows.num_windows):.2f} epochs"
-                     for s, w, n, windows in zip(sampler.sources, share, drawn, sampler.windows))
+    epochs = sampler.epochs(max_steps)
+    return "; ".join(f"{s.name} weight {w:.3g}, {s.train.num_tokens:,} train tokens, {epochs[s.name]:.2f} epochs"
+                     for s, w in zip(sampler.sources, share))

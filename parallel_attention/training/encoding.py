@@ -2,9 +2,10 @@
 
 Texts are grouped into chunks of about CHUNK_BYTES. Byte tokens are a copy of the text's bytes, made in line.
 Other tokenizers encode a chunk at a time with their own threads (encode_batch releases the GIL) in a thread of
-their own, while a reader thread parses the next chunks and the caller writes the previous ones. That design was measured against a pool of spawned processes fed a bounded window
-of chunks, 16 MB of jsonl with an 8192-token BPE, 2 workers: 1.12 vs 0.78 M tokens/s (no start-up, no pickling of
-the arrays back). Whatever the worker count, the arrays come in corpus order: the files are byte-identical.
+their own, while a reader thread parses the next chunks and the caller writes the previous ones. That design was
+measured against a pool of spawned processes fed a bounded window of chunks, 16 MB of jsonl with an 8192-token BPE,
+2 workers: 1.12 vs 0.78 M tokens/s (no start-up, no pickling of the arrays back). Whatever the worker count, the
+arrays come in corpus order: the files are byte-identical.
 """
 
 from __future__ import annotations

@@ -8,28 +8,20 @@ in the source's training token stream, with the tokens and their text when asked
 
 from __future__ import annotations
 
-from .batches import GlobalBatchSampler, read_rows
+from .batches import GlobalBatchSampler, read_rows, run_sampler
 from .config import PretrainConfig
-from .data_blend import blend_entries, open_blend, prepared_tokenizer
+from .data_agreement import open_run_blend
+from .data_blend import blend_entries, prepared_tokenizer
 from .resume import keep_previous_sampling
-from .token_source import TokenSource
-from .tokenizer import get_tokenizer, tokenizer_vocab_size
+from .tokenizer import get_tokenizer
 
-__all__ = ["RECORD_KEYS", "blend_names", "open_run_data", "run_sampler", "step_records"]
-
-RECORD_KEYS = ("step", "row", "source", "document", "offset")  # then "tokens" and "text" when asked
-
-
-def run_sampler(cfg: PretrainConfig, sources: list[TokenSource], weights: list[float]) -> GlobalBatchSampler:
-    """The sampler a run of `cfg` trains with (the trainer builds it here too)."""
-    return GlobalBatchSampler(sources, weights, cfg.data.seq_len, cfg.training.global_batch_size,
-                              cfg.training.seed, cfg.data.document_masking, cfg.data.sampling)
+__all__ = ["blend_names", "open_run_data", "step_records"]
 
 
 def open_run_data(cfg: PretrainConfig, resume: str | None = None) -> tuple[GlobalBatchSampler, object]:
     """(the run's sampler, its tokenizer) for data already prepared; nothing is prepared or written."""
     keep_previous_sampling(cfg, resume or cfg.checkpoint.resume)
-    sources, weights = open_blend(cfg.data, tokenizer_vocab_size(cfg.data.tokenizer, cfg.data.bpe_vocab_size))
+    sources, weights = open_run_blend(cfg)  # what the trainer opens, its vocabulary check included
     path = prepared_tokenizer(sources, cfg.data.tokenizer)
     tokenizer = get_tokenizer(str(path) if path is not None else cfg.data.tokenizer)
     return run_sampler(cfg, sources, weights), tokenizer
