@@ -56,7 +56,7 @@ from parallel_attention.tensor_parallel.collectives import all_gather_objects
 from parallel_attention.training import trainer
 from parallel_attention.training.activation_memory import saved_activation_bytes
 from parallel_attention.training.flops import flops_per_token, peak_tflops, step_rates
-from parallel_attention.training.run_dir import release_run_dir
+from parallel_attention.training.run.run_dir import release_run_dir
 from parallel_attention.training.sharded_optimizer import optimizer_state_bytes, parameter_and_gradient_bytes
 
 

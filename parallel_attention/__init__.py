@@ -11,24 +11,16 @@ from .tensor_parallel.grad_clip import clip_grad_norm_
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, finalize_grads, manual_seed
 from .tensor_parallel.collectives import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                                           gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                                          reduce_scatter_to_sequence_parallel_region,
-                                          scatter_to_tensor_parallel_region)
+                                          reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
 from .tensor_parallel.parallel_state import (destroy_model_parallel, get_data_parallel_group, get_data_parallel_rank,
                                              get_device_mesh, get_context_parallel_group, get_context_parallel_rank,
                                              get_context_parallel_world_size, get_data_context_parallel_group,
                                              get_data_parallel_world_size, get_tensor_model_parallel_group,
                                              get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
-                                             init_distributed, initialize_model_parallel,
-                                             model_parallel_is_initialized)
-from .training.config import PretrainConfig, load_config
-from .transformer import (
-    AttentionConfig,
-    GPTModel,
-    ModelConfig,
-    ParallelSelfAttention,
-    active_paths,
-    vocab_parallel_cross_entropy,
-)
+                                             init_distributed, initialize_model_parallel, model_parallel_is_initialized)
+from .training.config.schema import PretrainConfig, load_config
+from .transformer import (AttentionConfig, GPTModel, ModelConfig, ParallelSelfAttention, active_paths,
+                          vocab_parallel_cross_entropy)
 
 from .version import __version__  # noqa: E402
 

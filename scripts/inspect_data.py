@@ -19,9 +19,9 @@ import sys
 
 from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention import load_config
-from parallel_attention.training.config_loading import parse_with_overrides
-from parallel_attention.training.step_records import blend_names, open_run_data, step_records
-from parallel_attention.training.token_files import REFUSALS
+from parallel_attention.training.config.loading import parse_with_overrides
+from parallel_attention.training.data.step_records import blend_names, open_run_data, step_records
+from parallel_attention.training.data.token_files import REFUSALS
 
 
 def _steps(text: str) -> range:

@@ -21,8 +21,8 @@ from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.report_once import report_from_rank_0
 from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention.training import ConfigError, train
-from parallel_attention.training.config_loading import parse_with_overrides
-from parallel_attention.training.guards import GuardError
+from parallel_attention.training.config.loading import parse_with_overrides
+from parallel_attention.training.guards.rank_checks import GuardError
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention.checkpointing import reshard_checkpoint, resolve_step_dir
-from parallel_attention.training.run_dir import carry_model_files
+from parallel_attention.training.run.run_dir import carry_model_files
 
 
 def main(argv: list[str]) -> int:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from launch import ROOT, environment, metrics, torchrun, train_losses
-from parallel_attention.training.document_split import validation_mask
-from parallel_attention.training.indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
+from parallel_attention.training.data.document_split import validation_mask
+from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
 
 VAL_FRACTION = 0.05
 

@@ -16,7 +16,7 @@ import torch
 
 from parallel_attention import load_config
 from parallel_attention.training import ConfigError, PretrainConfig, train
-from parallel_attention.training.config_checks import RANGES, numeric_fields
+from parallel_attention.training.config.checks import RANGES, numeric_fields
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "gpt_tiny.yaml"

@@ -14,7 +14,7 @@ from torch import nn
 from launch import torchrun
 from parallel_attention.checkpointing import list_checkpoints
 from parallel_attention.checkpointing.checkpoint import save_checkpoint
-from parallel_attention.training.divergence import DivergenceError, DivergenceGuard
+from parallel_attention.training.guards.divergence import DivergenceError, DivergenceGuard
 from parallel_attention.training.loss_scaler import DynamicLossScaler
 from parallel_attention.training.metrics import MetricsLogger, json_line, keep_history, read_metrics
 from test_pretrain import data_dir, tiny_args  # noqa: F401  (data_dir is a fixture)

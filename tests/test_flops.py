@@ -13,8 +13,8 @@ import torch
 
 from distributed import run_distributed
 from parallel_attention.training import flops
-from parallel_attention.training.flops import (flops_per_token, gpu_table_peak, matmul_weights,
-                                               measured_gemm_tflops, peak_tflops)
+from parallel_attention.training.flops import (flops_per_token, gpu_table_peak, matmul_weights, measured_gemm_tflops,
+                                               peak_tflops)
 from parallel_attention.transformer.model import GPTModel
 from parallel_attention.transformer.model_config import ModelConfig
 from test_data_parallel import build_run
@@ -58,8 +58,8 @@ def test_peak_tflops():
 def test_a_cpu_has_no_peak_unless_configured():
     """A GEMM probe on a CPU moved 2x between runs (MFU 23 % to 93 %): no peak, no probe, no mfu in the rows, and
     the run summary says why."""
-    from parallel_attention.training.config import PretrainConfig
-    from parallel_attention.training.summary import run_summary
+    from parallel_attention.training.config.schema import PretrainConfig
+    from parallel_attention.training.run.summary import run_summary
 
     cpu, started = torch.device("cpu"), time.perf_counter()
     assert flops.agree_peak_tflops(None, cpu) is None and peak_tflops(None, cpu) is None
@@ -141,7 +141,7 @@ def test_a_configured_peak_below_a_step_is_named_and_mfu_is_capped(monkeypatch):
 
 def test_step_rates_never_report_mfu_above_1(monkeypatch):
     """With a probe that read 1000x too low, the row's mfu is 1 at most and agrees with its peak_tflops."""
-    from parallel_attention.training.config import PretrainConfig
+    from parallel_attention.training.config.schema import PretrainConfig
 
     cfg = PretrainConfig()
     device = _fake_peak(monkeypatch, 1e-9)

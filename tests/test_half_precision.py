@@ -23,7 +23,7 @@ from launch import ROOT, metrics, torchrun
 from parallel_attention.checkpointing import list_checkpoints
 from parallel_attention.checkpointing.tensor_io import read_safetensors
 from parallel_attention.training import prepare_data
-from parallel_attention.training.summary import run_summary
+from parallel_attention.training.run.summary import run_summary
 from parallel_attention.training.trainer import checkpoint, resume_run, train_step
 from test_data_parallel import MAX_BYTES, VAL_FRACTION, build_run, overrides
 

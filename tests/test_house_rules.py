@@ -59,15 +59,14 @@ def test_the_trainer_reads_as_short_steps():
 
 def _imported_packages(path: Path) -> set[str]:
     """Sub-packages of parallel_attention that `path` imports (relative or absolute)."""
-    found, own = set(), _package_of(path)
+    found, here = set(), path.relative_to(PACKAGE).parent.parts  # the importing module's package, below the root
     for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ImportFrom):
             if node.level == 0 and (node.module or "").startswith("parallel_attention."):
                 found.add(node.module.split(".")[1])
-            elif node.level == 2 and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == 1 and own is not None:
-                found.add(own)
+            elif node.level > 0:
+                target = here[:len(here) - (node.level - 1)] + tuple((node.module or "").split("."))
+                found.add(target[0])
     return found & set(LAYER)
 
 

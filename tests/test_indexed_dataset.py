@@ -9,9 +9,9 @@ import struct
 import numpy as np
 import pytest
 
-from parallel_attention.training.document_split import validation_mask
-from parallel_attention.training.indexed_dataset import (IndexedDatasetWriter, IndexedTokens, IndexFormatError,
-                                                         token_dtype)
+from parallel_attention.training.data.document_split import validation_mask
+from parallel_attention.training.data.indexed_dataset import (IndexedDatasetWriter, IndexedTokens, IndexFormatError,
+                                                              token_dtype)
 
 DOCUMENTS = [np.array([5, 6, 7, 0]), np.array([1, 0]), np.array([9, 9, 9, 9, 9, 0])]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, metrics, torchrun
-from parallel_attention.training.token_files import SHA_CACHE
+from parallel_attention.training.data.token_files import SHA_CACHE
 
 LEGACY = ROOT / "tests" / "data" / "legacy_v0_1_0"
 

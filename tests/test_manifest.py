@@ -19,11 +19,11 @@ from distributed import run_distributed
 from torch import nn
 
 import parallel_attention as pa
-from parallel_attention.checkpointing import (CheckpointCorruptError, load_checkpoint, load_latest_valid,
-                                              read_manifest, save_checkpoint)
-from parallel_attention.training.config import PretrainConfig
+from parallel_attention.checkpointing import (CheckpointCorruptError, load_checkpoint, load_latest_valid, read_manifest,
+                                              save_checkpoint)
+from parallel_attention.training.config.schema import PretrainConfig
 from parallel_attention.training.optim import build_optimizer
-from parallel_attention.training.resume import resume_from_checkpoint
+from parallel_attention.training.run.resume import resume_from_checkpoint
 from parallel_attention.transformer import ModelConfig
 
 

@@ -13,7 +13,7 @@ import pytest
 from launch import ROOT, torchrun, train_losses
 from parallel_attention import load_config
 from parallel_attention.training.metrics import MetricsLogger, PlainLines, TqdmBar
-from parallel_attention.training.summary import run_summary
+from parallel_attention.training.run.summary import run_summary
 from parallel_attention.transformer.model import GPTModel
 from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
 

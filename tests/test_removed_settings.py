@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import parallel_attention as pa
-from parallel_attention.training.config import config_from_dict, load_config, save_config
+from parallel_attention.training.config.schema import config_from_dict, load_config, save_config
 
 
 def _yaml(tmp_path, text: str):

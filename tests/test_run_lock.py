@@ -14,9 +14,9 @@ import pytest
 
 from parallel_attention.checkpointing.checkpoint import load_newest_valid
 from parallel_attention.checkpointing.format import prune
-from parallel_attention.training import run_lock
-from parallel_attention.training.run_dir import remove_leftovers
-from parallel_attention.training.run_lock import RunDirInUseError, RunDirLock
+from parallel_attention.training.run import run_lock
+from parallel_attention.training.run.run_dir import remove_leftovers
+from parallel_attention.training.run.run_lock import RunDirInUseError, RunDirLock
 
 
 def _write_lease(run_dir, pid: int, heartbeat: float, host: str | None = None) -> None:

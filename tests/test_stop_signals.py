@@ -7,11 +7,11 @@ import signal
 import subprocess
 import sys
 
-from parallel_attention.training.stop_signals import StopSignals
+from parallel_attention.training.run.stop_signals import StopSignals
 
 _TWICE = """
 import os, signal, sys, time
-from parallel_attention.training.stop_signals import StopSignals
+from parallel_attention.training.run.stop_signals import StopSignals
 stop = StopSignals()
 os.kill(os.getpid(), signal.SIGINT)
 print(stop.received, flush=True)  # the first Ctrl-C is only noted

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from launch import ROOT, torchrun
-from parallel_attention.training.data_identity import keep_run_tokenizer
-from parallel_attention.training.token_source import open_source
+from parallel_attention.training.data.identity import keep_run_tokenizer
+from parallel_attention.training.data.token_source import open_source
 from parallel_attention.training import (ConfigError, DataConfig, HFTokenizer, ensure_prepared, get_tokenizer,
                                          load_config, prepare_data, train_bpe)
-from parallel_attention.training.indexed_dataset import IndexedTokens
+from parallel_attention.training.data.indexed_dataset import IndexedTokens
 
 TEXTS = [f"def function_{i}(x):\n    return x * {i} + len('héllo wörld')\n" for i in range(60)]
 TEXTS += ["The quick brown fox jumps over the lazy dog. " * 5, "import os\nimport sys\nprint(os.getcwd())\n"]

@@ -18,10 +18,10 @@ import parallel_attention as pa
 from distributed import run_distributed
 from parallel_attention.checkpointing.tensor_io import read_safetensors
 from parallel_attention.training import optimizer_state_bytes
-from parallel_attention.training.config import ConfigError
+from parallel_attention.training.config.schema import ConfigError
 from parallel_attention.tensor_parallel.param_kinds import Sharded, local_shard, parameter_kinds
-from parallel_attention.training.divergence import DivergenceError, check_parameters_finite
-from parallel_attention.training.guards import ReplicaMismatchError, check_replicas
+from parallel_attention.training.guards.divergence import DivergenceError, check_parameters_finite
+from parallel_attention.training.guards.rank_checks import ReplicaMismatchError, check_replicas
 from parallel_attention.training.sharded_optimizer import parameter_and_gradient_bytes
 from parallel_attention.training.trainer import checkpoint, resume_run, train_step
 from test_data_parallel import STEPS, build_run, data_dir, overrides  # noqa: F401  (data_dir is a fixture)

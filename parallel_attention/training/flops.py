@@ -39,7 +39,7 @@ import torch
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_gather_objects
 from ..transformer.model_config import ModelConfig
-from .config import PretrainConfig
+from .config.schema import PretrainConfig
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' data sheets; the first name
 # contained in torch.cuda.get_device_name() wins, so the more specific names come first.

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..tensor_parallel.parallel_state import ProcessGroup, group_size
-from .config import OptimizerConfig, ScheduleConfig
+from .config.schema import OptimizerConfig, ScheduleConfig
 from .sharded_optimizer import sharded_adamw
 
 

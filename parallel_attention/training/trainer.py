@@ -29,28 +29,28 @@ from ..tensor_parallel.param_kinds import finalize_grads
 from ..tensor_parallel.rng import dropout_coordinates, manual_seed
 from ..transformer.cross_entropy import IGNORE_INDEX
 from ..transformer.model import GPTModel
-from .config import PretrainConfig
-from .config_checks import check_resume
+from .config.schema import PretrainConfig
+from .config.checks import check_resume
 from .compile import compile_layers
-from .divergence import DivergenceGuard, check_parameters_finite
+from .guards.divergence import DivergenceGuard, check_parameters_finite
 from .flops import agree_peak_tflops, step_rates
-from .guards import check_config_agreement, check_replicas
-from .batch_prefetch import BatchPrefetcher
-from .batches import GlobalBatchSampler, validation_batches
-from .data_agreement import build_data
-from .data_blend import describe_blend
-from .data_identity import check_identity, data_identity, keep_run_tokenizer
+from .guards.rank_checks import check_config_agreement, check_replicas
+from .data.batch_prefetch import BatchPrefetcher
+from .data.batches import GlobalBatchSampler, validation_batches
+from .data.agreement import build_data
+from .data.blend import describe_blend
+from .data.identity import check_identity, data_identity, keep_run_tokenizer
 from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
 from .optim import build_optimizer, learning_rate, set_learning_rate
 from .precision import Precision
-from .resume import keep_previous_sampling, resume_from_checkpoint
-from .run_start import say_start
-from .run_dir import ensure_run_dir_held, lock_run_dir, prepare_run_dir, release_run_dir, write_run_config
-from .stop_signals import StopSignals
-from .summary import run_summary
+from .run.resume import keep_previous_sampling, resume_from_checkpoint
+from .run.run_start import say_start
+from .run.run_dir import ensure_run_dir_held, lock_run_dir, prepare_run_dir, release_run_dir, write_run_config
+from .run.stop_signals import StopSignals
+from .run.summary import run_summary
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..transformer.model_config import migrate_renamed_keys
+from ...transformer.model_config import migrate_renamed_keys
 
 
 class StrictLoader(yaml.SafeLoader):

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .config import PretrainConfig
-from .flops import peak_source, peak_tflops
-from .precision import Precision
+from ..config.schema import PretrainConfig
+from ..flops import peak_source, peak_tflops
+from ..precision import Precision
 
 
 def _millions(n: int) -> str:
@@ -79,7 +79,7 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
     """A few lines: model size, parallel layout, batch and tokens per step, data, outputs, precision, peak.
 
     `model` is this rank's GPTModel (anything with `parameters()` and `canonical_shapes()`); `blend` describes
-    each source of the data (data_blend.describe_blend)."""
+    each source of the data (blend.describe_blend)."""
     run_dir, o = Path(cfg.logging.run_dir), cfg.optimizer
     rows = {
         "model": _size_line(model),

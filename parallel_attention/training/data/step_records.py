@@ -9,10 +9,10 @@ in the source's training token stream, with the tokens and their text when asked
 from __future__ import annotations
 
 from .batches import GlobalBatchSampler, read_rows, run_sampler
-from .config import PretrainConfig
-from .data_agreement import open_run_blend
-from .data_blend import blend_entries, prepared_tokenizer
-from .resume import keep_previous_sampling
+from ..config.schema import PretrainConfig
+from .agreement import open_run_blend
+from .blend import blend_entries, prepared_tokenizer
+from ..run.resume import keep_previous_sampling
 from .tokenizer import get_tokenizer
 
 __all__ = ["blend_names", "open_run_data", "step_records"]

@@ -24,8 +24,8 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..checkpointing.tensor_io import write_atomic
-from .config_checks import ConfigError
+from ...checkpointing.tensor_io import write_atomic
+from ..config.checks import ConfigError
 
 LOCK_NAME, LEASE_NAME = ".lock", ".lease.json"
 HEARTBEAT_S = 30.0

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpointing.tensor_io import file_digest
+from ...checkpointing.tensor_io import file_digest
 from .corpus import Corpus, train_bpe_on_corpus
 from .document_split import validation_mask
 from .encoding import encode_documents, use_threads

@@ -13,13 +13,13 @@ The divergence guard (non-finite losses and gradients) is `divergence`.
 
 from __future__ import annotations
 
-from ..checkpointing.compatibility import flatten_dict
-from ..tensor_parallel import parallel_state as ps
-from ..tensor_parallel.audit import replica_mismatches
-from ..launch.agreement import disagreements
-from ..tensor_parallel.collectives import all_gather_objects
-from ..version import __version__
-from .config import ConfigError, PretrainConfig
+from ...checkpointing.compatibility import flatten_dict
+from ...tensor_parallel import parallel_state as ps
+from ...tensor_parallel.audit import replica_mismatches
+from ...launch.agreement import disagreements
+from ...tensor_parallel.collectives import all_gather_objects
+from ...version import __version__
+from ..config.schema import ConfigError, PretrainConfig
 
 
 class ConfigMismatchError(ConfigError):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpointing.tensor_io import file_digest
-from .config_checks import ConfigError
+from ...checkpointing.tensor_io import file_digest
+from ..config.checks import ConfigError
 from .tokenizer import TokenizerUnavailableError
 
 __all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "refuse_other_settings",

@@ -21,7 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..checkpointing.tensor_io import file_digest, replace_directory, write_atomic
+from ...checkpointing.tensor_io import file_digest, replace_directory, write_atomic
 from .indexed_dataset import IndexedDatasetWriter
 from .token_files import META, index_bytes
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpointing.tensor_io import fsync_dir
-from .config_checks import ConfigError
+from ...checkpointing.tensor_io import fsync_dir
+from ..config.checks import ConfigError
 
 __all__ = ["IndexedDatasetWriter", "IndexedTokens", "IndexFormatError", "token_dtype"]
 

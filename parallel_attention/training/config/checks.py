@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..checkpointing.format import MANIFEST
-from .tokenizer import BPE_MIN_VOCAB
+from ...checkpointing.format import MANIFEST
+from ..data.tokenizer import BPE_MIN_VOCAB
 
 
 class ConfigError(ValueError):

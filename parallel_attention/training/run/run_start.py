@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..tensor_parallel import parallel_state as ps
-from .config import PretrainConfig
+from ...tensor_parallel import parallel_state as ps
+from ..config.schema import PretrainConfig
 
 
 def finished(cfg: PretrainConfig, step: int) -> bool:

@@ -27,7 +27,7 @@ def read_meta(data_dir) -> dict | None:
 def ensure_prepared(data_cfg) -> dict:
     """The meta of `data_cfg.data_dir`, prepared first if it does not exist (or is empty; an unfinished
     preparation of the same settings resumes), then its files verified against their sha256. (The run's copy of
-    the tokenizer is made once it has resumed: data_identity.keep_run_tokenizer.)
+    the tokenizer is made once it has resumed: identity.keep_run_tokenizer.)
 
     A directory that holds anything else is refused with a DataFileError before any step, never rewritten: data
     prepared with another source, tokenizer (name or sha256), text_field, max_bytes or bpe_vocab_size (and, for

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from ..tensor_parallel.collectives import all_gather_objects
-from ..tensor_parallel import parallel_state as ps
+from ...tensor_parallel.collectives import all_gather_objects
+from ...tensor_parallel import parallel_state as ps
 from .batches import GlobalBatchSampler, run_sampler
-from .config import PretrainConfig
-from .data import ensure_prepared
-from .data_blend import open_blend
+from ..config.schema import PretrainConfig
+from .prepared import ensure_prepared
+from .blend import open_blend
 from .token_files import REFUSALS, DataFileError, refusal_message
 from .token_source import TokenSource
 from .tokenizer import tokenizer_vocab_size
@@ -56,7 +56,7 @@ def open_run_blend(cfg: PretrainConfig) -> tuple[list[TokenSource], list[float]]
 def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
     """Prepare data.data_dir once (global rank 0) unless a blend names the sources, then open every source on every
     rank, checked against its meta.json's sha256; a refusal on any rank is every rank's. Returns the sampler and
-    the blend's sources. Nothing is written into the run directory here (data_identity.keep_run_tokenizer copies
+    the blend's sources. Nothing is written into the run directory here (identity.keep_run_tokenizer copies
     the tokenizer there once the run has resumed)."""
     data_dir, rank_0 = cfg.data.data_dir, ps.get_global_rank() == 0
     if not cfg.data.blend:

@@ -21,10 +21,10 @@ import math
 import torch
 from torch import nn
 
-from ..tensor_parallel.collectives import any_rank
-from ..tensor_parallel.param_kinds import local_shard
-from .guards import GuardError
-from .loss_scaler import DynamicLossScaler
+from ...tensor_parallel.collectives import any_rank
+from ...tensor_parallel.param_kinds import local_shard
+from .rank_checks import GuardError
+from ..loss_scaler import DynamicLossScaler
 
 __all__ = ["DivergenceError", "DivergenceGuard", "check_parameters_finite"]
 

@@ -15,11 +15,11 @@ import os
 import sys
 from pathlib import Path
 
-from ..checkpointing.format import MANIFEST
-from ..checkpointing.tensor_io import file_digest
-from .config import PretrainConfig
-from .config_checks import ConfigError
-from .data_blend import blend_entries, prepared_tokenizer
+from ...checkpointing.format import MANIFEST
+from ...checkpointing.tensor_io import file_digest
+from ..config.schema import PretrainConfig
+from ..config.checks import ConfigError
+from .blend import blend_entries, prepared_tokenizer
 from .token_source import TokenSource
 from .tokenizer import copy_tokenizer
 

@@ -2,8 +2,8 @@
 
 `load_config(path, overrides)` reads YAML strictly (duplicate keys and syntax errors name the file
 and line), applies `--section.key=value` overrides, rejects unknown keys with their dotted path,
-checks every value's type (`config_loading`) and returns a `PretrainConfig`. `validate(world_size)`
-checks every numeric field's range and the paths (`config_checks`), then the parallel layout against
+checks every value's type (`loading`) and returns a `PretrainConfig`. `validate(world_size)`
+checks every numeric field's range and the paths (`checks`), then the parallel layout against
 the model, before any process group exists; every error names the dotted key, the value and the fix.
 """
 
@@ -16,13 +16,13 @@ from typing import Any, Literal
 
 import yaml
 
-from ..tensor_parallel.linear_functions import OVERLAP_COMM
-from ..transformer.model_config import ModelConfig
-from .config_checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source,
-                            check_names, check_ranges, check_resume)
-from .config_loading import apply_override, build_dataclass, read_yaml_file
-from .preparation import DEFAULT_SHARD_TOKENS
-from .tokenizer import tokenizer_vocab_size
+from ...tensor_parallel.linear_functions import OVERLAP_COMM
+from ...transformer.model_config import ModelConfig
+from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_names,
+                     check_ranges, check_resume)
+from .loading import apply_override, build_dataclass, read_yaml_file
+from ..data.preparation import DEFAULT_SHARD_TOKENS
+from ..data.tokenizer import tokenizer_vocab_size
 
 __all__ = ["BlendEntry", "CheckpointConfig", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
            "OptimizerConfig", "ParallelConfig", "PretrainConfig", "ScheduleConfig", "TrainingConfig",

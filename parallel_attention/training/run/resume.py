@@ -10,13 +10,13 @@ from pathlib import Path
 
 from torch import nn
 
-from ..checkpointing.checkpoint import load_checkpoint, load_newest_valid, raise_unless_all_passed
-from ..checkpointing.compatibility import check_same_model, model_shape_config, same_layout
-from ..checkpointing.format import MANIFEST, CheckpointError, list_checkpoints, read_manifest
-from ..checkpointing.reshard import load_resharded
-from ..tensor_parallel import parallel_state as ps
-from ..tensor_parallel.rng import manual_seed
-from .config import ConfigError, PretrainConfig
+from ...checkpointing.checkpoint import load_checkpoint, load_newest_valid, raise_unless_all_passed
+from ...checkpointing.compatibility import check_same_model, model_shape_config, same_layout
+from ...checkpointing.format import MANIFEST, CheckpointError, list_checkpoints, read_manifest
+from ...checkpointing.reshard import load_resharded
+from ...tensor_parallel import parallel_state as ps
+from ...tensor_parallel.rng import manual_seed
+from ..config.schema import ConfigError, PretrainConfig
 
 RUN_CONFIG_SECTIONS = ("model", "parallel")  # what a resume reads from a checkpoint's config
 
