@@ -15,9 +15,9 @@ import torch.distributed as dist
 import parallel_attention as pa
 from distributed import run_distributed
 from launch import ROOT, environment, torchrun_command, train_losses
-from parallel_attention.tensor_parallel.collectives import (CollectiveMismatchError, CollectiveTimeoutError,
-                                                            all_gather_along_dim, all_reduce_, broadcast_object,
-                                                            enable_collective_log)
+from parallel_attention.tensor_parallel import CollectiveMismatchError, enable_collective_log
+from parallel_attention.tensor_parallel.collectives import (CollectiveTimeoutError, all_gather_along_dim, all_reduce_,
+                                                            broadcast_object)
 from test_pretrain import data_dir, tiny_args  # noqa: F401  (data_dir is a fixture)
 
 

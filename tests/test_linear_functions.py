@@ -23,9 +23,10 @@ from rank_pool import RankPool
 import parallel_attention as pa
 from parallel_attention.check.collective_counter import count_collectives
 from parallel_attention.tensor_parallel.linear_functions import local_linear
-from parallel_attention.tensor_parallel.collectives import (CollectiveMismatchError, CollectiveTimeoutError,
-                                                            all_reduce_, copy_to_tensor_parallel_region,
-                                                            enable_collective_log, reduce_from_tensor_parallel_region)
+from parallel_attention.tensor_parallel import CollectiveMismatchError, enable_collective_log
+from parallel_attention.tensor_parallel.collectives import (CollectiveTimeoutError, all_reduce_,
+                                                            copy_to_tensor_parallel_region,
+                                                            reduce_from_tensor_parallel_region)
 
 S, B, H, FFN = 12, 3, 10, 20
 # float64: the sharded block sums the same products as the reference in another order (per-rank partial

@@ -103,7 +103,7 @@ def _silent_rank_under_fsdp2_worker(phase: str, guard: bool):
     """Both ranks shard a model with FSDP2 (zero_stage 3), then rank 1 goes silent before the forward (rank 0 waits
     in a parameter all-gather) or, for a root-only model that keeps its parameters gathered after the forward,
     before the backward (rank 0 waits in the gradient reduce-scatter). `guard`: under debug_collectives."""
-    from parallel_attention.tensor_parallel.collectives import enable_collective_log
+    from parallel_attention.tensor_parallel import enable_collective_log
     from parallel_attention.training.fsdp import mesh_of, shard_fully
 
     pa.destroy_model_parallel()

@@ -9,12 +9,11 @@ Imports torch only: nothing from the rest of the package.
 """
 
 from .audit import replica_mismatches
-from .collective_log import CollectiveMismatchError
+from .collective_log import CollectiveMismatchError, enable_collective_log
 from .collectives import (
     CollectiveTimeoutError,
     all_gather_along_dim,
     copy_to_tensor_parallel_region,
-    enable_collective_log,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,

@@ -1,11 +1,11 @@
-"""The collective guard's bookkeeping (`parallel.debug_collectives`): what `collectives` records per rank.
+"""The collective guard (`parallel.debug_collectives`, `enable_collective_log`): every collective, checked
+across the ranks of its group before it runs.
 
-Each collective issued through `collectives` while the guard is on becomes a `Call` (op, shape, dtype,
-group, the call's number on its group, and the call site: the first stack frame outside this package's
-collectives and torch) in a per-rank ring buffer. Before the real collective the ranks of its group
-all-gather a small signature of it (op, dtype, shape, number on the group); `collectives` issues that
-exchange, and this module turns a disagreement into a report of each rank's first diverging call, and
-a timeout into the calls that led to it. No collective is issued here.
+Once enabled, each collective issued through `collectives` becomes a `Call` (op, shape, dtype, group, the call's
+number on its group, and the call site: the first stack frame outside this package's collectives and torch) in a
+per-rank ring buffer. Before the real collective the ranks of its group all-gather a small signature of it (op,
+dtype, shape, number on the group): the guard's own exchange, the one collective issued outside `collectives`. A
+disagreement becomes a report of each rank's first diverging call, a timeout the calls that led to it.
 
 What each layer catches (the README's "Failure modes" lists them for users):
 - the signature exchange: another op, shape or dtype on one rank at the same point of the group's sequence,
@@ -30,6 +30,11 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from . import collectives
+from .collectives import CollectiveTimeoutError, named_timeouts
+from .parallel_state import ProcessGroup, describe_group
 
 RECENT_CALLS = 64  # calls kept per rank
 SHOWN_CALLS = 8  # calls printed with an error
@@ -114,3 +119,59 @@ def mismatch_report(group_words: str, ranks: list[int], calls: list[tuple[Call, 
         lines.append(f"  before it, rank {rank}: " + ("; ".join(f"#{c.number} {c.op} at {c.site}" for c in before[-3:])
                                                       or "nothing"))
     return "\n".join(lines)
+
+
+def enable_collective_log(size: int = RECENT_CALLS) -> None:
+    """The collective guard, for this process: from now on each collective is recorded (op, shape, dtype, group,
+    call site) and its signature all-gathered across its group before it runs, so that diverging ranks raise
+    CollectiveMismatchError naming each rank's first diverging call, and a timeout lists the recent calls. Also
+    turns on torch's TORCH_DISTRIBUTED_DEBUG=DETAIL and the NCCL flight recorder for the groups created afterwards:
+    call it before init_distributed. Costs a small all-gather per collective."""
+    for name, value in TORCH_DEBUG_ENV.items():
+        os.environ.setdefault(name, value)
+    dist.set_debug_level_from_env()  # torch read the variable at import
+    guard = _Guard(CollectiveLog(size))
+    collectives.install_hooks(guard.issuing, guard.awaiting)
+
+
+class _Guard:
+    """The contexts the guard puts around each collective and each asynchronous wait()."""
+
+    def __init__(self, log: CollectiveLog) -> None:
+        self.log = log
+
+    @contextlib.contextmanager
+    def issuing(self, op: str, x: torch.Tensor | None, group: ProcessGroup | None):
+        """Record the call, check it against the group's other ranks, then run it (a timeout lists recent calls)."""
+        call = self.log.record(op, x, group, describe_group(group))
+        with self.awaiting(op, group):
+            calls = self._exchange_signatures(call, x, group)
+        if calls is not None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(calls)))
+            raise CollectiveMismatchError(mismatch_report(call.group, ranks, calls))
+        with self.awaiting(op, group):
+            yield
+
+    @contextlib.contextmanager
+    def awaiting(self, op: str, group: ProcessGroup | None):
+        """named_timeouts, and a timeout lists this rank's recent calls."""
+        try:
+            with named_timeouts(op, group):
+                yield
+        except CollectiveTimeoutError as error:
+            raise CollectiveTimeoutError(f"{error}\n{self.log.recent(dist.get_rank())}") from error
+
+    def _exchange_signatures(self, call: Call, x: torch.Tensor | None, group: ProcessGroup | None) -> list | None:
+        """None if every rank of the group issues a call of this signature; else every rank's call and the ones
+        before it (every rank of the group sees the disagreement, so every rank joins that second gather)."""
+        nccl = x is None and dist.get_backend(group) == "nccl"
+        device = x.device if x is not None else torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        mine = torch.tensor(call.signature(), dtype=torch.int64, device=device)
+        gathered = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
+        collectives.gather_into(gathered, mine, group)
+        signatures = gathered.view(-1, mine.numel()).tolist()
+        if all(s == signatures[0] for s in signatures):
+            return None
+        calls = [None] * len(signatures)
+        dist.all_gather_object(calls, (call, self.log.before(call, 3)), group=group)
+        return calls

@@ -1,9 +1,9 @@
-"""Every collective of the package: the tensor-parallel region as autograd functions, and the plain
-(no-autograd) reductions and object exchanges that training and checkpointing use.
+"""Every collective of the package, in one module to follow: the timeout hook they all run in, the primitives (plain
+and asynchronous), the tensor-parallel regions as autograd functions, the context-parallel ring exchange and
+all-to-all, and the plain reductions and object exchanges that training and checkpointing use.
 
-The only module that calls torch.distributed's collectives. Each function takes the group it runs on,
-returns its input unchanged when the group has one rank (or is None), and states what it does forward
-and backward. Shapes: `s` sequence, `b` batch, `h` hidden, `p` tensor-parallel size.
+Each function takes the group it runs on, returns its input unchanged when the group has one rank (or is None), and
+states what it does forward and backward. Shapes: `s` sequence, `b` batch, `h` hidden, `p` group size.
 
     name                                   forward                 backward
     copy_to_tensor_parallel_region         identity                all-reduce
@@ -12,112 +12,89 @@ and backward. Shapes: `s` sequence, `b` batch, `h` hidden, `p` tensor-parallel s
     gather_from_tensor_parallel_region     all-gather last dim     keep my last-dim chunk
     gather_from_sequence_parallel_region   all-gather dim 0 (s)    reduce-scatter dim 0
     reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0  all-gather dim 0
+    all_to_all_along_dims                  split dim a, piece j to rank j, concatenate along dim b; the reverse
+    ring_exchange                          send to the next rank, receive from the previous (no autograd: the
+                                           ring's own Function rings its gradients back)
 
-Every call goes through `_issue(op, tensor, group)`: `named_timeouts`, or after `enable_collective_log()` the guard
-of `collective_log`, which records the call and cross-checks it with the group's other ranks before it runs. An
-async call (async_op=True, the fused linears of `linear_functions`) is issued alike; its PendingCollective.wait()
-names timeouts.
+Every call runs inside `issuing(op, tensor, group)`, and an asynchronous one's wait() inside `awaiting(op, group)`:
+by default `named_timeouts`, which turns a backend's bare timeout into CollectiveTimeoutError naming the operation
+and the group; the collective guard (`collective_log.enable_collective_log`) installs its own contexts through
+`install_hooks`, which record each call and cross-check it with the group's other ranks before it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import re
 
 import torch
 import torch.distributed as dist
 
-from .collective_log import RECENT_CALLS, TORCH_DEBUG_ENV, CollectiveLog, CollectiveMismatchError, mismatch_report
-from .parallel_state import ProcessGroup, describe_group, group_rank, group_size, is_distributed
+from .parallel_state import (ProcessGroup, collective_timeout, describe_group, group_rank, group_size,
+                             is_distributed)
 from .sharding import check_sequence_split
-from .timeouts import CollectiveTimeoutError, named_timeouts
 
-__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "enable_collective_log"]  # and the functions below
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within the groups' timeout: some rank stopped answering."""
+
+
+# TORCH_DISTRIBUTED_DEBUG=DETAIL puts a monitored barrier before each collective: a rank missing there times out too
+_TIMEOUT_WORDS = re.compile(r"timed out|timeout|failed to pass monitoredBarrier", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def named_timeouts(op: str, group: ProcessGroup | None):
+    """Re-raise a backend's timeout (a bare RuntimeError) as CollectiveTimeoutError naming the operation, the group
+    and the configured limit, so that the rank's log says what stopped answering."""
+    try:
+        yield
+    except RuntimeError as error:  # gloo and NCCL (DistBackendError) report timeouts as RuntimeErrors
+        if isinstance(error, CollectiveTimeoutError) or not _TIMEOUT_WORDS.search(str(error)):
+            raise  # not a timeout, or one an inner collective already named
+        raise CollectiveTimeoutError(
+            f"{op} on the {describe_group(group)} did not complete within the timeout "
+            f"({collective_timeout() or 'torch default'}): a rank stopped answering (hung, stopped or dead). "
+            f"Backend said: {str(error).splitlines()[0]}") from error
 
 
 def _plain(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
     return named_timeouts(op, group)
 
 
-_issue = _plain  # (op, tensor or None, group) -> the context a collective runs in; the guard replaces it
-_await = named_timeouts  # (op, group) -> the context an asynchronous collective's wait() runs in; likewise
-_LOG: CollectiveLog | None = None
+_issue = _plain  # (op, tensor or None, group) -> the context a collective runs in
+_await = named_timeouts  # (op, group) -> the context an asynchronous collective's wait() runs in
+
+
+def install_hooks(issue, await_) -> None:
+    """From now on every collective runs in `issue(op, tensor or None, group)` and every asynchronous one's wait()
+    in `await_(op, group)`, both context managers (the collective guard's)."""
+    global _issue, _await
+    _issue, _await = issue, await_
 
 
 def issuing(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
-    """The context every collective runs in, for those issued outside this module (the ring's isend/irecv, the
-    all-to-all): the timeout hook, or after `enable_collective_log()` the guard."""
+    """The context every collective runs in (for those issued outside this module, such as FSDP2's)."""
     return _issue(op, x, group)
 
 
 def awaiting(op: str, group: ProcessGroup | None):
-    """The context an asynchronous collective's wait() runs in (the timeout hook, or the guard's)."""
+    """The context an asynchronous collective's wait() runs in."""
     return _await(op, group)
 
 
-def enable_collective_log(size: int = RECENT_CALLS) -> None:
-    """The collective guard, for this process: from now on each collective is recorded (op, shape, dtype,
-    group, call site) and its signature all-gathered across its group before it runs, so that diverging
-    ranks raise CollectiveMismatchError naming each rank's first diverging call, and a timeout lists the
-    recent calls. Also turns on torch's TORCH_DISTRIBUTED_DEBUG=DETAIL and the NCCL flight recorder for
-    the groups created afterwards: call it before init_distributed. Costs a small all-gather per collective."""
-    global _issue, _await, _LOG
-    for name, value in TORCH_DEBUG_ENV.items():
-        os.environ.setdefault(name, value)
-    dist.set_debug_level_from_env()  # torch read the variable at import
-    _LOG, _issue, _await = CollectiveLog(size), _guarded, _listing_recent
-
-
-def _gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
+def gather_into(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None, async_op: bool = False):
+    """dist's all-gather into one tensor, outside the hooks (the guard's own signature exchange uses it)."""
     # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns); older releases lack it
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
         out, x, group=group, async_op=async_op)
-
-
-@contextlib.contextmanager
-def _guarded(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
-    """Record the call, check it against the group's other ranks, then run it (timeouts list the recent calls)."""
-    call = _LOG.record(op, x, group, describe_group(group))
-    with _listing_recent(op, group):
-        calls = _exchange_signatures(call, x, group)
-    if calls is not None:
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(calls)))
-        raise CollectiveMismatchError(mismatch_report(call.group, ranks, calls))
-    with _listing_recent(op, group):
-        yield
-
-
-@contextlib.contextmanager
-def _listing_recent(op: str, group: ProcessGroup | None):
-    """named_timeouts, and a timeout lists this rank's recent calls (the guard's wait of an asynchronous collective)."""
-    try:
-        with named_timeouts(op, group):
-            yield
-    except CollectiveTimeoutError as error:
-        raise CollectiveTimeoutError(f"{error}\n{_LOG.recent(dist.get_rank())}") from error
-
-
-def _exchange_signatures(call, x: torch.Tensor | None, group: ProcessGroup | None) -> list | None:
-    """None if every rank of the group issues a call of this signature; else every rank's call and the ones
-    before it (every rank of the group sees the disagreement, so every rank joins that second gather)."""
-    nccl = x is None and dist.get_backend(group) == "nccl"
-    device = x.device if x is not None else torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-    mine = torch.tensor(call.signature(), dtype=torch.int64, device=device)
-    gathered = torch.empty(dist.get_world_size(group) * mine.numel(), dtype=torch.int64, device=device)
-    _gather_into(gathered, mine, group)
-    signatures = gathered.view(-1, mine.numel()).tolist()
-    if all(s == signatures[0] for s in signatures):
-        return None
-    calls = [None] * len(signatures)
-    dist.all_gather_object(calls, (call, _LOG.before(call, 3)), group=group)
-    return calls
 
 
 def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False,
                            name: str = "all_gather"):
     """Every rank's `x` into `out`, stacked along dim 0 in rank order (FSDP2's all-gather runs through it, `name`d)."""
     with _issue(name, x, group):
-        return _gather_into(out, x, group, async_op)
+        return gather_into(out, x, group, async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup, async_op: bool = False,
@@ -150,6 +127,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async
 
 
 def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Keep this rank's chunk of the last dim."""
     p = group_size(group)
     if x.shape[-1] % p != 0:
         raise ValueError(f"last dimension {x.shape[-1]} is not divisible by tensor-parallel size {p}.")
@@ -157,8 +135,10 @@ def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """[..., n/p] -> [..., n]: gathered as [p, ..., n/p] (all_gather_into_tensor stacks along dim 0), then one
-    copy into rank order along the last dim (no transposed copy of the input)."""
+    """All-gather the last dim, [..., n/p] -> [..., n] in rank order.
+
+    Gathered as [p, ..., n/p] (all_gather_into_tensor stacks along dim 0), then one copy into rank order along the
+    last dim (no transposed copy of the input)."""
     p, x = group_size(group), x.contiguous()
     out = torch.empty((p * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
     all_gather_into_tensor(out, x, group)
@@ -166,7 +146,9 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def all_gather_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
-    """[s/p, ...] chunks -> [s, ...] in rank order (async_op: a PendingCollective of it)."""
+    """All-gather [s/p, ...] chunks into [s, ...] in rank order.
+
+    With async_op, a PendingCollective of it."""
     x = x.contiguous()
     out = torch.empty((group_size(group) * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
     work = all_gather_into_tensor(out, x, group, async_op)
@@ -174,6 +156,9 @@ def all_gather_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = 
 
 
 def reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
+    """Sum the ranks' [s, ...] and keep this rank's [s/p, ...] chunk.
+
+    With async_op, a PendingCollective of it."""
     p = group_size(group)
     check_sequence_split(x.shape[0], p)
     x = x.contiguous()
@@ -182,8 +167,9 @@ def reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: boo
     return PendingCollective("reduce_scatter", work, group, out) if async_op else out
 
 
-def _region_function(name: str, forward, backward) -> type[torch.autograd.Function]:
-    """An autograd function that runs `forward(x, group)` on the way in and `backward(grad, group)` back."""
+def _region(name: str, forward, backward):
+    """`name`(x, group): x itself on a group of one rank; else an autograd function that runs `forward(x, group)` on
+    the way in and `backward(grad, group)` back (documented by their docstrings' first lines)."""
 
     def run_forward(ctx, x, group):
         ctx.group = group
@@ -192,58 +178,95 @@ def _region_function(name: str, forward, backward) -> type[torch.autograd.Functi
     def run_backward(ctx, grad):
         return backward(grad, ctx.group), None
 
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})
+    function = type(name.title().replace("_", ""), (torch.autograd.Function,),
+                    {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})
+
+    def enter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        return x if group_size(group) == 1 else function.apply(x, group)
+
+    words = [step.__doc__.splitlines()[0] for step in (forward, backward)]
+    enter.__name__ = enter.__qualname__ = name
+    enter.__doc__ = f"Forward: {words[0]} Backward: {words[1]}"
+    return enter
 
 
 def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Identity."""
     return x.view_as(x)
 
 
 def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-reduce (the sum over the group's ranks)."""
     # autograd may hand the same gradient to other branches, and the forward input is the caller's: reduce a copy
     return all_reduce(x.clone(), group)
 
 
-# the table of the module docstring, row by row
-_CopyToRegion = _region_function("_CopyToRegion", _identity, _all_reduce_copy)
-_ReduceFromRegion = _region_function("_ReduceFromRegion", _all_reduce_copy, _identity)
-_ScatterToRegion = _region_function("_ScatterToRegion", _split_last_dim, _gather_last_dim)
-_GatherFromRegion = _region_function("_GatherFromRegion", _gather_last_dim, _split_last_dim)
-_GatherFromSequenceRegion = _region_function("_GatherFromSequenceRegion", all_gather_first_dim,
-                                             reduce_scatter_first_dim)
-_ReduceScatterToSequenceRegion = _region_function("_ReduceScatterToSequenceRegion", reduce_scatter_first_dim,
-                                                  all_gather_first_dim)
+_REGIONS = (  # the table of the module docstring, row by row: (name, forward, backward)
+    ("copy_to_tensor_parallel_region", _identity, _all_reduce_copy),
+    ("reduce_from_tensor_parallel_region", _all_reduce_copy, _identity),
+    ("scatter_to_tensor_parallel_region", _split_last_dim, _gather_last_dim),
+    ("gather_from_tensor_parallel_region", _gather_last_dim, _split_last_dim),
+    ("gather_from_sequence_parallel_region", all_gather_first_dim, reduce_scatter_first_dim),
+    ("reduce_scatter_to_sequence_parallel_region", reduce_scatter_first_dim, all_gather_first_dim),
+)
+(copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region,
+ gather_from_tensor_parallel_region, gather_from_sequence_parallel_region,
+ reduce_scatter_to_sequence_parallel_region) = (_region(*row) for row in _REGIONS)
 
 
-def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: identity. Backward: all-reduce the gradient (the input fed every rank)."""
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGroup) -> torch.Tensor:
+    pieces = torch.stack(x.chunk(group_size(group), dim=split_dim)).contiguous()  # [p, ...]: piece j goes to rank j
+    out = torch.empty_like(pieces)
+    with _issue("all_to_all", pieces, group):
+        dist.all_to_all_single(out, pieces, group=group)
+    return torch.cat(out.unbind(0), dim=cat_dim)
 
 
-def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: all-reduce the partial sums. Backward: identity."""
-    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, group):
+        ctx.dims, ctx.group = (split_dim, cat_dim), group
+        return _all_to_all(x, split_dim, cat_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, cat_dim = ctx.dims
+        return _all_to_all(grad, cat_dim, split_dim, ctx.group), None, None, None
 
 
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: keep this rank's chunk of the last dim. Backward: all-gather the last dim."""
-    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, group)
+def all_to_all_along_dims(x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward: split `split_dim` into p equal pieces, send piece j to rank j, concatenate the pieces received (in
+    rank order) along `cat_dim` (e.g. heads -> sequence, Ulysses). Backward: the reverse all-to-all."""
+    return x if group_size(group) == 1 else _AllToAll.apply(x, split_dim, cat_dim, group)
 
 
-def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: all-gather the last dim in rank order. Backward: keep this rank's chunk."""
-    return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
+class PendingExchange:
+    """A posted ring exchange: wait() returns the tensor received from the previous rank."""
+
+    def __init__(self, works, group: ProcessGroup, received: torch.Tensor) -> None:
+        self.works, self.group, self.received = works, group, received
+
+    def wait(self) -> torch.Tensor:
+        with _await("ring_exchange", self.group):
+            for work in self.works:
+                work.wait()
+        return self.received
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: all-gather [s/p, ...] chunks into [s, ...]. Backward: reduce-scatter along s."""
-    return x if group_size(group) == 1 else _GatherFromSequenceRegion.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: sum the ranks' [s, ...] partials and keep chunk [s/p, ...]. Backward: all-gather along s."""
-    return x if group_size(group) == 1 else _ReduceScatterToSequenceRegion.apply(x, group)
+@torch.no_grad()
+def ring_exchange(x: torch.Tensor, group: ProcessGroup | None, tag: int = 0) -> PendingExchange | None:
+    """Post: send `x` to the next rank of `group` and receive a tensor like it from the previous one (one isend and
+    one irecv; compute on what you hold meanwhile, then wait()). None at one rank. Exchanges posted together take
+    distinct tags."""
+    size = group_size(group)
+    if size == 1:
+        return None
+    rank = group_rank(group)
+    x, received = x.contiguous(), torch.empty_like(x)
+    with _issue("ring_exchange", x, group):
+        send = dist.isend(x, dst=dist.get_global_rank(group, (rank + 1) % size), group=group, tag=tag)
+        recv = dist.irecv(received, src=dist.get_global_rank(group, (rank - 1) % size), group=group, tag=tag)
+    return PendingExchange((send, recv), group, received)
 
 
 @torch.no_grad()

@@ -242,7 +242,7 @@ def column_parallel_linear_variant(group, tp_size: int, sequence_parallel: bool,
     if tp_size == 1:
         return fn.local_linear
     function = fn.sequence_parallel_column_linear if sequence_parallel else fn.column_parallel_linear
-    return partial(function, group=group, settle=fn.overlapped if overlap_comm else fn.waited)
+    return partial(function, group=group, wait_policy=fn.wait_after_next_gemm if overlap_comm else fn.wait_at_once)
 
 
 def row_parallel_linear_variant(group, tp_size: int, sequence_parallel: bool):

@@ -13,10 +13,10 @@ environment variable when it runs. Shapes: `s` sequence, `b` batch, `in`/`out` f
 
 The sequence-parallel column keeps its [s/p, b, in] input, not the gathered [s, b, in], and gathers it again in
 backward: Korthikanti et al. 2022's activation memory, for one more all-gather per column-parallel linear per
-backward. `overlap` decides only when the backward waits for a collective: at once (False), or after the GEMM
-that can run meanwhile (True, Megatron's async dgrad). On CUDA, ProcessGroupNCCL runs an async collective on its
-own stream after an event wait on the current one, and wait() makes the current stream wait for it; on gloo the
-collective runs on gloo's thread while this one computes.
+backward. `overlap_comm` decides only when the backward waits for a collective (`wait_policy`): at once
+(`wait_at_once`), or after the GEMM that can run meanwhile (`wait_after_next_gemm`, Megatron's async dgrad).
+On CUDA, ProcessGroupNCCL runs an async collective on its own stream after an event wait on the current one, and
+wait() makes the current stream wait for it; on gloo the collective runs on gloo's thread while this one computes.
 
 Every collective reduces a tensor its own GEMM just produced, in place (no defensive clone). Autocast: the
 forward GEMM runs under the caller's autocast; the backward casts the saved input and weight to the gradient's
@@ -60,8 +60,8 @@ def _weight_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     return grad_weight, flat.sum(0).to(weight.dtype) if with_bias else None
 
 
-class _Done:
-    """A collective already waited for: wait() returns its result."""
+class CompletedCollective:
+    """A collective already waited for: wait() returns its result at once."""
 
     def __init__(self, result: torch.Tensor) -> None:
         self.result = result
@@ -70,14 +70,15 @@ class _Done:
         return self.result
 
 
-def overlapped(pending: PendingCollective) -> PendingCollective:
-    """overlap_comm=True: the backward waits for the collective after its next GEMM."""
+# when the backward waits for its collective (`wait_policy`, chosen once from overlap_comm)
+def wait_after_next_gemm(pending: PendingCollective) -> PendingCollective:
+    """overlap_comm=True: the backward waits for the collective after its next GEMM (Megatron's async dgrad)."""
     return pending
 
 
-def waited(pending: PendingCollective) -> _Done:
+def wait_at_once(pending: PendingCollective) -> CompletedCollective:
     """overlap_comm=False: the same collective, waited for at once."""
-    return _Done(pending.wait())
+    return CompletedCollective(pending.wait())
 
 
 class _LocalLinear(torch.autograd.Function):
@@ -99,12 +100,12 @@ class _LocalLinear(torch.autograd.Function):
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
-    """Y = X W_r^T + b_r; backward: dX = dY W_r, all-reduced while dW = dY^T X runs (`settle` says when to wait)."""
+    """Y = X W_r^T + b_r; backward: dX = dY W_r, all-reduced while dW = dY^T X runs (when it waits: `wait_policy`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, settle):
+    def forward(ctx, x, weight, bias, group, wait_policy):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.settle, ctx.with_bias, ctx.input_dtype = group, settle, bias is not None, x.dtype
+        ctx.group, ctx.wait_policy, ctx.with_bias, ctx.input_dtype = group, wait_policy, bias is not None, x.dtype
         return _gemm(x, weight, bias)
 
     @staticmethod
@@ -113,7 +114,8 @@ class _ColumnParallelLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         pending = None
         if ctx.needs_input_grad[0]:
-            pending = ctx.settle(all_reduce(_input_grad(grad, weight, ctx.input_dtype), ctx.group, async_op=True))
+            grad_input = _input_grad(grad, weight, ctx.input_dtype)
+            pending = ctx.wait_policy(all_reduce(grad_input, ctx.group, async_op=True))
         grad_weight, grad_bias = _weight_grads(ctx, grad, x, weight, ctx.with_bias)
         return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None
 
@@ -123,19 +125,19 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     all-gathers it again while dX = dY W_r runs, then reduce-scatters dX while dW = dY^T X runs."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, settle):
+    def forward(ctx, x, weight, bias, group, wait_policy):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.settle, ctx.with_bias, ctx.input_dtype = group, settle, bias is not None, x.dtype
+        ctx.group, ctx.wait_policy, ctx.with_bias, ctx.input_dtype = group, wait_policy, bias is not None, x.dtype
         return _gemm(all_gather_first_dim(x, group), weight, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        gathering = ctx.settle(all_gather_first_dim(x, ctx.group, async_op=True))
+        gathering = ctx.wait_policy(all_gather_first_dim(x, ctx.group, async_op=True))
         grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None  # meanwhile
         total = gathering.wait()
-        pending = (ctx.settle(reduce_scatter_first_dim(grad_input, ctx.group, async_op=True))
+        pending = (ctx.wait_policy(reduce_scatter_first_dim(grad_input, ctx.group, async_op=True))
                    if grad_input is not None else None)
         grad_weight, grad_bias = _weight_grads(ctx, grad, total, weight, ctx.with_bias)
         return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None
@@ -181,14 +183,15 @@ def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _LocalLinear.apply(x, weight, bias)
 
 
-def column_parallel_linear(x, weight, bias, group: ProcessGroup, settle=overlapped) -> torch.Tensor:
+def column_parallel_linear(x, weight, bias, group: ProcessGroup, wait_policy=wait_after_next_gemm) -> torch.Tensor:
     """[s, b, in] -> [s, b, out/p]: no collective forward, one all-reduce backward."""
-    return _ColumnParallelLinear.apply(x, weight, bias, group, settle)
+    return _ColumnParallelLinear.apply(x, weight, bias, group, wait_policy)
 
 
-def sequence_parallel_column_linear(x, weight, bias, group: ProcessGroup, settle=overlapped) -> torch.Tensor:
+def sequence_parallel_column_linear(x, weight, bias, group: ProcessGroup,
+                                    wait_policy=wait_after_next_gemm) -> torch.Tensor:
     """[s/p, b, in] -> [s, b, out/p]: one all-gather forward; backward one all-gather and one reduce-scatter."""
-    return _SequenceParallelColumnLinear.apply(x, weight, bias, group, settle)
+    return _SequenceParallelColumnLinear.apply(x, weight, bias, group, wait_policy)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

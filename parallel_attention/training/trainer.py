@@ -24,7 +24,8 @@ import torch
 
 from ..checkpointing.checkpoint import save_checkpoint
 from ..tensor_parallel import parallel_state as ps
-from ..tensor_parallel.collectives import all_reduce_, any_rank, enable_collective_log
+from ..tensor_parallel.collective_log import enable_collective_log
+from ..tensor_parallel.collectives import all_reduce_, any_rank
 from ..tensor_parallel.param_kinds import finalize_grads
 from ..tensor_parallel.rng import dropout_coordinates, manual_seed
 from ..transformer.cross_entropy import IGNORE_INDEX

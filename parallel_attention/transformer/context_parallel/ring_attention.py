@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ...tensor_parallel.context_collectives import ring_exchange
+from ...tensor_parallel.collectives import ring_exchange
 from ...tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
 from .flash_ops import accumulation_dtype
 from .ring_blocks import MATH_BLOCKS, Pair, finite

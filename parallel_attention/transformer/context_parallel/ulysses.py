@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from ...tensor_parallel.context_collectives import all_to_all_along_dims
+from ...tensor_parallel.collectives import all_to_all_along_dims
 from ...tensor_parallel.parallel_state import ProcessGroup, group_size
 from .zigzag import rank_order_to_global
 
