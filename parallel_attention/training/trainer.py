@@ -1,14 +1,11 @@
-"""The pretraining loop as a story: build -> resume -> (train_step -> after_step) until done.
+"""The pretraining loop as a story: build -> resume -> train_loop (train_step, evaluate, log, checkpoint, stop).
 
-Tensor parallelism p x data parallelism world/p, from a PretrainConfig. One step: the global batch
-of `step` (a pure function of seed and step) split over the data-parallel ranks and into
-micro-batches; forward/backward per micro-batch through DDP (the data-parallel gradient average runs
-during the last micro-batch's backward); finalize_grads (tensor-parallel partial gradients); global
-norm, clipping, AdamW (its state sharded across data-parallel ranks at zero_stage 1; at zero_stage 3 FSDP2
-shards parameters, gradients and state, and reduce-scatters instead of DDP, `fsdp`), unless the
-divergence guard skips or stops the step. After a step: evaluate, log, stop on divergence, audit the
-replicated parameters (every `training.audit_interval` steps and before each checkpoint), checkpoint
-(every `checkpoint.interval` steps, at the end and on SIGTERM or SIGINT), stop. Resume is exact.
+One step: the global batch of `step` (a pure function of seed and step) split over the data-parallel ranks and into
+micro-batches; forward/backward per micro-batch through DDP (the data-parallel average runs during the last
+micro-batch's backward) or FSDP2 (zero_stage 3); finalize_grads (tensor-parallel partial gradients); global norm,
+clipping, AdamW (its state sharded at zero_stage 1), unless the divergence guard skips or stops the step. After it,
+in `train_loop`: evaluate, log, stop on divergence, checkpoint (every `checkpoint.interval` steps, at the end and on
+SIGTERM or SIGINT; the replicas audited first) or audit, stop. Resume is exact.
 """
 
 from __future__ import annotations
@@ -101,10 +98,6 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.training.global_batch_size * self.cfg.data.seq_len
-
-
-def _mean_over(value: torch.Tensor, group) -> float:
-    return (all_reduce_(value, group) / ps.group_size(group)).item()
 
 
 def build(cfg: PretrainConfig) -> Run:
@@ -211,7 +204,8 @@ def train_step(run: Run) -> dict:
     finalize_grads(run.model)  # after the data-parallel average of the backward: the two commute
     run.scaler.unscale(run.model.parameters())
     grad_norm = global_grad_norm(run.model, ps.get_tensor_model_parallel_group())
-    loss = _mean_over(loss_sum, ps.get_data_parallel_group())
+    dp_group = ps.get_data_parallel_group()
+    loss = (all_reduce_(loss_sum, dp_group) / ps.group_size(dp_group)).item()  # the mean over data-parallel ranks
     if run.guard.update(run.step + 1, loss, grad_norm.item()):
         clip_gradients(run.model, run.cfg.optimizer.grad_clip, grad_norm)
         run.optimizer.step()
@@ -220,7 +214,8 @@ def train_step(run: Run) -> dict:
     return {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
             "skipped_steps": run.guard.skipped_steps, "data_wait_s": round(data_wait_s, 6),
             "epochs": run.sampler.epochs(run.step),
-            **step_rates(run.cfg, run.device, run.tokens_per_step, time.perf_counter() - started)}
+            **step_rates(run.cfg, run.device, run.tokens_per_step, time.perf_counter() - started),
+            **run.scaler.record()}  # fp16: the loss scale after this step
 
 
 def checkpoint(run: Run) -> None:
@@ -236,28 +231,35 @@ def checkpoint(run: Run) -> None:
                     tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_context_parallel_group())
 
 
-def after_step(run: Run, record: dict, stop: StopSignals) -> bool:
-    """Evaluate, log, audit, checkpoint; returns True when the run must stop now (SIGTERM or SIGINT on any rank).
-
-    A diverged step is logged, then raises DivergenceError; a failed audit raises ReplicaMismatchError:
-    both before any checkpoint is written."""
-    cfg, step = run.cfg, run.step
-    last, diverged = step == cfg.training.max_steps, run.guard.stop_reason is not None
-    if run.logger is not None:  # rank 0, before it writes this step's outputs
-        ensure_run_dir_held(cfg)
-    record.update(run.scaler.record())  # fp16: the loss scale after this step
-    if not diverged and (step % cfg.training.eval_interval == 0 or last):
-        run.val_losses[step] = record["val_loss"] = evaluate(run)
-    if run.logger is not None and (step % cfg.logging.log_interval == 0 or "val_loss" in record
-                                   or step == min(run.losses) or diverged):
+def log_step(run: Run, record: dict, diverged: bool) -> None:
+    """Rank 0: check it still holds the run directory (before it writes this step's outputs), then log the step if
+    due (every `logging.log_interval` steps, with a validation loss, the first step, a diverged one)."""
+    if run.logger is None:
+        return
+    ensure_run_dir_held(run.cfg)
+    if run.step % run.cfg.logging.log_interval == 0 or "val_loss" in record or run.step == min(run.losses) \
+            or diverged:
         run.logger.log(record)
-    run.guard.raise_if_stopped()
-    run.stopped = any_rank(stop.raised, run.device)  # every rank checkpoints this same step
-    if run.stopped or step % cfg.checkpoint.interval == 0 or last:
-        checkpoint(run)
-    elif cfg.training.audit_interval and step % cfg.training.audit_interval == 0:
-        check_replicas(run.model, step)
-    return run.stopped
+
+
+def train_loop(run: Run, stop: StopSignals) -> None:
+    """The steps, to `training.max_steps` or until SIGTERM or SIGINT on any rank.
+
+    A diverged step is logged, then raises DivergenceError on every rank; a failed audit raises
+    ReplicaMismatchError: both before any checkpoint is written."""
+    t = run.cfg.training
+    while run.step < t.max_steps and not run.stopped:
+        record = train_step(run)
+        last, diverged = run.step == t.max_steps, run.guard.stop_reason is not None
+        if not diverged and (run.step % t.eval_interval == 0 or last):
+            run.val_losses[run.step] = record["val_loss"] = evaluate(run)
+        log_step(run, record, diverged)
+        run.guard.raise_if_stopped()
+        run.stopped = any_rank(stop.raised, run.device)  # every rank checkpoints this same step, then stops
+        if run.stopped or run.step % run.cfg.checkpoint.interval == 0 or last:
+            checkpoint(run)
+        elif t.audit_interval and run.step % t.audit_interval == 0:
+            check_replicas(run.model, run.step)
 
 
 def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
@@ -287,8 +289,7 @@ def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResu
             run.val_losses[0] = evaluate(run)
             if run.logger is not None:
                 run.logger.log({"step": 0, "val_loss": run.val_losses[0]})
-        while run.step < cfg.training.max_steps and not after_step(run, train_step(run), stop):
-            pass
+        train_loop(run, stop)
     finally:
         stop.restore()
         run.loader.close()
