@@ -1,6 +1,7 @@
-"""Settings removed in 0.2 keep working for one release where they changed nothing, and are refused by name where
-they did: parallel.comm_chunks in configs and checkpoint manifests; AttentionConfig's layout fields
-(sequence_parallel, overlap_comm), comm_chunks and backend, which are no dataclass fields any more."""
+"""Settings removed in 0.2: parallel.comm_chunks still loads from configs and checkpoint manifests where it changed
+nothing (checkpointing/compatibility.py) and is refused by name where it did; AttentionConfig's keywords of before 0.2
+(sequence_parallel, overlap_comm, comm_chunks, backend), accepted with a FutureWarning for the one release 0.2, are
+refused by name since 0.3, with what replaces each."""
 
 from __future__ import annotations
 
@@ -45,25 +46,23 @@ def test_a_checkpoint_manifest_with_comm_chunks_loads_silently(tmp_path):
         assert config_from_dict(saved) == data
 
 
-def test_attention_config_layout_fields_warn_and_still_lay_out_the_block():
-    with pytest.warns(FutureWarning) as warned:
-        cfg = pa.AttentionConfig(hidden_size=16, num_heads=4, sequence_parallel=True, overlap_comm=False)
-    assert sorted(str(w.message).split("=")[0] for w in warned) == ["AttentionConfig(overlap_comm",
-                                                                      "AttentionConfig(sequence_parallel"]
+@pytest.mark.parametrize("name,value,fix", [("sequence_parallel", True, "to ParallelSelfAttention"),
+                                            ("overlap_comm", False, "to ParallelSelfAttention"),
+                                            ("backend", "math", "attention_kernel="),
+                                            ("comm_chunks", 1, "drop it")])
+def test_attention_config_refuses_the_keywords_of_before_0_2_by_name(name, value, fix):
+    """0.2 accepted them with a FutureWarning for one release; 0.3 refuses each, naming it and what replaces it."""
+    with pytest.raises(TypeError, match=rf"AttentionConfig\({name}=\.\.\.\) was removed in 0\.3: .*{fix}"):
+        pa.AttentionConfig(hidden_size=16, num_heads=4, **{name: value})
+
+
+def test_the_layout_is_the_attention_modules():
+    cfg = pa.AttentionConfig(hidden_size=16, num_heads=4)
     assert "sequence_parallel" not in {f.name for f in dataclasses.fields(cfg)}
-    assert cfg == pa.AttentionConfig(hidden_size=16, num_heads=4)  # the shape is all a config compares
-    module = pa.ParallelSelfAttention(cfg)
+    module = pa.ParallelSelfAttention(cfg, sequence_parallel=True, overlap_comm=False)
     assert module.sequence_parallel and not module.query_key_value.overlap_comm
-    assert not pa.ParallelSelfAttention(cfg, sequence_parallel=False).sequence_parallel  # the argument wins
-
-
-def test_attention_config_backend_and_comm_chunks():
-    with pytest.warns(FutureWarning, match="attention_kernel"):
-        assert pa.AttentionConfig(hidden_size=16, num_heads=4, backend="math").attention_kernel == "math"
-    with pytest.warns(FutureWarning, match="comm_chunks"):
-        pa.AttentionConfig(hidden_size=16, num_heads=4, comm_chunks=1)
-    with pytest.raises(ValueError, match="comm_chunks=4: the key was removed"):
-        pa.AttentionConfig(hidden_size=16, num_heads=4, comm_chunks=4)
+    assert not pa.ParallelSelfAttention(cfg).sequence_parallel
+    assert dataclasses.replace(cfg, qkv_bias=False).qkv_bias is False  # the refusal leaves the dataclass's own paths
 
 
 def test_the_layers_take_no_comm_chunks():

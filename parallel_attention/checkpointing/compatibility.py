@@ -1,6 +1,19 @@
-"""Whether a checkpoint fits this run: the one compatibility check, used by every load path.
+"""What earlier releases wrote, and whether a checkpoint fits this run: the one place that knows old formats.
 
-A checkpoint fits when it holds the same model (every setting that shapes the weights; runtime
+Old formats. Every load path reads through here: YAML configs (training's `load_config`, `config_from_dict`, so a
+run directory's config.yaml), checkpoint manifests (`format.read_manifest`: resume, reshard, Hugging Face export)
+and model and optimizer shards (`format.read_shard`). What 0.1 and 0.2 wrote differently:
+- config keys renamed (`RENAMED_KEYS`): 0.1.0's model.attention_backend and parallel.backend are read as
+  model.attention_kernel and parallel.distributed_backend;
+- config keys removed (`REMOVED_KEYS`): parallel.comm_chunks (0.1's chunked row-parallel forward) is read at 1,
+  the value that changes nothing, and refused at any other;
+- config keys added since (`ADDED_KEYS`): a config without them meant their defaults;
+- checkpoint format 1 (0.1.0): fused QKV rows per query group, reordered as they are read (`upgrade_shard`);
+- no data.sampling (before 0.3): the run drew random windows and keeps drawing them (`started_before_sampling`).
+A user's own YAML with an old key is read too, with a FutureWarning: nothing tells it apart from the config.yaml of
+a run directory written by 0.1, which must keep resuming.
+
+Compatibility. A checkpoint fits when it holds the same model (every setting that shapes the weights; runtime
 settings such as dropout may change across a resume), and, for an exact resume, the same layout
 (tensor-parallel size and world size: RNG states and data positions are saved per rank).
 """
@@ -9,9 +22,98 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import warnings
+from typing import Any
 
-from ..transformer.model_config import ModelConfig, migrate_renamed_keys
-from .format import CheckpointError
+import torch
+
+from ..tensor_parallel.sharding import grouped_to_blocked_qkv
+from ..transformer.model_config import ModelConfig
+from .errors import CheckpointError
+
+RENAMED_KEYS = {"model": {"attention_backend": "attention_kernel"}, "parallel": {"backend": "distributed_backend"}}
+REMOVED_KEYS = {"parallel": {"comm_chunks": 1}}  # key: the one value still read (it behaves as if absent)
+ADDED_KEYS = {"model": {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                        if f.name in ("rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                                      "rope_original_max_seq_len", "qk_norm")}}
+
+
+def upgrade_section(section: str, data: Any, warn: bool = False) -> Any:
+    """One config section (`model`, `parallel`, ...) under today's keys: renamed keys under their new names (both
+    at once is an error), removed keys dropped at their neutral value (refused at any other), added keys at their
+    defaults where absent. `warn`: a FutureWarning for each old key (a user's YAML; never for a manifest)."""
+    if not isinstance(data, dict):
+        return data  # not a mapping: the config loader names the error
+    data = dict(data)
+    for key, default in ADDED_KEYS.get(section, {}).items():
+        data.setdefault(key, default)
+    for old, new in RENAMED_KEYS.get(section, {}).items():
+        if old in data:
+            if new in data:
+                raise ValueError(f"{section}.{old} and {section}.{new} are both set: {section}.{old} is the 0.1 "
+                                 f"name of {section}.{new}; keep only {section}.{new}.")
+            if warn:
+                warnings.warn(f"config key {section}.{old} is the 0.1 name of {section}.{new}: call it "
+                              f"{section}.{new}.", FutureWarning, stacklevel=4)
+            data[new] = data.pop(old)
+    for key, neutral in REMOVED_KEYS.get(section, {}).items():
+        if key in data:
+            value = data.pop(key)
+            if value != neutral:
+                raise ValueError(f"{section}.{key}={value!r}: the key was removed in 0.2; only {section}.{key}="
+                                 f"{neutral!r}, which changes nothing, is still read: drop the key.")
+            if warn:
+                warnings.warn(f"config key {section}.{key} was removed in 0.2 and is ignored: drop it.",
+                              FutureWarning, stacklevel=4)
+    return data
+
+
+def upgrade_run_config(config: Any, warn: bool = False) -> Any:
+    """A run config (a YAML file's top-level mapping, or a manifest's `config`) with each section upgraded."""
+    if not isinstance(config, dict):
+        return config
+    upgraded = dict(config)
+    for name in RENAMED_KEYS.keys() | REMOVED_KEYS.keys() | ADDED_KEYS.keys():
+        if name in upgraded:
+            upgraded[name] = upgrade_section(name, upgraded[name], warn)
+    return upgraded
+
+
+def upgrade_manifest(manifest: dict) -> dict:
+    """A manifest with its config under today's keys (the tensors are upgraded as read: `upgrade_shard`)."""
+    if not isinstance(manifest.get("config"), dict):
+        return manifest
+    return {**manifest, "config": upgrade_run_config(manifest["config"])}
+
+
+_FUSED_QKV = re.compile(r"(?:[^/]+/)?layers\.\d+\.attention\.query_key_value\.(?:weight|bias)")
+
+
+def upgrade_shard(manifest: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors read from one tensor-parallel rank's model or optimizer file (`exp_avg/<name>`), in today's
+    row order: format 1's per-group fused QKV rows are reordered (a permutation, so values are bit-exact)."""
+    fused = [name for name, t in tensors.items() if _FUSED_QKV.fullmatch(name) and t.dim() > 0]
+    if manifest["format_version"] >= 2 or not fused:
+        return tensors
+    attn = saved_model_config(manifest).attention_config()
+    p = manifest["tensor_parallel_size"]
+    reordered = {name: grouped_to_blocked_qkv(tensors[name], attn.num_heads, attn.num_kv_heads, attn.head_dim, p)
+                 for name in fused}
+    return {**tensors, **reordered}
+
+
+def started_before_sampling(saved_config: Any) -> bool:
+    """Whether a run config (a manifest's) was written before data.sampling existed (0.1, 0.2): that run drew
+    random windows, and resumed keeps drawing them."""
+    data = saved_config.get("data") if isinstance(saved_config, dict) else None
+    return isinstance(data, dict) and "sampling" not in data
+
+
+def saved_model_config(manifest: dict) -> ModelConfig:
+    """The model a manifest holds, whichever release wrote it."""
+    return ModelConfig.from_dict(upgrade_section("model", manifest["config"]["model"]))
+
 
 # settings that change how the model runs, not what its weights are
 RUNTIME_MODEL_KEYS = frozenset({"hidden_dropout", "attention_dropout", "dropout_rng", "recompute_activations",
@@ -26,7 +128,7 @@ def model_shape_config(model: ModelConfig) -> dict:
 
 def check_same_model(manifest: dict, model: ModelConfig, where) -> None:
     """Refuse a checkpoint of another model, naming each differing `model.*` setting."""
-    saved = model_shape_config(ModelConfig.from_dict(manifest["config"]["model"]))  # 0.1.0 key names too
+    saved = model_shape_config(saved_model_config(manifest))
     wanted = model_shape_config(model)
     differs = [f"model.{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in wanted.items()
                if saved.get(k) != v]
@@ -73,9 +175,8 @@ def check_config(manifest: dict, expected_config: dict | None) -> None:
     if expected_config is None:
         return
     saved_config = dict(manifest.get("config", {}))
-    if "model" in saved_config:  # keys renamed since it was written, read under today's names; not
-        # ModelConfig.from_dict: callers may check any dict, and absent keys must stay absent
-        saved_config["model"] = migrate_renamed_keys(ModelConfig, saved_config["model"], "model", warn=False)
+    if "model" in saved_config:  # under today's keys; not ModelConfig.from_dict: absent keys must stay absent
+        saved_config["model"] = upgrade_section("model", saved_config["model"])
     saved = flatten_dict(saved_config)
     wanted = flatten_dict(json.loads(json.dumps(expected_config)))  # JSON turned tuples into lists
     missing = object()

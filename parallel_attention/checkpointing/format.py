@@ -15,7 +15,9 @@ collective protocol that fills a directory is `checkpoint`.
 
 Format versions: 2 holds each rank's fused QKV rows as [q heads | k heads | v heads]; 1 (0.1.0 and
 later, until the reorder) held them per query group, [q heads | k | v] per k/v head. Version 1 is still
-read: `upgrade_shard` reorders its fused rows (and their optimizer moments) as they are read.
+read: `compatibility.upgrade_shard` reorders its fused rows (and their optimizer moments) as they are read, and
+`read_manifest` returns the config of a manifest written by an older release under today's keys
+(`compatibility.upgrade_manifest`).
 
 A checkpoint is complete iff its directory is named exactly `step_<digits>` and holds manifest.json.
 Writers fill `step_0000100.tmp-<nonce>/` and rename it into place only after the manifest is durable,
@@ -36,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from ..tensor_parallel.sharding import grouped_to_blocked_qkv
-from ..transformer.model_config import ModelConfig
+from .compatibility import upgrade_manifest, upgrade_shard
+from .errors import CheckpointCorruptError, CheckpointError
 from .tensor_io import file_digest, fsync_dir, read_safetensors, replace_directory, retire_directory, write_atomic
 
 FORMAT = "parallel_attention.checkpoint"
@@ -46,14 +48,6 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 _COMPLETE = re.compile(r"step_(\d+)")
 _TEMPORARY = re.compile(r"step_\d+\.tmp-.*")
-
-
-class CheckpointError(ValueError):
-    """This checkpoint cannot be used by this run; the message says what differs."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """Files are missing, truncated or altered: an older checkpoint may still be good."""
 
 
 def step_dir_name(step: int) -> str:
@@ -135,7 +129,7 @@ def read_manifest(directory: str | os.PathLike, *, config_sections: tuple[str, .
     problems = _manifest_problems(manifest, Path(directory), config_sections)
     if problems:
         raise CheckpointCorruptError(f"{path} does not describe its checkpoint: " + "; ".join(problems) + ".")
-    return manifest
+    return upgrade_manifest(manifest)
 
 
 # required keys and their JSON types ("model_shapes" is checked where written: imports have none)
@@ -183,22 +177,6 @@ def check_shard_shapes(manifest: dict, tp_rank: int, tensors: dict) -> None:
     if differ:
         raise CheckpointCorruptError(f"{model_file(tp_rank)} disagrees with the manifest's model_shapes: "
                                      + "; ".join(differ[:5]) + (" ..." if len(differ) > 5 else "") + ".")
-
-
-_FUSED_QKV = re.compile(r"(?:[^/]+/)?layers\.\d+\.attention\.query_key_value\.(?:weight|bias)")
-
-
-def upgrade_shard(manifest: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors read from one tensor-parallel rank's model or optimizer file (`exp_avg/<name>`), in today's
-    row order: format 1's per-group fused QKV rows are reordered (a permutation, so values are bit-exact)."""
-    fused = [name for name, t in tensors.items() if _FUSED_QKV.fullmatch(name) and t.dim() > 0]
-    if manifest["format_version"] >= 2 or not fused:
-        return tensors
-    attn = ModelConfig.from_dict(manifest["config"]["model"]).attention_config()
-    p = manifest["tensor_parallel_size"]
-    reordered = {name: grouped_to_blocked_qkv(tensors[name], attn.num_heads, attn.num_kv_heads, attn.head_dim, p)
-                 for name in fused}
-    return {**tensors, **reordered}
 
 
 def verify_file(directory: Path, manifest: dict, name: str) -> Path:

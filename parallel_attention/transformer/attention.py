@@ -73,8 +73,8 @@ def _check_mask(m: torch.Tensor, b: int, s: int) -> None:
 
 class ParallelSelfAttention(nn.Module):
     def __init__(self, config: AttentionConfig, tp_group: ProcessGroup | DeviceMesh | None = None, device=None,
-                 layer_number: int = 0, recompute_core: bool = False, *, sequence_parallel: bool | None = None,
-                 overlap_comm: bool | None = None, cp_group: ProcessGroup | DeviceMesh | None = None,
+                 layer_number: int = 0, recompute_core: bool = False, *, sequence_parallel: bool = False,
+                 overlap_comm: bool = OVERLAP_COMM, cp_group: ProcessGroup | DeviceMesh | None = None,
                  context_parallel_kind: str = "all_to_all") -> None:
         """The block `config` describes, over `tp_group` (a ProcessGroup or a 1-D DeviceMesh such as mesh["tp"];
         None: the default group of initialize_model_parallel) and `cp_group` (likewise; at cp > 1 the input is
@@ -86,9 +86,6 @@ class ParallelSelfAttention(nn.Module):
         (selective recomputation; q, k, v and the projections' outputs are kept)."""
         super().__init__()
         self.config = config
-        legacy = getattr(config, "removed_layout", {})  # AttentionConfig(sequence_parallel=...) of before 0.2
-        sequence_parallel = legacy.get("sequence_parallel", False) if sequence_parallel is None else sequence_parallel
-        overlap_comm = legacy.get("overlap_comm", OVERLAP_COMM) if overlap_comm is None else overlap_comm
         self.sequence_parallel = sequence_parallel
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)

@@ -2,14 +2,12 @@
 
 The config always describes the whole model; per-rank sizes are derived from it for a given
 tensor-parallel size p by `per_rank_heads`, never written back into it. The layout (sequence parallelism,
-communication overlap) is ParallelSelfAttention's, not the block's: the fields that held it before 0.2 are
-still accepted for one release, with a FutureWarning (`_accept_removed_fields`).
+communication overlap) is ParallelSelfAttention's, not the block's: the keywords that held it before 0.2 are
+refused by name, with the argument that replaces each (`REMOVED_ARGUMENTS`).
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +18,13 @@ from .rotary import RopeScaling
 # auto: the chunked causal kernel on CPU (causal_chunks.py), SDPA elsewhere; sdpa: one SDPA call everywhere
 ATTENTION_KERNELS = ("auto", "sdpa", "math", "apex")
 DROPOUT_RNGS = ("per_rank", "layout_invariant")
+# keywords AttentionConfig took before 0.2 (accepted with a FutureWarning in 0.2, removed in 0.3): what replaces each
+REMOVED_ARGUMENTS = {
+    "sequence_parallel": "pass sequence_parallel= to ParallelSelfAttention (or GPTModel) instead",
+    "overlap_comm": "pass overlap_comm= to ParallelSelfAttention (or GPTModel) instead",
+    "backend": "pass attention_kernel= instead",
+    "comm_chunks": "drop it: every row-parallel linear issues one collective",
+}
 
 
 @dataclass
@@ -41,6 +46,14 @@ class AttentionConfig:
     rope_scaling: RopeScaling | None = None  # rotary frequency scaling (None: unscaled)
     qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3); weights [d], shared by the heads
     qk_norm_eps: float = 1e-6
+
+    def __new__(cls, *args, **kwargs):
+        """Refuse a keyword of before 0.2 by name, with what replaces it (the dataclass's __init__ takes the rest)."""
+        removed = [f"AttentionConfig({name}=...) was removed in 0.3: {REMOVED_ARGUMENTS[name]}" for name in kwargs
+                   if name in REMOVED_ARGUMENTS]
+        if removed:
+            raise TypeError("; ".join(removed) + ".")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         self._resolve_heads()
@@ -134,42 +147,3 @@ class AttentionConfig:
             )
         return nh // p, 1
 
-
-# Fields AttentionConfig held before 0.2. The layout ones become ParallelSelfAttention's arguments; a config built
-# with them keeps them aside (`removed_layout`) for one release, for the attention built from it to follow.
-_REMOVED_LAYOUT = ("sequence_parallel", "overlap_comm")
-
-
-def _accept_removed_fields(cls):
-    """Wrap the dataclass's __init__ so that the removed fields still construct, with a FutureWarning each:
-    backend= is attention_kernel=; sequence_parallel= and overlap_comm= are ParallelSelfAttention's arguments now;
-    comm_chunks=1 is what every linear does (any other value is refused: the chunked projection is gone)."""
-    dataclass_init = cls.__init__
-
-    @functools.wraps(dataclass_init)
-    def __init__(self, *args, **kwargs):
-        layout = {name: kwargs.pop(name) for name in _REMOVED_LAYOUT if name in kwargs}
-        for name in layout:
-            warnings.warn(f"AttentionConfig({name}=...) is deprecated: pass {name}= to ParallelSelfAttention "
-                          "(or GPTModel) instead.", FutureWarning, stacklevel=2)
-        if "comm_chunks" in kwargs:
-            chunks = kwargs.pop("comm_chunks")
-            if chunks != 1:
-                raise ValueError(f"AttentionConfig: comm_chunks={chunks!r}: the key was removed in 0.2 (the chunked "
-                                 "output projection was slower in every measurement); drop it.")
-            warnings.warn("AttentionConfig(comm_chunks=1) is deprecated: drop it (1 is what every linear does).",
-                          FutureWarning, stacklevel=2)
-        if "backend" in kwargs:
-            warnings.warn("AttentionConfig(backend=...) is deprecated: pass attention_kernel=...", FutureWarning,
-                          stacklevel=2)
-            backend = kwargs.pop("backend")
-            if backend is not None:
-                kwargs["attention_kernel"] = backend
-        dataclass_init(self, *args, **kwargs)
-        self.removed_layout = layout  # not a field: neither compared, printed, nor copied by dataclasses.replace
-
-    cls.__init__ = __init__
-    return cls
-
-
-AttentionConfig = _accept_removed_fields(AttentionConfig)

@@ -7,7 +7,6 @@ transformer, checkpointing and Hugging Face layers use it without importing `tra
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,20 +55,15 @@ class ModelConfig:
     rope_original_max_seq_len: int = 8192  # the context length the unscaled model was trained at
     qk_norm: bool = False  # RMSNorm (eps norm_eps) over each head's q and k before rotary, as Qwen3
 
-    # keys renamed since 0.1.0: still read (configs and checkpoints in users' hands), with a warning
-    RENAMED = {"attention_backend": "attention_kernel"}
-    # keys added since: a config or checkpoint written without them meant their defaults (read as such)
-    ADDED = ("rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-             "rope_original_max_seq_len", "qk_norm")
-
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        """The `model` section as saved in a run config or checkpoint manifest (renamed keys accepted)."""
-        data = migrate_renamed_keys(cls, data, "model", warn=False)
+        """The `model` section as this release saves it in a run config or checkpoint manifest (one written by an
+        older release is read through parallel_attention.checkpointing.compatibility, which every load path calls)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ValueError(f"unknown model config key(s) {unknown}; known: {sorted(names)}.")
+            raise ValueError(f"unknown model config key(s) {unknown}; known: {sorted(names)} (a section written by "
+                             "an older release: read it through checkpointing.compatibility.upgrade_section).")
         return cls(**data)
 
     def attention_config(self, params_dtype: torch.dtype = torch.float32) -> AttentionConfig:
@@ -97,37 +91,3 @@ class ModelConfig:
             return 64 * -(-(8 * self.hidden_size // 3) // 64)
         return 4 * self.hidden_size
 
-
-def migrate_renamed_keys(cls, data: dict[str, Any], section: str, warn: bool = True) -> dict[str, Any]:
-    """`data` with the keys that `cls.ADDED` lists at their defaults where absent, the keys that `cls.RENAMED`
-    lists under their new names (both at once is an error), and without the keys `cls.REMOVED` lists: accepted at
-    the value that behaves as if the key were absent (with a FutureWarning), refused at any other value."""
-    added = [name for name in getattr(cls, "ADDED", ()) if isinstance(data, dict) and name not in data]
-    if added:
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        data = {**data, **{name: defaults[name] for name in added}}
-    renamed, removed = getattr(cls, "RENAMED", {}), getattr(cls, "REMOVED", {})
-    if not isinstance(data, dict) or not (renamed.keys() | removed.keys()) & data.keys():
-        return data
-    data = dict(data)
-    for old, new in renamed.items():
-        if old not in data:
-            continue
-        if new in data:
-            raise ValueError(f"{section}.{old} and {section}.{new} are both set: {section}.{old} is the old "
-                             f"name of {section}.{new}; keep only {section}.{new}.")
-        if warn:
-            warnings.warn(f"config key {section}.{old} is deprecated: call it {section}.{new}.", FutureWarning,
-                          stacklevel=3)
-        data[new] = data.pop(old)
-    for key, neutral in removed.items():
-        if key not in data:
-            continue
-        value = data.pop(key)
-        if value != neutral:
-            raise ValueError(f"{section}.{key}={value!r}: the key was removed in 0.2; only {section}.{key}="
-                             f"{neutral!r}, which changes nothing, is still read: drop the key.")
-        if warn:
-            warnings.warn(f"config key {section}.{key} was removed in 0.2 and is ignored: drop it.", FutureWarning,
-                          stacklevel=3)
-    return data

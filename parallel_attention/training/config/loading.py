@@ -19,8 +19,6 @@ from typing import Any, Literal
 
 import yaml
 
-from ...transformer.model_config import migrate_renamed_keys
-
 
 class StrictLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses a mapping holding the same key twice."""
@@ -134,11 +132,11 @@ def _did_you_mean(key: Any, names: set[str], prefix: str) -> str:
     return f" (did you mean {prefix}{near[0]}?)" if near else ""
 
 
-def build_dataclass(cls, data: dict[str, Any], prefix: str, warn: bool = True):
-    """`cls(**data)` with nested sections built alike; unknown keys and wrong types raise ValueError."""
+def build_dataclass(cls, data: dict[str, Any], prefix: str):
+    """`cls(**data)` with nested sections built alike; unknown keys and wrong types raise ValueError (keys of older
+    releases are upgraded before: checkpointing.compatibility.upgrade_run_config)."""
     if not isinstance(data, dict):
         raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}.")
-    data = migrate_renamed_keys(cls, data, prefix.rstrip(".") or "config", warn=warn)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names, key=str)
@@ -149,19 +147,19 @@ def build_dataclass(cls, data: dict[str, Any], prefix: str, warn: bool = True):
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = build_dataclass(hint, value, f"{prefix}{name}.", warn)
+            kwargs[name] = build_dataclass(hint, value, f"{prefix}{name}.")
         elif typing.get_origin(hint) is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
-            kwargs[name] = _build_list(typing.get_args(hint)[0], value, f"{prefix}{name}", warn)
+            kwargs[name] = _build_list(typing.get_args(hint)[0], value, f"{prefix}{name}")
         else:
             kwargs[name] = check_type(f"{prefix}{name}", value, hint)
     return cls(**kwargs)
 
 
-def _build_list(cls, value: Any, path: str, warn: bool) -> list:
+def _build_list(cls, value: Any, path: str) -> list:
     """A list of `cls` entries (e.g. data.blend), each a mapping built and checked like a section."""
     if not isinstance(value, list):
         raise ValueError(f"{path}={value!r} must be a list of mappings, e.g. [{{path: data/web, weight: 0.7}}].")
-    return [item if isinstance(item, cls) else build_dataclass(cls, item, f"{path}[{i}].", warn)
+    return [item if isinstance(item, cls) else build_dataclass(cls, item, f"{path}[{i}].")
             for i, item in enumerate(value)]
 
 

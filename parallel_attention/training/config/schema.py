@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from ...checkpointing.compatibility import upgrade_run_config
 from ...tensor_parallel.linear_functions import OVERLAP_COMM
 from ...transformer.model_config import ModelConfig
 from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_names,
@@ -41,9 +42,6 @@ class ParallelConfig:
     context_parallel_size: int = 1  # cp: the sequence split inside attention (world = dp x cp x tp)
     # all_to_all (Ulysses; measured 3.3x faster than ring at cp 2, s 4096 on CPU) or ring (k/v blocks pass around)
     context_parallel_kind: Literal["ring", "all_to_all"] = "all_to_all"
-
-    RENAMED = {"backend": "distributed_backend"}  # 0.1.0's name, still read with a warning
-    REMOVED = {"comm_chunks": 1}  # 0.1's chunked row-parallel forward: 1 (no chunks) read with a warning
 
 
 @dataclass
@@ -205,19 +203,21 @@ def _check_vocab(data: DataConfig, model_vocab_size: int) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> PretrainConfig:
-    """Read a YAML config (or the defaults), apply overrides, and type-check everything."""
+    """Read a YAML config (or the defaults), apply overrides, and type-check everything. Keys of older releases
+    are read under today's names with a FutureWarning: a run directory's config.yaml written by 0.1 or 0.2 keeps
+    resuming (checkpointing.compatibility)."""
     data = read_yaml_file(path) if path is not None else {}
     for override in overrides:
         apply_override(data, override)
-    return build_dataclass(PretrainConfig, data, "")
+    return build_dataclass(PretrainConfig, upgrade_run_config(data, warn=True), "")
 
 
 def config_from_dict(data: dict[str, Any]) -> PretrainConfig:
     """The config saved in a run directory or checkpoint manifest, checked like a YAML file.
 
-    Keys renamed since it was written are read under their new names without a warning: the
-    user cannot edit a checkpoint's manifest."""
-    return build_dataclass(PretrainConfig, data, "", warn=False)
+    Keys of the release that wrote it are read under today's names (checkpointing.compatibility) without a
+    warning: the user cannot edit a checkpoint's manifest."""
+    return build_dataclass(PretrainConfig, upgrade_run_config(data), "")
 
 
 def save_config(cfg: PretrainConfig, path: str | Path) -> None:

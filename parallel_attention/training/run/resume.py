@@ -11,7 +11,7 @@ from pathlib import Path
 from torch import nn
 
 from ...checkpointing.checkpoint import load_checkpoint, load_newest_valid, raise_unless_all_passed
-from ...checkpointing.compatibility import check_same_model, model_shape_config, same_layout
+from ...checkpointing.compatibility import check_same_model, model_shape_config, same_layout, started_before_sampling
 from ...checkpointing.format import MANIFEST, CheckpointError, list_checkpoints, read_manifest
 from ...checkpointing.reshard import load_resharded
 from ...tensor_parallel import parallel_state as ps
@@ -64,8 +64,8 @@ def _agreed_manifest(path: Path) -> dict:
 def keep_previous_sampling(cfg: PretrainConfig, where: str) -> None:
     """A run started before `data.sampling` existed drew random windows: resumed, it keeps drawing them, so that it
     sees the batches it would have seen. The checkpoint it resumes from (`auto`: the newest under the run's
-    checkpoints/) then holds a config whose data section has no `sampling`. Sets cfg.data.sampling, the same on
-    every rank (each reads the same manifest)."""
+    checkpoints/) then holds a config whose data section has no `sampling` (`started_before_sampling`). Sets
+    cfg.data.sampling, the same on every rank (each reads the same manifest)."""
     if where == "none":
         return
     if where == "auto":
@@ -74,10 +74,10 @@ def keep_previous_sampling(cfg: PretrainConfig, where: str) -> None:
             return  # a fresh start: the configured sampling
         where = str(found[-1])
     try:
-        data = json.loads((Path(where) / MANIFEST).read_text(encoding="utf-8"))["config"]["data"]
+        saved = json.loads((Path(where) / MANIFEST).read_text(encoding="utf-8"))["config"]
     except (OSError, ValueError, KeyError, TypeError):
         return  # nothing readable: the resume itself says what is wrong
-    if isinstance(data, dict) and "sampling" not in data and cfg.data.sampling != "random_windows":
+    if started_before_sampling(saved) and cfg.data.sampling != "random_windows":
         cfg.data.sampling = "random_windows"
         if os.environ.get("RANK", "0") == "0":
             print("data.sampling: random_windows (this run was started before epochs existed and keeps its "
