@@ -5,6 +5,7 @@ exactly the tokens each row read."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -48,14 +49,16 @@ def _args(blend, run_dir, steps, *extra):
 
 
 def test_a_blend_trains_alike_at_every_data_parallel_size_and_across_a_resume(blend, tmp_path):
-    whole = torchrun("pretrain.py", 1, _args(blend, tmp_path / "one", 6))
-    torchrun("pretrain.py", 2, _args(blend, tmp_path / "two", 3))  # dp 2, checkpoint at step 3
-    torchrun("pretrain.py", 1, _args(blend, tmp_path / "two", 6))  # resumed at dp 1
-    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert sorted(one) == sorted(two) == list(range(1, 7))
+    """A dp = 2 run of 6 steps; its step-3 checkpoint resumed at dp = 1 trains steps 4-6 to the same losses."""
+    whole = torchrun("pretrain.py", 2, _args(blend, tmp_path / "two", 6))  # dp 2, checkpoints at steps 3 and 6
+    resumed = tmp_path / "one"
+    shutil.copytree(tmp_path / "two" / "checkpoints" / "step_0000003", resumed / "checkpoints" / "step_0000003")
+    torchrun("pretrain.py", 1, _args(blend, resumed, 6))  # resumed at dp 1 (checkpoint.resume: auto)
+    two, one = train_losses(tmp_path / "two"), train_losses(resumed)
+    assert sorted(two) == list(range(1, 7)) and sorted(one) == [4, 5, 6]
     for step in one:  # float32: dp 2 means the two halves' losses, dp 1 the whole; the batches are the same
-        assert two[step] == pytest.approx(one[step], rel=1e-4), step
-    rows = [r for r in metrics(tmp_path / "one") if "loss" in r]
+        assert one[step] == pytest.approx(two[step], rel=1e-4), step
+    rows = [r for r in metrics(tmp_path / "two") if "loss" in r]
     names = [path for path, _ in blend]
     assert all(set(r["epochs"]) == set(names) and r["data_wait_s"] >= 0 for r in rows)
     assert rows[-1]["epochs"][names[0]] > rows[0]["epochs"][names[0]] > 0

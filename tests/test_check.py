@@ -1,9 +1,13 @@
 """`python -m parallel_attention.check` under torchrun at world 2: the output contract, exit status 0 at
---tp 2 and --tp 1, and each injected fault (a perturbed replica, a mis-sharded weight) seen as FAIL."""
+--tp 2 and --tp 1, and each injected fault (a perturbed replica, a mis-sharded weight) seen as FAIL.
+
+The docs' commands of the check (DOCUMENTED) run here as written, with the contract asserted on their output;
+tests/test_readme.py leaves them to this file rather than launching them twice."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 
@@ -13,11 +17,14 @@ from launch import ROOT, environment
 
 CHECKS = ("collectives", "attention", "model", "init", "replicas", "collective-count")
 LINE = re.compile(r"^\[(ok|FAIL)\] ([a-z-]+): .+$")
+CHECK = "torchrun --standalone --nproc-per-node 2 -m parallel_attention.check"
+DOCUMENTED = (CHECK, f"{CHECK} --tp 1", f"{CHECK} --cp 2")  # as README.md and docs/ show them
 
 
-def run_check(*args: str, nproc: int = 2) -> tuple[int, list[str]]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "parallel_attention.check", *args]
+def run_check(*args: str) -> tuple[int, list[str]]:
+    """The check at world 2 with `args`: (exit status, stdout lines). `torchrun` is this interpreter's."""
+    argv = shlex.split(" ".join([CHECK, *args]))
+    command = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     # two ranks on two shared cores take ~20 s; a hang fails here instead of blocking CI
     result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=240)
     lines = result.stdout.splitlines()
@@ -34,9 +41,10 @@ def verdicts(lines: list[str]) -> dict[str, bool]:
     return found
 
 
-@pytest.mark.parametrize("tp", ["2", pytest.param("1", marks=pytest.mark.slow)])
-def test_passes_at_world_two(tp):
-    code, lines = run_check("--tp", tp)
+@pytest.mark.parametrize("args, tp", [((), "2"), (("--tp", "1"), "1")], ids=["documented", "documented-tp1"])
+def test_passes_at_world_two(args, tp):
+    assert " ".join([CHECK, *args]) in DOCUMENTED
+    code, lines = run_check(*args)
     assert all(verdicts(lines).values()), lines
     assert lines[-1] == "check: PASS" and code == 0, lines
     assert any(line.startswith("# path: attention") for line in lines)  # the active kernel path is shown

@@ -12,6 +12,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from launch import torchrun, train_losses
+from tiny_run import DROPOUT, tiny_args
 
 import parallel_attention as pa
 from parallel_attention.tensor_parallel import dropout_hash
@@ -148,22 +149,16 @@ def test_recomputation_redraws_the_same_masks():
 # layouts of world <= 4 (world, tensor-parallel size, extra arguments); p1 is the reference
 LAYOUTS = {"p1": (1, 1, []), "p2": (2, 2, []), "p4": (4, 4, []),
            "p2_sequence_parallel": (2, 2, ["--parallel.sequence_parallel=true"]), "p2_dp2": (4, 2, [])}
-STEPS = 6  # 6 keep CI short; the bar of 20 steps runs with `pytest -m slow`
 
 
-@pytest.mark.parametrize("steps,layouts", [(STEPS, ("p1", "p2_sequence_parallel")),
-                                           pytest.param(20, tuple(LAYOUTS), marks=pytest.mark.slow)])
-def test_pretraining_losses_with_dropout_do_not_depend_on_the_layout(tmp_path, steps, layouts):
-    from test_pretrain import tiny_args  # noqa: PLC0415 (its data fixture is module-scoped there)
-
-    from parallel_attention.training import prepare_data
-
-    data = tmp_path / "data"
-    prepare_data("stdlib", "byte", data, val_fraction=0.05, max_bytes=300_000)
-    dropout = ["--model.hidden_dropout=0.1", "--model.attention_dropout=0.1", "--model.dropout_rng=layout_invariant"]
-    losses = {}
-    for name, (world, tp, extra) in ((n, LAYOUTS[n]) for n in layouts):
-        torchrun("pretrain.py", world, tiny_args(data, tmp_path / name, tp, steps, *dropout, *extra))
+# The end-to-end run of the layout-invariant masks: CI's is tests/test_pretrain.py's layout test (p1 against p = 2 x
+# dp = 2 with sequence parallelism, these masks on, 10 steps); the bar of 20 steps at every layout runs here
+# with `pytest -m slow`.
+@pytest.mark.slow
+def test_pretraining_losses_with_dropout_do_not_depend_on_the_layout(shared_data, tmp_path):
+    steps, losses = 20, {}
+    for name, (world, tp, extra) in LAYOUTS.items():
+        torchrun("pretrain.py", world, tiny_args(shared_data, tmp_path / name, tp, steps, *DROPOUT, *extra))
         losses[name] = train_losses(tmp_path / name)
     assert sorted(losses["p1"]) == list(range(1, steps + 1))
     for name, run in losses.items():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, environment, torchrun, torchrun_command
+from launch import ROOT, environment, torchrun_command
 from test_pretrain import data_dir, tiny_args  # noqa: F401  (data_dir is a fixture)
 
 # torchrun gives every rank the same argv: this wrapper adds rank-specific overrides, as a
@@ -47,10 +47,9 @@ def test_ranks_with_different_configs_stop_naming_the_key(data_dir, tmp_path, ex
     assert waited < 60 and not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_generation_ranks_with_different_arguments_stop(data_dir, tmp_path):  # noqa: F811
-    torchrun("pretrain.py", 2, tiny_args(data_dir, tmp_path / "trained", 2, 1))
+def test_generation_ranks_with_different_arguments_stop(data_dir, reference_run, tmp_path):  # noqa: F811
     result, waited = _run_with_rank_overrides(tmp_path, data_dir, {"1": ["--seed=5"]}, "generate.py",
-                                              ["--checkpoint", str(tmp_path / "trained"), "--max-new-tokens", "4"])
+                                              ["--checkpoint", str(reference_run.run), "--max-new-tokens", "4"])
     assert result.returncode != 0 and waited < 60
     assert "arguments differ across ranks:" in result.stderr and "seed: rank 0: 0, rank 1: 5" in result.stderr, \
         result.stderr[-3000:]

@@ -10,12 +10,11 @@ import sys
 
 import pytest
 
-from launch import ROOT, torchrun, train_losses
+from launch import ROOT, train_losses
 from parallel_attention import load_config
 from parallel_attention.training.metrics import MetricsLogger, PlainLines, TqdmBar
 from parallel_attention.training.run.summary import run_summary
 from parallel_attention.transformer.model import GPTModel
-from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
 
 # what CI and scripts parse from stderr
 PLAIN_LINE = re.compile(r"step (\d+)/(\d+) loss (\d+\.\d{4}) (\d+) tok/s ETA +\d+s")
@@ -113,19 +112,19 @@ def test_run_summary_names_the_peak_and_where_it_comes_from():
     assert "  peak         0.5 TFLOP/s per device (logging.peak_tflops): MFU's denominator" in text.splitlines()
 
 
-def test_pretraining_writes_tensorboard_scalars_equal_to_metrics_jsonl(data_dir, tmp_path):  # noqa: F811
+def test_pretraining_writes_tensorboard_scalars_equal_to_metrics_jsonl(reference_run):
+    """The reference run (p = 2, 6 steps, TensorBoard on; tests/tiny_run.py): its summary, one plain line per
+    step, and event files that hold the same losses as metrics.jsonl."""
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
-    run = tmp_path / "run"
-    args = [a for a in tiny_args(data_dir, run, 2, 4) if not a.startswith("--logging.tensorboard")]
-    result = torchrun("pretrain.py", 2, [*args, "--logging.tensorboard=true"])
-    assert "run summary" in result.stderr and "world 2 = tensor parallel 2 x data parallel 1" in result.stderr
-    assert [int(m.group(1)) for m in PLAIN_LINE.finditer(result.stderr)] == [1, 2, 3, 4]
+    run, stderr = reference_run.run, reference_run.stderr
+    assert "run summary" in stderr and "world 2 = tensor parallel 2 x data parallel 1" in stderr
+    assert [int(m.group(1)) for m in PLAIN_LINE.finditer(stderr)] == [1, 2, 3, 4, 5, 6]
 
     events = accumulator.EventAccumulator(str(run / "tensorboard"), size_guidance={accumulator.SCALARS: 0})
     events.Reload()
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss"} <= set(events.Tags()["scalars"])
     logged = {e.step: e.value for e in events.Scalars("loss")}
     losses = train_losses(run)
-    assert sorted(logged) == sorted(losses) == [1, 2, 3, 4]
+    assert sorted(logged) == sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step, loss in losses.items():  # TensorBoard stores float32: equal to the JSON float rounded once
         assert logged[step] == pytest.approx(loss, rel=1e-6), f"step {step}"

@@ -1,7 +1,8 @@
 """Every shell command of the README and of the docs pages runs as written (shortened where it trains or
 times), in page order: the README first, then docs/*.md in DOC_PAGES order.
 
-A command is either run, or exempt with its reason in EXEMPT. A new command that matches neither fails
+A command is either run here, or run as written by another test that asserts more of it (RUN_ELSEWHERE), or
+exempt with its reason in EXEMPT. A new command that matches none fails
 `test_every_command_is_run_or_exempt`, so no documented command can break unnoticed. A command shown on two
 pages runs once. Placeholders (`path/to/...`) are filled from fixtures where one exists. The commands of the
 benchmark scripts (benchmarks/) run under the `bench` marker, with the tests of those scripts
@@ -21,6 +22,7 @@ import pytest
 
 from launch import ROOT
 from parallel_attention.training import train_bpe
+from test_check import DOCUMENTED as CHECK_COMMANDS
 
 README = ROOT / "README.md"
 DOC_PAGES = ("embedding", "configuration", "training", "checkpoints-and-hf", "failure-modes", "architecture",
@@ -28,6 +30,8 @@ DOC_PAGES = ("embedding", "configuration", "training", "checkpoints-and-hf", "fa
 PAGES = (README, *(ROOT / "docs" / f"{name}.md" for name in DOC_PAGES))
 # pages whose commands a test of their own runs, in their own scratch directory with their own fixtures
 OWN_TESTS = {"data.md": "tests/test_data_docs.py"}
+# commands that another test runs as written and asserts more of: not launched a second time here
+RUN_ELSEWHERE = {command: "tests/test_check.py" for command in CHECK_COMMANDS}
 FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 BENCHMARK = re.compile(r"\bbenchmarks/")
 
@@ -106,7 +110,8 @@ def shortened(command: str, fixtures: dict[str, str]) -> str:
 
 
 def _runnable(benchmarks: bool) -> list[str]:
-    return [c for c in filter(None, map(runnable_part, documented_commands())) if bool(BENCHMARK.search(c)) == benchmarks]
+    return [c for c in filter(None, map(runnable_part, documented_commands()))
+            if bool(BENCHMARK.search(c)) == benchmarks and c not in RUN_ELSEWHERE]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -123,6 +128,8 @@ def test_every_command_is_run_or_exempt():
     listed = {p.name for p in PAGES} | set(OWN_TESTS)
     unlisted = [p.name for p in (ROOT / "docs").glob("*.md") if p.name not in listed and page_commands(p)]
     assert not unlisted, f"docs pages with commands that no test runs: {unlisted} (add them to DOC_PAGES)"
+    stale = set(RUN_ELSEWHERE) - set(documented_commands())
+    assert not stale, f"RUN_ELSEWHERE lists commands that no page shows: {stale}"
     for command in documented_commands():
         assert runnable_part(command) is not None or _exempt_reason(command.split("&&")[-1].strip()), command
         leftover = re.findall(r"path/to/[\w./-]+", runnable_part(command) or "")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from launch import torchrun
-from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
+from tiny_run import copy_run, reference_args
 
 
 def _files(run: Path) -> dict[str, tuple[int, bytes]]:
@@ -15,14 +15,14 @@ def _files(run: Path) -> dict[str, tuple[int, bytes]]:
             if p.is_file() and not p.name.startswith(".")}
 
 
-def test_a_fresh_start_says_so_and_a_finished_run_has_nothing_to_do(data_dir, tmp_path):  # noqa: F811
-    run = tmp_path / "run"
-    fresh = torchrun("pretrain.py", 1, tiny_args(data_dir, run, 1, 2))
-    assert f"starting at step 0 (no checkpoint in {run / 'checkpoints'})" in fresh.stderr
+def test_a_fresh_start_says_so_and_a_finished_run_has_nothing_to_do(reference_run, shared_data, tmp_path):
+    """The reference run's launch (tests/tiny_run.py) started fresh; a copy of it, finished, launched again."""
+    assert f"starting at step 0 (no checkpoint in {reference_run.run / 'checkpoints'})" in reference_run.stderr
+    run = copy_run(reference_run.run, tmp_path / "run")
     before = _files(run)
     assert {"metrics.jsonl", "loss.png", "config.yaml"} <= set(before)
-    again = torchrun("pretrain.py", 1, tiny_args(data_dir, run, 1, 2))  # exits 0: torchrun() checks
-    assert (f"nothing to do: {run} is at step 2 = training.max_steps; raise it to train on, or use another "
+    again = torchrun("pretrain.py", 2, reference_args(shared_data, run))  # exits 0: torchrun() checks
+    assert (f"nothing to do: {run} is at step 6 = training.max_steps; raise it to train on, or use another "
             "logging.run_dir") in again.stderr
     assert "finished at step" not in again.stdout and "resumed from" not in again.stderr
-    assert _files(run) == before  # no metrics row, plot, config, tokenizer or checkpoint written again
+    assert _files(run) == before  # no metrics row, plot, config, tokenizer, event file or checkpoint written again

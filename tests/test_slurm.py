@@ -16,6 +16,7 @@ import pytest
 from launch import ROOT, free_port, metrics, torchrun, train_losses
 from parallel_attention.checkpointing import list_checkpoints
 from test_pretrain import data_dir, tiny_args  # noqa: F401 (data_dir is a fixture)
+from tiny_run import reference_args
 
 SBATCH = ROOT / "scripts" / "slurm" / "pretrain.sbatch"
 
@@ -63,28 +64,27 @@ def _job_environment(fake_slurm: Path, run_dir: Path) -> dict:
             "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
 
 
-def _overrides(data_dir: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
-    """tiny_args without --config and --logging.run_dir, which the sbatch script sets."""
-    args = tiny_args(data_dir, run_dir, 2, steps, *extra)[2:]
-    return [a for a in args if not a.startswith("--logging.run_dir")]
+def _overrides(args: list[str]) -> list[str]:
+    """pretrain.py's arguments without --config and --logging.run_dir, which the sbatch script sets."""
+    return [a for a in args[2:] if not a.startswith("--logging.run_dir")]
 
 
 def _calls(fake_slurm: Path) -> list[str]:
     return (fake_slurm / "calls").read_text().splitlines()
 
 
-def test_sbatch_script_runs_two_agents_like_one(data_dir, fake_slurm, tmp_path):  # noqa: F811
-    torchrun("pretrain.py", 2, tiny_args(data_dir, tmp_path / "single", 2, 4))
+def test_sbatch_script_runs_two_agents_like_one(reference_run, shared_data, fake_slurm, tmp_path):
+    """The reference run (one agent, two processes; tests/tiny_run.py) again as a Slurm job of two nodes."""
     run = tmp_path / "slurm_run"
-    result = subprocess.run(["bash", str(SBATCH), *_overrides(data_dir, run, 4)], cwd=ROOT,
+    result = subprocess.run(["bash", str(SBATCH), *_overrides(reference_args(shared_data, run))], cwd=ROOT,
                             env=_job_environment(fake_slurm, run), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-6000:]
     assert "rendezvous localhost:" in result.stderr and "2 node(s) x 1 process(es)" in result.stderr
-    single, multi = train_losses(tmp_path / "single"), train_losses(run)
-    assert sorted(multi) == [1, 2, 3, 4]
+    single, multi = train_losses(reference_run.run), train_losses(run)
+    assert sorted(multi) == sorted(single) == [1, 2, 3, 4, 5, 6]
     for step, loss in single.items():  # the same ranks and groups, only the rendezvous differs
         assert multi[step] == pytest.approx(loss, rel=1e-6), f"step {step}"
-    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_0000004"]
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step_0000003", "step_0000006"]
     assert _calls(fake_slurm) == ["scontrol show hostnames node[01-02]"]  # no requeue after a normal end
 
 
@@ -92,7 +92,8 @@ def test_sbatch_script_runs_two_agents_like_one(data_dir, fake_slurm, tmp_path):
 def test_sigterm_to_the_batch_shell_checkpoints_and_requeues(data_dir, fake_slurm, tmp_path):  # noqa: F811
     run = tmp_path / "slurm_run"
     env = _job_environment(fake_slurm, run)
-    job = subprocess.Popen(["bash", str(SBATCH), *_overrides(data_dir, run, 500, "--checkpoint.interval=1000")],
+    args = tiny_args(data_dir, run, 2, 500, "--checkpoint.interval=1000")
+    job = subprocess.Popen(["bash", str(SBATCH), *_overrides(args)],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     try:
@@ -113,7 +114,7 @@ def test_sigterm_to_the_batch_shell_checkpoints_and_requeues(data_dir, fake_slur
     assert 2 <= stopped_at < 500
 
     # the requeued job: same script, same run directory, resumes from that checkpoint by itself
-    result = subprocess.run(["bash", str(SBATCH), *_overrides(data_dir, run, stopped_at + 1)], cwd=ROOT,
+    result = subprocess.run(["bash", str(SBATCH), *_overrides(tiny_args(data_dir, run, 2, stopped_at + 1))], cwd=ROOT,
                             env={**env, "RDZV_PORT": str(free_port())}, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-6000:]
