@@ -26,7 +26,7 @@ from test_check import DOCUMENTED as CHECK_COMMANDS
 
 README = ROOT / "README.md"
 DOC_PAGES = ("embedding", "configuration", "training", "checkpoints-and-hf", "failure-modes", "architecture",
-             "performance")
+             "performance", "development")
 PAGES = (README, *(ROOT / "docs" / f"{name}.md" for name in DOC_PAGES))
 # pages whose commands a test of their own runs, in their own scratch directory with their own fixtures
 OWN_TESTS = {"data.md": "tests/test_data_docs.py"}
