@@ -8,7 +8,8 @@ data.blend path, as the config writes it; data.data_dir for a blend of one), `do
 of the document its first token belongs to), `offset` (that token's index in the source's training token stream),
 and with --tokens its seq_len + 1 tokens, with --text their text. --json prints one JSON object per line with
 exactly these keys. The data must be prepared already (a run or scripts/prepare_data.py does it); nothing is
-written. A run started before data.sampling existed (its config.yaml has none) is shown with the batches it keeps.
+written. A run started before data.sampling existed (its newest checkpoint's config has none) is shown with the
+batches it keeps.
 """
 
 from __future__ import annotations
