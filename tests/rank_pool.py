@@ -62,13 +62,13 @@ def _reset(tp_size: int) -> None:
     creating gloo groups costs a connection round)."""
     import torch
 
-    from parallel_attention.tensor_parallel import collectives, parallel_state, rng
+    from parallel_attention.tensor_parallel import collective_log, parallel_state, rng
 
     torch.manual_seed(_FRESH_SEED)
     rng._tp_states.clear()
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
-    collectives._issue, collectives._LOG = collectives._plain, None
+    collective_log.disable_collective_log()
     if parallel_state._STATE is not _MADE["state"] or _MADE["tp_size"] != tp_size:
         _initialize(tp_size)
 

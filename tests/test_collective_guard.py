@@ -89,8 +89,9 @@ sys.argv = [{script!r}] + sys.argv[1:]
 try:
     runpy.run_path({script!r}, run_name="__main__")
 finally:
-    from parallel_attention.tensor_parallel import collectives
-    print("guarded collectives:", collectives._LOG.calls[-1].number if collectives._LOG else 0, file=sys.stderr)
+    from parallel_attention.tensor_parallel.collective_log import active_log
+    log = active_log()
+    print("guarded collectives:", log.calls[-1].number if log and log.calls else 0, file=sys.stderr)
 """
 
 

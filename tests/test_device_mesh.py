@@ -3,7 +3,7 @@
 
 World of 4 on gloo, fresh ranks: each worker first forgets the groups the test harness made, so that nothing of
 ours exists before the caller's mesh does. The attention is compared in float64 with the single-device
-reference written in tests/reference_attention.py (sizes awkward on purpose: h 20, 4 heads of 6, 2 k/v heads).
+reference of parallel_attention/check/reference.py (sizes awkward on purpose: h 20, 4 heads of 6, 2 k/v heads).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The autograd collectives of parallel_attention.mappings: values forward and backward, and counts.
+"""The autograd regions of tensor_parallel.collectives: values forward and backward, and counts.
 
 Each rank feeds a rank-dependent input and a rank-dependent upstream gradient; the expected
 values are built here from what every member of the group fed (the docstring's promise). All

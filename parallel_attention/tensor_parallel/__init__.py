@@ -3,9 +3,9 @@
 Owns the device mesh and its process groups (`parallel_state`, the one place that creates them), every collective
 (`collectives`: the autograd region functions of the forward/backward pass, the primitives the linears call, the
 context-parallel ring exchange and all-to-all, the timeout hook, and the plain reductions that training and
-checkpointing use; `collective_log`, the guard that checks each one across ranks), the parallel layers, the RNG (one default
-generator on every rank, a tensor-parallel generator for dropout), the declaration of parameter
-kinds with `finalize_grads`, and the pure canonical <-> shard functions (`sharding`).
+checkpointing use; `collective_log`, the guard that checks each one across ranks), the parallel layers, the RNG
+(one default generator on every rank, a tensor-parallel generator for dropout), the declaration of parameter kinds
+with `finalize_grads`, and the pure canonical <-> shard functions (`sharding`).
 Imports torch only: nothing from the rest of the package.
 """
 

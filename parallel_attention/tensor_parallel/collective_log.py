@@ -4,8 +4,9 @@ across the ranks of its group before it runs.
 Once enabled, each collective issued through `collectives` becomes a `Call` (op, shape, dtype, group, the call's
 number on its group, and the call site: the first stack frame outside this package's collectives and torch) in a
 per-rank ring buffer. Before the real collective the ranks of its group all-gather a small signature of it (op,
-dtype, shape, number on the group): the guard's own exchange, the one collective issued outside `collectives`. A
-disagreement becomes a report of each rank's first diverging call, a timeout the calls that led to it.
+dtype, shape, number on the group): the guard's own exchange, which runs outside the hooks (through
+`collectives.gather_into`, and on a mismatch torch's all_gather_object). A disagreement becomes a report of each
+rank's first diverging call, a timeout the calls that led to it.
 
 What each layer catches (the README's "Failure modes" lists them for users):
 - the signature exchange: another op, shape or dtype on one rank at the same point of the group's sequence,
@@ -130,8 +131,21 @@ def enable_collective_log(size: int = RECENT_CALLS) -> None:
     for name, value in TORCH_DEBUG_ENV.items():
         os.environ.setdefault(name, value)
     dist.set_debug_level_from_env()  # torch read the variable at import
-    guard = _Guard(CollectiveLog(size))
-    collectives.install_hooks(guard.issuing, guard.awaiting)
+    global _GUARD
+    _GUARD = _Guard(CollectiveLog(size))
+    collectives.install_hooks(_GUARD.issuing, _GUARD.awaiting)
+
+
+def disable_collective_log() -> None:
+    """Back to the plain timeout hook (for a process that runs several cases, such as the tests' rank pool)."""
+    global _GUARD
+    _GUARD = None
+    collectives.install_hooks()
+
+
+def active_log() -> CollectiveLog | None:
+    """The guard's record of this process's collectives; None while the guard is off."""
+    return None if _GUARD is None else _GUARD.log
 
 
 class _Guard:
@@ -175,3 +189,6 @@ class _Guard:
         calls = [None] * len(signatures)
         dist.all_gather_object(calls, (call, self.log.before(call, 3)), group=group)
         return calls
+
+
+_GUARD: _Guard | None = None  # the guard enable_collective_log installed in this process

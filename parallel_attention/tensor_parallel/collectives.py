@@ -66,11 +66,11 @@ _issue = _plain  # (op, tensor or None, group) -> the context a collective runs 
 _await = named_timeouts  # (op, group) -> the context an asynchronous collective's wait() runs in
 
 
-def install_hooks(issue, await_) -> None:
+def install_hooks(issue=None, await_=None) -> None:
     """From now on every collective runs in `issue(op, tensor or None, group)` and every asynchronous one's wait()
-    in `await_(op, group)`, both context managers (the collective guard's)."""
+    in `await_(op, group)`, both context managers (the collective guard's); None: the plain timeout hook."""
     global _issue, _await
-    _issue, _await = issue, await_
+    _issue, _await = issue or _plain, await_ or named_timeouts
 
 
 def issuing(op: str, x: torch.Tensor | None, group: ProcessGroup | None):

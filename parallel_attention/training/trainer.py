@@ -73,7 +73,7 @@ class Run:
     sampler: GlobalBatchSampler
     val_batches: list
     loader: BatchPrefetcher | None = None  # this rank's micro-batches of each step, read a step ahead
-    data_identity: dict | None = None  # the tokenizer and data it trains on (data_identity.py): in every checkpoint
+    data_identity: dict | None = None  # the tokenizer and data it trains on (data/identity.py): in every checkpoint
     data_parallel_model: torch.nn.Module | None = None  # the training forward: DDP over the dp group, or `model`
     step: int = 0
     logger: MetricsLogger | None = None
