@@ -122,6 +122,9 @@ def mismatch_report(group_words: str, ranks: list[int], calls: list[tuple[Call, 
     return "\n".join(lines)
 
 
+_GUARD: _Guard | None = None  # the guard enable_collective_log installed in this process
+
+
 def enable_collective_log(size: int = RECENT_CALLS) -> None:
     """The collective guard, for this process: from now on each collective is recorded (op, shape, dtype, group,
     call site) and its signature all-gathered across its group before it runs, so that diverging ranks raise
@@ -189,6 +192,3 @@ class _Guard:
         calls = [None] * len(signatures)
         dist.all_gather_object(calls, (call, self.log.before(call, 3)), group=group)
         return calls
-
-
-_GUARD: _Guard | None = None  # the guard enable_collective_log installed in this process
