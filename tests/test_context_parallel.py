@@ -92,7 +92,7 @@ def _case_worker(tp, cp, kind, nh, nkv, sp, causal, rotary, documents=False):
 def _expected_counts(tp, cp, kind, sp):
     """Per layer on each rank. TP's own (docs/architecture.md, "Communication per block"): 1 all-reduce each
     way; SP: all-gather + reduce-scatter forward, the same plus 1 re-gather backward. Ring: cp - 1 exchanges forward, 2 cp - 1 backward (k/v on, dK/dV home),
-    each one isend + one irecv. all_to_all: q, k and v (stacked), output: 3 each way."""
+    sent in one batch_isend_irecv per ring step. all_to_all: q, k and v (stacked), output: 3 each way."""
     forward, backward = {}, {}
     if tp > 1 and sp:
         forward = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
@@ -100,8 +100,9 @@ def _expected_counts(tp, cp, kind, sp):
     elif tp > 1:
         forward, backward = {"all_reduce": 1}, {"all_reduce": 1}
     if kind == "ring":
-        forward.update(isend=cp - 1, irecv=cp - 1)
-        backward.update(isend=2 * cp - 1, irecv=2 * cp - 1)
+        # one batched exchange per ring step: forward cp - 1; backward cp (k/v on with the dK/dV behind them) + 1
+        forward.update(isend=cp - 1, irecv=cp - 1, batch_isend_irecv=cp - 1)
+        backward.update(isend=2 * cp - 1, irecv=2 * cp - 1, batch_isend_irecv=cp + 1)
     else:
         forward.update(all_to_all_single=3)
         backward.update(all_to_all_single=3)

@@ -66,7 +66,7 @@ def _worker(tp, cp, kind):
 def _expected_counts(tp, cp, kind, setting):
     """Per forward and backward of the model (LAYERS layers, tp without SP), on each rank.
 
-    Without recomputation, per layer: ring forward cp - 1 exchanges (isend + irecv each), backward 2 cp - 1 (k/v on,
+    Without recomputation, per layer: ring forward cp - 1 exchanges (one batch_isend_irecv each), backward 2 cp - 1 (k/v on,
     dK/dV home); all_to_all 3 all-to-alls each way. TP (no SP): per layer 2 all-reduces each way (attention, MLP);
     outside the layers 3 forward (the vocab-parallel embedding's, the cross entropy's 2) and 1 backward (the output
     layer's input). The loss's mean over cp: 2 all-reduces forward (sum, count), 1 backward.
@@ -76,13 +76,15 @@ def _expected_counts(tp, cp, kind, setting):
     masks hashed again in backward), so selective leaves it as it is: the counts of no recomputation.
     """
     ring_fwd, ring_bwd = (cp - 1, 2 * cp - 1) if kind == "ring" else (0, 0)
+    batches_fwd, batches_bwd = (cp - 1, cp + 1) if kind == "ring" else (0, 0)  # one batch_isend_irecv per ring step
     a2a = 3 if kind == "all_to_all" else 0
     tp_fwd, tp_bwd = (2 * LAYERS + 3, 2 * LAYERS + 1) if tp > 1 else (0, 0)
     forward = dict(all_reduce=2 + tp_fwd, isend=LAYERS * ring_fwd, irecv=LAYERS * ring_fwd,
-                   all_to_all_single=LAYERS * a2a)
+                   batch_isend_irecv=LAYERS * batches_fwd, all_to_all_single=LAYERS * a2a)
     replay = LAYERS if setting == "full" else 0  # layers whose forward runs again in backward
     backward = dict(all_reduce=1 + tp_bwd + (2 * replay if tp > 1 else 0), isend=LAYERS * ring_bwd + replay * ring_fwd,
-                    irecv=LAYERS * ring_bwd + replay * ring_fwd, all_to_all_single=LAYERS * a2a + replay * a2a)
+                    irecv=LAYERS * ring_bwd + replay * ring_fwd, all_to_all_single=LAYERS * a2a + replay * a2a,
+                    batch_isend_irecv=LAYERS * batches_bwd + replay * batches_fwd)
     return ({k: n for k, n in forward.items() if n}, {k: n for k, n in backward.items() if n})
 
 

@@ -207,3 +207,16 @@ def test_no_private_name_is_imported_across_modules():
                 offenders += [f"{path.relative_to(PACKAGE)}: from {node.module} import {a.name}" for a in node.names
                               if a.name.startswith("_") and not a.name.startswith("__")]
     assert not offenders, offenders
+
+
+def test_point_to_point_is_always_batched():
+    """No bare send, recv, isend or irecv in the library: every exchange is one batch_isend_irecv
+    (`collectives.exchange`), since NCCL serializes unbatched point-to-point operations of an eagerly initialised
+    group on one stream and two ranks that each send first then wait for each other forever."""
+    bare = [f"{p.relative_to(PACKAGE)}:{node.lineno}" for p in SOURCES for node in ast.walk(_tree(p))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in {"send", "recv", "isend", "irecv"}
+            and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "c10d")]
+    assert not bare, bare
+    calls = [p.name for p in SOURCES if "batch_isend_irecv(" in p.read_text()]
+    assert calls == ["collectives.py"], calls

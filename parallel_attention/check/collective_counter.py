@@ -3,7 +3,8 @@ collective of the package goes through them): the one counter of the self-check 
 
 Names are torch's, the tensor forms under their older, longer-lived spellings (torch >= 2.10 added
 `all_gather_single` / `reduce_scatter_single`). Given `group`, a call on any other group (or with none named)
-counts under `name@other-group`, so a stray collective on the wrong group cannot hide among the right ones.
+counts under `name@other-group`, so a stray collective on the wrong group cannot hide among the right ones. A
+`batch_isend_irecv` counts once under its own name and each of its operations under `isend` / `irecv`.
 """
 
 from __future__ import annotations
@@ -34,10 +35,22 @@ def count_collectives(group=None):
             return fn(*args, **kwargs)
         return counted
 
+    batch = dist.batch_isend_irecv
+
+    def counted_batch(ops):
+        """One batch_isend_irecv, and each of its operations under isend / irecv as if issued alone."""
+        counts["batch_isend_irecv"] += 1
+        for p2p in ops:
+            name = "isend" if p2p.op is dist.distributed_c10d.isend else "irecv"
+            counts[f"{name}@other-group" if group is not None and p2p.group is not group else name] += 1
+        return batch(ops)
+
     for name, fn in originals.items():
         setattr(dist, name, wrap(name, fn))
+    dist.batch_isend_irecv = counted_batch
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        dist.batch_isend_irecv = batch

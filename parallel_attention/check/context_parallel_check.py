@@ -24,8 +24,9 @@ from .equivalence import attention_reference, random_weights
 
 def _expected_p2p(kind: str, cp: int) -> tuple[dict, dict]:
     """(forward, backward) collectives on the context-parallel group of one attention block."""
-    if kind == "ring":  # cp - 1 exchanges forward; backward cp - 1 (k, v) + cp (dK, dV home); each isend + irecv
-        return {"send": cp - 1, "recv": cp - 1}, {"send": 2 * cp - 1, "recv": 2 * cp - 1}
+    if kind == "ring":  # sends: cp - 1 forward; backward cp - 1 (k, v) + cp (dK, dV home); one batch per ring step
+        return ({"send": cp - 1, "recv": cp - 1, "batched exchange": cp - 1},
+                {"send": 2 * cp - 1, "recv": 2 * cp - 1, "batched exchange": cp + 1})
     return {"all-to-all": 3}, {"all-to-all": 3}  # q, k and v stacked, the output
 
 

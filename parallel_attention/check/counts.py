@@ -29,7 +29,7 @@ _KIND = {"all_reduce": "all-reduce", "all_gather": "all-gather", "all_gather_int
          "reduce_scatter_tensor": "reduce-scatter", "reduce_scatter_single": "reduce-scatter",
          "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
          "all_to_all": "all-to-all", "all_to_all_single": "all-to-all", "barrier": "barrier",
-         "send": "send", "recv": "recv", "isend": "send", "irecv": "recv"}
+         "send": "send", "recv": "recv", "isend": "send", "irecv": "recv", "batch_isend_irecv": "batched exchange"}
 
 
 def expected_counts(p: int, sequence_parallel: bool) -> tuple[Counter, Counter]:

@@ -13,8 +13,9 @@ states what it does forward and backward. Shapes: `s` sequence, `b` batch, `h` h
     gather_from_sequence_parallel_region   all-gather dim 0 (s)    reduce-scatter dim 0
     reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0  all-gather dim 0
     all_to_all_along_dims                  split dim a, piece j to rank j, concatenate along dim b; the reverse
-    ring_exchange                          send to the next rank, receive from the previous (no autograd: the
-                                           ring's own Function rings its gradients back)
+    ring_exchange                          send to the next rank, receive from the previous, batched (no autograd:
+                                           the ring's own Function rings its gradients back)
+    exchange                               any sends and receives as one batch_isend_irecv (pipeline stages)
 
 Every call runs inside `issuing(op, tensor, group)`, and an asynchronous one's wait() inside `awaiting(op, group)`:
 by default `named_timeouts`, which turns a backend's bare timeout into CollectiveTimeoutError naming the operation
@@ -241,32 +242,45 @@ def all_to_all_along_dims(x: torch.Tensor, split_dim: int, cat_dim: int, group: 
 
 
 class PendingExchange:
-    """A posted ring exchange: wait() returns the tensor received from the previous rank."""
+    """A posted batch of sends and receives: wait() returns the received tensors, in the order asked for."""
 
-    def __init__(self, works, group: ProcessGroup, received: torch.Tensor) -> None:
-        self.works, self.group, self.received = works, group, received
+    def __init__(self, op: str, works, group: ProcessGroup | None, received: list[torch.Tensor]) -> None:
+        self.op, self.works, self.group, self.received = op, works, group, received
 
-    def wait(self) -> torch.Tensor:
-        with _await("ring_exchange", self.group):
+    def wait(self) -> list[torch.Tensor]:
+        with _await(self.op, self.group):
             for work in self.works:
                 work.wait()
         return self.received
 
 
 @torch.no_grad()
-def ring_exchange(x: torch.Tensor, group: ProcessGroup | None, tag: int = 0) -> PendingExchange | None:
-    """Post: send `x` to the next rank of `group` and receive a tensor like it from the previous one (one isend and
-    one irecv; compute on what you hold meanwhile, then wait()). None at one rank. Exchanges posted together take
-    distinct tags."""
+def exchange(sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]],
+             group: ProcessGroup | None, op: str = "exchange") -> PendingExchange:
+    """Post every send (tensor, group rank of the destination) and receive (buffer, group rank of the source) as
+    ONE `batch_isend_irecv`, and return it pending. Never a bare isend then irecv: NCCL runs unbatched point-to-point
+    operations of an eagerly initialised group one after another on one stream, so two ranks that each send first
+    wait for each other's receive forever once a message outgrows NCCL's buffers. Named `op` in timeouts and logs."""
+    c10d = dist.distributed_c10d  # P2POp accepts only these two functions, not torch.distributed's re-exports
+    ops = [dist.P2POp(c10d.isend, t.contiguous(), dist.get_global_rank(group, dst) if group else dst, group)
+           for t, dst in sends]
+    ops += [dist.P2POp(c10d.irecv, t, dist.get_global_rank(group, src) if group else src, group)
+            for t, src in receives]
+    with _issue(op, sends[0][0] if sends else None, group):
+        works = dist.batch_isend_irecv(ops) if ops else []
+    return PendingExchange(op, works, group, [t for t, _ in receives])
+
+
+@torch.no_grad()
+def ring_exchange(tensors: list[torch.Tensor], group: ProcessGroup | None) -> PendingExchange | None:
+    """Post: send each of `tensors` to the next rank of `group` and receive one like it from the previous, all in one
+    batched exchange (compute on what you hold meanwhile, then wait() for the received list). None at one rank."""
     size = group_size(group)
     if size == 1:
         return None
     rank = group_rank(group)
-    x, received = x.contiguous(), torch.empty_like(x)
-    with _issue("ring_exchange", x, group):
-        send = dist.isend(x, dst=dist.get_global_rank(group, (rank + 1) % size), group=group, tag=tag)
-        recv = dist.irecv(received, src=dist.get_global_rank(group, (rank - 1) % size), group=group, tag=tag)
-    return PendingExchange((send, recv), group, received)
+    return exchange([(t, (rank + 1) % size) for t in tensors],
+                    [(torch.empty_like(t), (rank - 1) % size) for t in tensors], group, "ring_exchange")
 
 
 @torch.no_grad()

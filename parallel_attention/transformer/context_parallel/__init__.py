@@ -7,8 +7,9 @@ At cp = 1 neither exists: the block runs its plain core attention, unchanged.
 
 Attention dropout under CP needs dropout_rng='layout_invariant' (both kinds draw cp = 1's hashed masks; the
 tensor-parallel generator's are refused, `ring_dropout.check_dropout_rng`). Collectives per layer on each rank,
-besides tensor parallelism's own (docs/architecture.md, "Communication per block"); a ring exchange is one
-isend + one irecv:
+besides tensor parallelism's own (docs/architecture.md, "Communication per block"); a ring exchange is one send and
+one receive (per tensor), batched into one batch_isend_irecv per ring step (backward: cp steps and the last dK/dV
+home, cp + 1 batches):
 
     kind         recompute     forward                   backward
     ring         none          cp - 1 ring exchanges     2 cp - 1 (cp - 1 k/v on, cp dK/dV home)

@@ -2,7 +2,7 @@
 
 Shapes (per rank): q [b, nhl, 2m, d], k, v [b, nkvl, 2m, d]: this rank's zigzag part, chunks r and 2 cp - 1 - r of
 2 cp chunks of m = s / (2 cp) tokens. Step t (of cp) holds the k/v part of rank r - t; the next part is posted
-(ring_exchange: one isend + one irecv) before the block in hand is computed, so the transfer overlaps it.
+(ring_exchange: one batched send and receive) before the block in hand is computed, so the transfer overlaps it.
 
     forward:  per (q chunk, k chunk) pair: skipped when the mask hides it entirely (causal: k chunk after the
               q chunk; documents: DocumentLayout.hidden), else scores = q k^T / sqrt(d), masked, and the
@@ -121,13 +121,13 @@ class RingAttention(torch.autograd.Function):
         lse = [q.new_full((b, nh, m), float("-inf"), dtype=acc) for _ in range(2)]
         kv = torch.stack([k, v])
         for step in range(plan.size):
-            pending = ring_exchange(kv, plan.group) if step < plan.size - 1 else None
+            pending = ring_exchange([kv], plan.group) if step < plan.size - 1 else None
             ks, vs = (_halves(t, m) for t in kv.unbind())
             for pair in plan.pairs(step):
                 i, j = pair.i, pair.j
                 block = plan.blocks.forward(_halves(q, m)[i], ks[j], vs[j], pair, scale, plan.drop(pair.chunks, q))
                 out[i], lse[i] = _merge(out[i], lse[i], *block)
-            kv = pending.wait() if pending is not None else kv
+            kv = pending.wait()[0] if pending is not None else kv
         out, lse = _sequence_major([o.to(q.dtype) for o in out]), torch.stack(lse)  # lse [2, b, nh, m]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -142,9 +142,13 @@ class RingAttention(torch.autograd.Function):
         qs, dos, lses, deltas = _halves(q, m), _halves(grad_out, m), lse.unbind(), delta.split(m, -1)
         outs = _halves(out, m)
         dq = [torch.zeros_like(h, dtype=acc) for h in qs]
-        kv, dkv = torch.stack([k, v]), torch.zeros(2, *k.shape, dtype=acc, device=k.device)
+        # One batched exchange a step, posted before the step's pieces so that the transfer overlaps them: the next
+        # k/v block, and the dK, dV accumulated for the block held at the previous step, which the next rank holds
+        # now (they travel with their block, one step behind it); the last accumulator goes home after the loop.
+        kv, dkv = torch.stack([k, v]), None
         for step in range(plan.size):
-            pending = ring_exchange(kv, plan.group) if step < plan.size - 1 else None
+            kv_ahead = step < plan.size - 1
+            pending = ring_exchange(([kv] if kv_ahead else []) + ([dkv] if dkv is not None else []), plan.group)
             ks, vs = (_halves(t, m) for t in kv.unbind())
             dk, dv = [[torch.zeros_like(h, dtype=acc) for h in ks] for _ in range(2)]
             for pair in plan.pairs(step):
@@ -152,9 +156,11 @@ class RingAttention(torch.autograd.Function):
                 grads = plan.blocks.backward(qs[i], ks[j], vs[j], pair, scale, drop, dos[i], outs[i], lses[i],
                                              deltas[i])
                 dq[i], dk[j], dv[j] = dq[i] + grads[0], dk[j] + grads[1], dv[j] + grads[2]
-            dkv = dkv + torch.stack([torch.cat(dk, 2), torch.cat(dv, 2)])
-            dkv_pending = ring_exchange(dkv, plan.group, tag=1)
-            kv = pending.wait() if pending is not None else kv
-            dkv = dkv_pending.wait() if dkv_pending is not None else dkv
+            mine = torch.stack([torch.cat(dk, 2), torch.cat(dv, 2)])
+            received = pending.wait() if pending is not None else []
+            dkv = mine if dkv is None else received[-1] + mine
+            kv = received[0] if kv_ahead else kv
+        pending = ring_exchange([dkv], plan.group)
+        dkv = pending.wait()[0] if pending is not None else dkv
         dk, dv = dkv.unbind()
         return torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
