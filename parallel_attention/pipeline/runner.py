@@ -113,7 +113,7 @@ class PipelineRunner:
             sends = [(t, peer) for k, peer, t in ([send] if send else []) if k == kind]
             for t, _ in sends:
                 if tuple(t.shape) != self.shape:
-                    raise PipelineShapeError(f"pipeline stage {self.rank} would send a {kind} of shape "
+                    raise PipelineShapeError(f"pipeline stage {self.rank} would send its {kind} of shape "
                                              f"{list(t.shape)} where the stages agreed on {list(self.shape)}.")
             receives = []
             if receive is not None and receive[0] == kind:

@@ -41,23 +41,29 @@ def model_stage(cfg) -> PipelineStage:
                       par.pipeline_layers, ps.get_pipeline_parallel_rank())
 
 
-def hidden_shape(cfg, model: GPTModel) -> tuple[int, int, int]:
-    """[s, b, h] of the activation one stage sends the next: this rank's part of the sequence."""
+def hidden_shape(cfg, model: GPTModel, rows: int) -> tuple[int, int, int]:
+    """[s, b, h] of the activation one stage sends the next for micro-batches of `rows` sequences: this rank's
+    part of the sequence."""
     s = cfg.data.seq_len // model.context.cp // (model.tp_size if model.sequence_parallel else 1)
-    return s, cfg.training.micro_batch_size, cfg.model.hidden_size
+    return s, rows, cfg.model.hidden_size
 
 
-def build_runners(cfg, model: GPTModel, micro_batches: int, eval_batches: int):
-    """(training runner, evaluation runner), their activation shape agreed by every stage; (None, None) at pp 1."""
+def build_runners(cfg, model: GPTModel, micro_batches: int, val_batches: list):
+    """(training runner, evaluation runner), their activation shapes agreed by every stage; (None, None) at pp 1.
+    The validation batches are this data-parallel rank's share of the validation windows (their own size)."""
     par = cfg.parallel
     if par.pipeline_parallel_size == 1:
         return None, None
+    rows = {batch[0].shape[0] for batch in val_batches}
+    if len(rows) != 1:
+        raise ValueError(f"the validation batches have {sorted(rows)} rows: a pipeline needs them equal (set "
+                         "training.eval_batches to a multiple of the data-parallel size).")
     groups = ps.get_pipeline_parallel_group(), ps.get_pipeline_gradient_group()
     runners = (PipelineRunner(model, par.pipeline_schedule, micro_batches, *groups, par.virtual_pipeline_stages),
-               PipelineRunner(model, "forward_only", eval_batches, *groups, par.virtual_pipeline_stages))
+               PipelineRunner(model, "forward_only", len(val_batches), *groups, par.virtual_pipeline_stages))
     dtype = next(model.parameters()).dtype  # the residual stream stays in the parameters' dtype under autocast
-    for runner in runners:
-        runner.agree_shapes(hidden_shape(cfg, model), dtype)
+    for runner, b in zip(runners, (cfg.training.micro_batch_size, rows.pop())):
+        runner.agree_shapes(hidden_shape(cfg, model, b), dtype)
     return runners
 
 

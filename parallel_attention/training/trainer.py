@@ -134,7 +134,7 @@ def build(cfg: PretrainConfig) -> Run:
     # parameters are replicated over dp x cp: their gradients are averaged (and ZeRO-1 shards) over both
     dp_group, zero_stage = ps.get_data_context_parallel_group(), cfg.parallel.zero_stage
     pipeline, pipeline_eval = build_runners(cfg, model, cfg.gradient_accumulation_steps(ps.get_world_size()),
-                                            len(val_batches))
+                                            val_batches)
     forward = model if pipeline else wrap_data_parallel(model, dp_group, cfg.parallel.debug_collectives,
                                                         zero_stage=zero_stage)
     optimizer = build_optimizer(model, cfg.optimizer, dp_group, zero_stage)  # over FSDP2's shards at stage 3
