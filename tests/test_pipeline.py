@@ -28,7 +28,7 @@ LAYOUTS = {  # name: (world, extra arguments)
                                      "--parallel.context_parallel_kind=ring",
                                      "--parallel.pipeline_schedule=interleaved_1f1b",
                                      "--parallel.virtual_pipeline_stages=2"]),
-    "pp2_dp2_1f1b": (4, ["--parallel.pipeline_parallel_size=2"]),
+    "pp2_dp2_zero3_1f1b": (4, ["--parallel.pipeline_parallel_size=2", "--parallel.zero_stage=3"]),
 }
 
 

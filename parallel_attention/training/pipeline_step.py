@@ -6,7 +6,8 @@
     loss              the last stage's sum, all-reduced over the pipeline group: every stage logs the same number
     tied embeddings   the first stage's table and the last stage's copy sum their gradients (embedding group)
     data parallel     the average over dp x cp after the schedule, in flat buckets (DDP's hooks assume one
-                      forward per backward, and the weight gradients of zero bubble run outside autograd)
+                      forward per backward, and the weight gradients of zero bubble run outside autograd);
+                      under FSDP2 (zero_stage 3) its own reduce-scatter in each backward
     gradient norm     summed over tp and pp (`global_grad_norm`), the tied copy counted once: every stage clips
                       and judges divergence on the same number
 
@@ -24,6 +25,7 @@ from ..pipeline.layout import rank_stage
 from ..pipeline.runner import PipelineRunner, StepRecord
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.param_kinds import local_shard
 from ..tensor_parallel.rng import dropout_coordinates
 from ..transformer.cross_entropy import IGNORE_INDEX
 from ..transformer.model import GPTModel
@@ -91,8 +93,9 @@ def pipeline_forward_backward(run, micro_batches: list) -> torch.Tensor:
     run.pipeline_record = record
     losses = _all_stages(record)
     sum_tied_embedding_grads(run.model)
-    all_reduce_data_parallel([p for p in run.model.parameters() if p.grad is not None],
-                             ps.get_data_context_parallel_group())
+    if run.cfg.parallel.zero_stage != 3:  # FSDP2 reduce-scattered in each backward
+        all_reduce_data_parallel([p for p in run.model.parameters() if p.grad is not None],
+                                 ps.get_data_context_parallel_group())
     return losses.sum() / len(micro_batches)
 
 
@@ -118,7 +121,7 @@ def sum_tied_embedding_grads(model: GPTModel) -> None:
     weight = model.embed_tokens.weight
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    all_reduce_(weight.grad, group)
+    all_reduce_(local_shard(weight.grad)[0], group)  # FSDP2: both stages hold the same data-parallel shard
 
 
 def pipeline_metrics(run) -> dict:

@@ -135,8 +135,10 @@ def build(cfg: PretrainConfig) -> Run:
     dp_group, zero_stage = ps.get_data_context_parallel_group(), cfg.parallel.zero_stage
     pipeline, pipeline_eval = build_runners(cfg, model, cfg.gradient_accumulation_steps(ps.get_world_size()),
                                             val_batches)
-    forward = model if pipeline else wrap_data_parallel(model, dp_group, cfg.parallel.debug_collectives,
-                                                        zero_stage=zero_stage)
+    # a pipeline averages over dp after its schedule (pipeline_step), except under FSDP2, which reduce-scatters
+    forward = model if pipeline and zero_stage != 3 else wrap_data_parallel(model, dp_group,
+                                                                            cfg.parallel.debug_collectives,
+                                                                            zero_stage=zero_stage)
     optimizer = build_optimizer(model, cfg.optimizer, dp_group, zero_stage)  # over FSDP2's shards at stage 3
     return Run(cfg, device, model, optimizer, scaler, precision, sampler, val_batches, data_parallel_model=forward,
                pipeline=pipeline, pipeline_eval=pipeline_eval)

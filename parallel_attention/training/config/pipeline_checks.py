@@ -33,7 +33,8 @@ def check_pipeline(cfg: Any, micro_batches: int) -> None:
             f"parallel.pipeline_schedule=interleaved_1f1b needs virtual_pipeline_stages >= 2 (got {v}) and the "
             f"micro-batches per step ({micro_batches}) a multiple of pipeline_parallel_size={pp}: adjust "
             "virtual_pipeline_stages or training.global_batch_size / micro_batch_size.")
-    if par.zero_stage == 3:
+    if par.zero_stage == 3 and schedule == "zero_bubble":
         raise ValueError(
-            f"parallel.zero_stage=3 (FSDP2) with pipeline_parallel_size={pp} is not supported yet: use zero_stage 1 "
-            "(optimizer state sharded over the data-parallel ranks) or 0.")
+            "parallel.pipeline_schedule=zero_bubble with zero_stage=3: FSDP2 reduce-scatters a layer's gradients "
+            "when its backward ends, before zero bubble's deferred weight gradients exist. Use zero_stage 1, or "
+            "another schedule (1f1b) with zero_stage 3.")
