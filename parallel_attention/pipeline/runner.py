@@ -45,13 +45,19 @@ class StepRecord:
     losses: torch.Tensor  # [m]: each micro-batch's mean loss (the last stage's; zeros elsewhere)
     events: list[Event] = field(default_factory=list)
 
-    def bubble(self) -> float:
-        """The share of this rank's step spent waiting for other stages."""
-        if not self.events:
-            return 0.0
-        total = self.events[-1].end - self.events[0].start
-        waits = sum(e.end - e.start for e in self.events if e.label == "wait")
-        return waits / total if total > 0 else 0.0
+    def compute_seconds(self) -> float:
+        """Time this rank spent in its actions (forwards, backwards, weight gradients)."""
+        return sum(e.end - e.start for e in self.events if e.label != "wait")
+
+    def span_seconds(self) -> float:
+        """From this rank's first wait or action to its last."""
+        return self.events[-1].end - self.events[0].start if self.events else 0.0
+
+
+def measured_bubble(compute_seconds: float, longest_span: float, stages: int) -> float:
+    """The share of the step the stages spent not computing: 1 - (compute summed over the stages) / (stages x the
+    longest stage's span), the quantity the schedules' formulas predict."""
+    return max(0.0, 1.0 - compute_seconds / (stages * longest_span)) if longest_span > 0 else 0.0
 
 
 class PipelineRunner:
@@ -108,7 +114,7 @@ class PipelineRunner:
         """Post the sends and the receive, one exchange per group, then wait for the receive: the sends complete
         when the neighbour posts its receive, which may come only after this rank's next actions (interleaved:
         two ranks that each waited for their own send would wait for each other); `run` waits for them last."""
-        started, posted, received = time.perf_counter(), [], None
+        posted, received = [], None
         for kind, group in self.groups.items():
             sends = [(t, peer) for k, peer, t in ([send] if send else []) if k == kind]
             for t, _ in sends:
@@ -121,12 +127,23 @@ class PipelineRunner:
                 receives = [(received, receive[1])]
             if sends or receives:
                 posted.append(exchange(sends, receives, group, f"pipeline {kind} exchange"))
+        self._fill_with_weight_gradients(posted, events)
+        started = time.perf_counter()
         for pending in posted:
             pending.wait_received()
         self.in_flight += posted
         if posted:
             events.append(Event("wait", started, time.perf_counter()))
         return received
+
+    def _fill_with_weight_gradients(self, posted: list, events: list[Event]) -> None:
+        """Zero bubble: while a receive has not arrived, compute the oldest deferred weight gradient instead of
+        waiting (the schedule's own W comes later and finds it done). The bubble is filled where it opens."""
+        while self.ready_weights and not all(pending.received_yet() for pending in posted):
+            key = self.ready_weights.pop(0)
+            started = time.perf_counter()
+            run_weight_grads(self.state["weights"].pop(key))
+            events.append(Event(str(Action("W", *key)), started, time.perf_counter()))
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -139,13 +156,14 @@ class PipelineRunner:
         coordinates), `backward_loss(loss)` runs the backward of the step's share of a loss (loss / m: the fp16
         scaler scales it). Returns each micro-batch's loss (the last stage's) and the step's events."""
         state = {"inputs": {}, "outputs": {}, "weights": {}}
-        self.contexts, self.in_flight = (forward_context, backward_context, backward_loss), []
+        self.contexts, self.in_flight, self.state, self.ready_weights = (forward_context, backward_context,
+                                                                         backward_loss), [], state, []
         record = StepRecord(torch.zeros(self.m, device=self._device()))
         received = self._communicate(None, self._receive(self.actions[0]), record.events)
         for k, action in enumerate(self.actions):
             started = time.perf_counter()
-            getattr(self, f"_{action.kind.lower()}")(action, received, state, inputs, record)
-            record.events.append(Event(str(action), started, time.perf_counter()))
+            if getattr(self, f"_{action.kind.lower()}")(action, received, state, inputs, record) is not False:
+                record.events.append(Event(str(action), started, time.perf_counter()))
             following = self.actions[k + 1] if k + 1 < len(self.actions) else None
             received = self._communicate(self._send(action, state),
                                          self._receive(following) if following else None, record.events)
@@ -177,6 +195,14 @@ class PipelineRunner:
                 self.contexts[2](out)
             else:
                 torch.autograd.backward(out, received)
+        if self.defers_weight_grads:
+            self.ready_weights.append(key)
 
-    def _w(self, action, received, state, inputs, record) -> None:
-        run_weight_grads(state["weights"].pop((action.chunk, action.micro)))
+    def _w(self, action, received, state, inputs, record) -> bool:
+        """The weight gradient, unless a wait already computed it (then False: nothing ran)."""
+        key = (action.chunk, action.micro)
+        if key not in self.ready_weights:
+            return False
+        self.ready_weights.remove(key)
+        run_weight_grads(state["weights"].pop(key))
+        return True

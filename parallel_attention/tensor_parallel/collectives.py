@@ -256,6 +256,11 @@ class PendingExchange:
         self.works = []
         return self.received
 
+    def received_yet(self) -> bool:
+        """Whether every receive has completed (without waiting; False where the backend cannot tell)."""
+        works = self.works[len(self.sent):] if len(self.works) == len(self.sent) + len(self.received) else self.works
+        return all(work.is_completed() for work in works)
+
     def wait_received(self) -> list[torch.Tensor]:
         if len(self.works) != len(self.sent) + len(self.received):  # one coalesced work (NCCL): wait for it all
             return self.wait()

@@ -22,7 +22,7 @@ import contextlib
 import torch
 
 from ..pipeline.layout import rank_stage
-from ..pipeline.runner import PipelineRunner, StepRecord
+from ..pipeline.runner import PipelineRunner, StepRecord, measured_bubble
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_reduce_
 from ..tensor_parallel.param_kinds import local_shard
@@ -125,9 +125,11 @@ def sum_tied_embedding_grads(model: GPTModel) -> None:
 
 
 def pipeline_metrics(run) -> dict:
-    """{"pipeline_bubble": the share of the step the stages spent waiting, their mean} at pp > 1, else {}."""
+    """{"pipeline_bubble": the measured share of the step the stages spent waiting} at pp > 1, else {}."""
     if run.pipeline_record is None:
         return {}
-    group = ps.get_pipeline_parallel_group()
-    share = all_reduce_(torch.tensor([run.pipeline_record.bubble()], device=run.device), group) / ps.group_size(group)
-    return {"pipeline_bubble": round(share.item(), 4)}
+    group, record = ps.get_pipeline_parallel_group(), run.pipeline_record
+    compute = all_reduce_(torch.tensor([record.compute_seconds()], dtype=torch.float64, device=run.device), group)
+    span = all_reduce_(torch.tensor([record.span_seconds()], dtype=torch.float64, device=run.device), group,
+                       torch.distributed.ReduceOp.MAX)
+    return {"pipeline_bubble": round(measured_bubble(compute.item(), span.item(), ps.group_size(group)), 4)}
