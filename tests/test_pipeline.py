@@ -4,11 +4,14 @@ at pp 1 with the same losses. (The schedules' and the split's own properties: te
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from launch import metrics, torchrun
+from launch import ROOT, metrics, torchrun
 from tiny_run import DROPOUT, tiny_args
 
 STEPS = 4
@@ -63,6 +66,14 @@ def test_every_schedule_and_layout_gives_the_single_process_numbers(name, refere
     _assert_same(got, reference[1], name, range(STEPS + 1))
     rows = [r for r in metrics(run) if "loss" in r]
     assert all(0.0 <= r["pipeline_bubble"] < 1.0 for r in rows), rows
+    if name == "pp2_zero_bubble_uneven":  # the step's picture, from the run itself
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "pipeline_timeline.py"), str(run), "--step",
+                                 "3"], capture_output=True, text=True, timeout=120, check=True)
+        assert "2 stages, measured bubble" in result.stdout
+        trace = json.loads((run / "pipeline_timeline" / "step_3.trace.json").read_text())
+        labels = {(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+        assert {(s, f"{k}{i}") for s in (0, 1) for k in "FBW" for i in range(2)} <= labels, labels
+        assert (run / "pipeline_timeline" / "step_3.png").stat().st_size > 0
 
 
 def test_a_pipeline_checkpoint_resumes_at_another_layout(reference, shared_data, tmp_path):

@@ -44,6 +44,14 @@ class Event:
 class StepRecord:
     losses: torch.Tensor  # [m]: each micro-batch's mean loss (the last stage's; zeros elsewhere)
     events: list[Event] = field(default_factory=list)
+    clock: tuple[float, float] = field(default_factory=lambda: (time.time(), time.perf_counter()))  # wall, perf
+
+    def timeline(self) -> dict:
+        """The events as {"start": wall-clock seconds of the step's start, "events": [[label, start, end], ...]}
+        in seconds from that start (the stages' files line up by their wall clocks)."""
+        wall, perf = self.clock
+        return {"start": wall, "events": [[e.label, round(e.start - perf, 6), round(e.end - perf, 6)]
+                                          for e in self.events]}
 
     def compute_seconds(self) -> float:
         """Time this rank spent in its actions (forwards, backwards, weight gradients)."""

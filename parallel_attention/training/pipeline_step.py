@@ -18,6 +18,8 @@ share, so no stage sends tokens, labels or document ids: only activations and th
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 import torch
 
@@ -91,6 +93,7 @@ def pipeline_forward_backward(run, micro_batches: list) -> torch.Tensor:
     record = run.pipeline.run(lambda i: model_inputs(micro_batches[i], device), forward_context, coordinates,
                               lambda loss: run.scaler.scale_loss(loss).backward())
     run.pipeline_record = record
+    write_timeline(run, record)
     losses = _all_stages(record)
     sum_tied_embedding_grads(run.model)
     if run.cfg.parallel.zero_stage != 3:  # FSDP2 reduce-scattered in each backward
@@ -133,3 +136,18 @@ def pipeline_metrics(run) -> dict:
     span = all_reduce_(torch.tensor([record.span_seconds()], dtype=torch.float64, device=run.device), group,
                        torch.distributed.ReduceOp.MAX)
     return {"pipeline_bubble": round(measured_bubble(compute.item(), span.item(), ps.group_size(group)), 4)}
+
+
+def write_timeline(run, record: StepRecord) -> None:
+    """Each stage's first rank (dp, cp and tp rank 0) appends the step's events to
+    RUN/pipeline_timeline/stage<s>.jsonl on logged steps: what scripts/pipeline_timeline.py draws."""
+    step = run.step + 1  # the step being trained
+    if step % run.cfg.logging.log_interval != 0 and step != 1:
+        return
+    if ps.get_data_parallel_rank() or ps.get_context_parallel_rank() or ps.get_tensor_model_parallel_rank():
+        return
+    folder = Path(run.cfg.logging.run_dir) / "pipeline_timeline"
+    folder.mkdir(parents=True, exist_ok=True)
+    stage = ps.get_pipeline_parallel_rank()
+    with open(folder / f"stage{stage}.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, "stage": stage, **record.timeline()}) + "\n")
