@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, metrics, torchrun
+from launch import ROOT, environment, metrics, torchrun
 from tiny_run import DROPOUT, tiny_args
 
 STEPS = 4
@@ -86,3 +86,16 @@ def test_a_pipeline_checkpoint_resumes_at_another_layout(reference, shared_data,
     assert "model_tp00_pp01.safetensors" in names and "optim_tp00_pp00.safetensors" in names
     torchrun("pretrain.py", 1, tiny_args(shared_data, run, 1, STEPS, *MODEL))
     _assert_same(_records(run), reference[1], "resumed at pp 1", (3, 4))
+
+
+def test_the_self_check_checks_every_schedule_at_pp_2():
+    result = torchrun_module(["parallel_attention.check", "--pp", "2"], 2)
+    assert "[ok] pipeline: pp 2, gpipe, 1f1b, interleaved_1f1b, zero_bubble" in result.stdout, result.stdout
+    assert result.stdout.rstrip().endswith("check: PASS")
+
+
+def torchrun_module(args: list[str], nproc: int):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+               *args]
+    return subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300,
+                          check=True)
