@@ -33,18 +33,24 @@ def _gigabytes_per_rank(cfg, parameters: int, dp: int) -> float:
     return per_rank * (16 / dp if par.zero_stage == 3 else state) / 2**30
 
 
-def pipeline_rows(cfg, model, world_size: int, micro_batches: int) -> dict[str, str]:
-    """{"pipeline": ..., "stages": ...} for a run at pp > 1 ({} otherwise). `model` is global rank 0's stage."""
+def layer_parameters(cfg) -> int:
+    """A transformer layer's parameters, from the config: q, k, v and output projections, the MLP, two norms."""
+    m, a = cfg.model, cfg.model.attention_config()
+    attention = m.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * m.hidden_size
+    mlp = m.resolved_ffn_hidden_size() * m.hidden_size * (3 if m.activation == "swiglu" else 2)
+    return attention + mlp + 2 * m.hidden_size
+
+
+def pipeline_rows(cfg, world_size: int, micro_batches: int) -> dict[str, str]:
+    """{"pipeline": ..., "stages": ...} for a run at pp > 1 ({} otherwise), from the config alone."""
     par = cfg.parallel
     pp, v = par.pipeline_parallel_size, par.virtual_pipeline_stages
     if pp == 1:
         return {}
-    layer = next(iter(model.layers))
-    layer_parameters = sum(p.numel() for p in layer.parameters()) * par.tensor_parallel_size  # canonical, roughly
     dp = world_size // (par.tensor_parallel_size * par.context_parallel_size * pp)
     stages = virtual_stages(cfg.model.num_layers, pp, v, par.pipeline_layers)
     words = []
-    for s, parameters in enumerate(_parameters_per_stage(cfg, layer_parameters)):
+    for s, parameters in enumerate(_parameters_per_stage(cfg, layer_parameters(cfg))):
         held = [f"{r.start}-{r.stop - 1}" for k, r in enumerate(stages) if k % pp == s]
         words.append(f"stage {s}: layers {', '.join(held)}{' + embedding' if s == 0 else ''}"
                      f"{' + head' if s == pp - 1 else ''}, {parameters / 1e6:.4g}M parameters, "

@@ -35,6 +35,8 @@ def _millions(n: int) -> str:
 def _size_line(model: torch.nn.Module) -> str:
     total = sum(math.prod(shape) for shape in model.canonical_shapes().values())
     local = sum(p.numel() for p in model.parameters())
+    if model.stage.chunks is not None:  # a pipeline stage's: the stages row gives every stage's
+        return f"{_millions(total)} parameters on pipeline stage 0, {_millions(local)} on each of its ranks"
     return f"{_millions(total)} parameters, {_millions(local)} on each rank"
 
 
@@ -93,7 +95,7 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
         "model": _size_line(model),
         "shape": _shape_line(cfg),
         "layout": _layout_line(cfg, world_size),
-        **pipeline_rows(cfg, model, world_size, cfg.gradient_accumulation_steps(world_size)),
+        **pipeline_rows(cfg, world_size, cfg.gradient_accumulation_steps(world_size)),
         "batch": _batch_line(cfg, world_size),
         "tokens": _tokens_line(cfg),
         "optimizer": f"AdamW lr {o.lr:g} -> {o.min_lr:g}, {cfg.schedule.warmup_steps} warm-up steps then "
