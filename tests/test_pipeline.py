@@ -88,14 +88,17 @@ def test_a_pipeline_checkpoint_resumes_at_another_layout(reference, shared_data,
     _assert_same(_records(run), reference[1], "resumed at pp 1", (3, 4))
 
 
+DOCUMENTED_CHECK = "torchrun --standalone --nproc-per-node 2 -m parallel_attention.check --pp 2"  # docs/pipeline.md
+
+
 def test_the_self_check_checks_every_schedule_at_pp_2():
-    result = torchrun_module(["parallel_attention.check", "--pp", "2"], 2)
+    """docs/pipeline.md's command, as written (this interpreter's torchrun)."""
+    result = torchrun_module(DOCUMENTED_CHECK.split()[-4:], 2)
     assert "[ok] pipeline: pp 2, gpipe, 1f1b, interleaved_1f1b, zero_bubble" in result.stdout, result.stdout
     assert result.stdout.rstrip().endswith("check: PASS")
 
 
 def torchrun_module(args: list[str], nproc: int):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
-               *args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
     return subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300,
                           check=True)
