@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, environment, metrics, torchrun
+from parallel_attention.checkpointing import read_canonical_checkpoint, reshard_checkpoint
 from tiny_run import DROPOUT, tiny_args
 
 STEPS = 4
@@ -84,6 +85,11 @@ def test_a_pipeline_checkpoint_resumes_at_another_layout(reference, shared_data,
     torchrun("pretrain.py", world, tiny_args(shared_data, run, 1, 2, *MODEL, *extra))
     names = sorted(p.name for p in (run / "checkpoints" / "step_0000002").iterdir())
     assert "model_tp00_pp01.safetensors" in names and "optim_tp00_pp00.safetensors" in names
+    step2 = run / "checkpoints" / "step_0000002"
+    canonical = read_canonical_checkpoint(step2)[1]  # every stage's file joined: what export and generate read
+    reshard_checkpoint(step2, tmp_path / "pp1", 1)
+    assert canonical.keys() == read_canonical_checkpoint(tmp_path / "pp1" / "step_0000002")[1].keys()
+    assert {f"layers.{i}.input_norm.weight" for i in range(4)} <= set(canonical)
     torchrun("pretrain.py", 1, tiny_args(shared_data, run, 1, STEPS, *MODEL))
     _assert_same(_records(run), reference[1], "resumed at pp 1", (3, 4))
 

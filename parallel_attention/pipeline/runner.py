@@ -134,7 +134,9 @@ class PipelineRunner:
                 received = torch.empty(self.shape, dtype=self.dtype, device=self._device())
                 receives = [(received, receive[1])]
             if sends or receives:
-                posted.append(exchange(sends, receives, group, f"pipeline {kind} exchange"))
+                peers = sorted({peer for _, peer in sends + receives})
+                what = f"pipeline {kind} exchange of stage {self.rank} with stage {', '.join(map(str, peers))}"
+                posted.append(exchange(sends, receives, group, what))
         self._fill_with_weight_gradients(posted, events)
         started = time.perf_counter()
         for pending in posted:
