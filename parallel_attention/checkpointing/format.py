@@ -164,8 +164,8 @@ def _manifest_problems(m: dict, directory: Path, config_sections: tuple[str, ...
     p, dp, world = m["tensor_parallel_size"], m["data_parallel_size"], m["world_size"]
     pp = m.get("pipeline_parallel_size", 1)
     if not _is(pp, int) or min(p, dp, pp) < 1 or p * dp * pp != world:
-        problems.append(f"tensor_parallel_size={p} x data_parallel_size={dp} x pipeline_parallel_size={pp} != "
-                        f"world_size={world}")
+        stages = f" x pipeline_parallel_size={pp}" if pp != 1 else ""
+        problems.append(f"tensor_parallel_size={p} x data_parallel_size={dp}{stages} != world_size={world}")
         return problems
     problems += [f"config has no {s!r} section" for s in config_sections if not isinstance(m["config"].get(s), dict)]
     problems += [f"files[{name!r}] is {record!r}, not {{size, sha256}}" for name, record in m["files"].items()
