@@ -51,6 +51,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokenizing threads (0: one per CPU core, up to 8; default: %(default)s)")
     parser.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens,
                         help="a shard closes once it holds this many tokens (default: %(default)s)")
+    parser.add_argument("--skip-bad-files", action="store_true",
+                        help="skip a truncated, corrupt or missing corpus file (counted in the summary and meta.json) "
+                             "instead of refusing it")
     return parser.parse_args(argv)
 
 
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = prepare_data(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
                             max_bytes=args.max_bytes, text_field=args.text_field,
                             bpe_vocab_size=args.bpe_vocab_size, num_workers=args.workers,
-                            shard_tokens=args.shard_tokens)
+                            shard_tokens=args.shard_tokens, skip_bad_files=args.skip_bad_files)
     except (ValueError, OSError) as error:  # bad source, tokenizer or settings: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -12,7 +12,9 @@ dataset_info.json): one document per row of its `text_field` column, its arrow f
 
 Files are read in the order of their sorted relative paths, so a source always gives the same documents.
 A file that is not UTF-8 text (binary), an empty one, one of another type, a bad JSON line or a parquet file
-without the column is skipped and counted in `CorpusStats.skipped` under its reason.
+without the column is skipped and counted in `CorpusStats.skipped` under its reason. A damaged file (a truncated or
+corrupt .jsonl.gz, a parquet or arrow file pyarrow cannot read, an arrow file a datasets directory lists but lacks)
+is refused by name, or, with `skip_bad_files`, counted among the skipped: the documents read before the damage stay.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .corpus_formats import (BINARY, EMPTY_FILE, OTHER_TYPE, READERS, CorpusStats, datasets_files, file_kind,
-                             is_datasets_directory)
+from .corpus_formats import (BINARY, DAMAGED, EMPTY_FILE, OTHER_TYPE, READERS, CorpusStats, DamagedFile,
+                             datasets_files, file_kind, is_datasets_directory)
 from .tokenizer import train_bpe
 
 __all__ = ["Corpus", "CorpusStats", "TEXT_SUFFIXES", "train_bpe_on_corpus"]
@@ -42,9 +44,15 @@ _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_te
 class Corpus:
     """The documents of `source`, cut to `max_bytes` UTF-8 bytes in all; iterate `documents()` once per pass."""
 
-    def __init__(self, source: str, text_field: str = "text", max_bytes: int | None = None) -> None:
+    def __init__(self, source: str, text_field: str = "text", max_bytes: int | None = None,
+                 skip_bad_files: bool = False) -> None:
         self.source, self.text_field, self.max_bytes = source, text_field, max_bytes
+        self.skip_bad_files = skip_bad_files
         self.root, self.files, self._walk_skips = _source_files(source)
+        self._missing = [p for p in self.files if not p.is_file()]  # listed by a datasets directory's state.json
+        if self._missing and not skip_bad_files:
+            raise ValueError(_damaged_message(self._missing[0], "it is missing", len(self._missing)))
+        self.files = [p for p in self.files if p not in self._missing]
         self.stats = CorpusStats()
         self.truncated = False  # max_bytes stopped the last pass before the corpus's end
 
@@ -63,6 +71,8 @@ class Corpus:
         self.stats, self.truncated = (stats := CorpusStats()), False
         for where in self._walk_skips:
             stats.skip(OTHER_TYPE, where)
+        for path in self._missing:
+            stats.skip(DAMAGED, f"{path.relative_to(self.root).as_posix()} (missing)")
         for path in self.files:
             where = path.relative_to(self.root).as_posix()
             read = self._read(path, where)
@@ -81,23 +91,35 @@ class Corpus:
                     return
 
     def _read(self, path: Path, where: str) -> Iterator[str]:
-        """The documents of one file, counting it as read unless the whole file is skipped."""
+        """The documents of one file, counting it as read unless the whole file is skipped; a damaged file is
+        refused, or skipped and counted with `skip_bad_files`."""
         stats = self.stats
         if path.stat().st_size == 0:
             stats.skip(EMPTY_FILE, where)
             return
-        reader = READERS.get(file_kind(path))
-        if reader is not None:
-            yield from reader(path, where, self.text_field, stats)
-        else:
-            text = _decode_text(path.read_bytes())
-            if text is None:
-                stats.skip(BINARY, where)
-            elif not text.strip():
-                stats.skip(EMPTY_FILE, where)
-            else:
-                stats.num_files += 1
-                yield text
+        kept = stats.num_documents
+        try:
+            yield from READERS.get(file_kind(path), _text_document)(path, where, self.text_field, stats)
+        except DamagedFile as error:
+            if not self.skip_bad_files:
+                raise ValueError(_damaged_message(path, str(error))) from None
+            stats.skip(DAMAGED, f"{where} ({error}; the {stats.num_documents - kept} documents before the damage "
+                                "kept)")
+
+
+def _text_document(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
+    """A text file as one document; a binary or empty one is skipped."""
+    try:
+        text = _decode_text(path.read_bytes())
+    except OSError as error:
+        raise DamagedFile(f"{type(error).__name__}: {error}") from error
+    if text is None:
+        stats.skip(BINARY, where)
+    elif not text.strip():
+        stats.skip(EMPTY_FILE, where)
+    else:
+        stats.num_files += 1
+        yield text
 
 
 def _source_files(source: str) -> tuple[Path, list[Path], list[str]]:
@@ -128,6 +150,14 @@ def _source_files(source: str) -> tuple[Path, list[Path], list[str]]:
                 (files if kind in TEXT_SUFFIXES or kind in READERS and kind != ".arrow" else other).append(file)
     key = lambda p: p.relative_to(path).as_posix()  # noqa: E731
     return path, sorted(files, key=key), sorted(key(p) for p in other)
+
+
+def _damaged_message(path: Path, why: str, count: int = 1) -> str:
+    others = f" (and {count - 1} more like it)" if count > 1 else ""
+    return (f"{path}{others} cannot be read to its end ({why}): the corpus file is truncated, corrupt or missing. "
+            "Replace it with a good copy (or delete it) and prepare again, or pass --skip-bad-files to "
+            "scripts/prepare_data.py to skip such files (counted in meta.json's skipped, with the documents read "
+            "before the damage kept).")
 
 
 def _decode_text(data: bytes) -> str | None:

@@ -11,8 +11,10 @@ order its state.json lists them (a DatasetDict's splits in the order of its data
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +22,16 @@ from typing import Iterator
 
 from ...hf.config import read_json_object
 
-__all__ = ["READERS", "CorpusStats", "datasets_files", "file_kind", "is_datasets_directory"]
+__all__ = ["DAMAGED", "READERS", "CorpusStats", "DamagedFile", "datasets_files", "file_kind", "is_datasets_directory"]
 
 # Reasons something is skipped; each names its unit.
 BINARY, EMPTY_FILE, OTHER_TYPE = "binary or not UTF-8 files", "empty files", "files of another type"
 BAD_LINE, NO_COLUMN, EMPTY_DOC = "bad JSON lines", "parquet files without the text column", "empty documents"
+DAMAGED = "damaged or unreadable files"
+
+
+class DamagedFile(Exception):
+    """A corpus file that cannot be read to its end (truncated, corrupt, missing): the reader stops there."""
 
 
 @dataclass
@@ -53,22 +60,43 @@ def file_kind(path: Path) -> str:
 
 
 def _jsonl_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
-    """One document per non-blank line: the string `text_field` of its JSON object; other lines are skipped."""
+    """One document per non-blank line: the string `text_field` of its JSON object; other lines are skipped, but a
+    file whose first object lacks `text_field` is refused, naming the keys it has (the wrong --text-field)."""
     stats.num_files += 1
-    with (gzip.open(path, "rb") if file_kind(path) == ".jsonl.gz" else path.open("rb")) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[text_field]
-            except (ValueError, KeyError, TypeError, IndexError):  # ValueError covers bad JSON and bad UTF-8
-                text = None
-            if not isinstance(text, str):
-                stats.skip(BAD_LINE, f"{where}:{lineno} (not a JSON object with a string {text_field!r})")
-            elif not text.strip():
-                stats.skip(EMPTY_DOC, f"{where}:{lineno}")
-            else:
-                yield text
+    checked = False
+    try:
+        with (gzip.open(path, "rb") if file_kind(path) == ".jsonl.gz" else path.open("rb")) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                value = _json_object(line)
+                if not checked and value is not None:
+                    checked = True
+                    _check_field(value, text_field, f"{where}:{lineno}")
+                text = None if value is None else value.get(text_field)
+                if not isinstance(text, str):
+                    stats.skip(BAD_LINE, f"{where}:{lineno} (not a JSON object with a string {text_field!r})")
+                elif not text.strip():
+                    stats.skip(EMPTY_DOC, f"{where}:{lineno}")
+                else:
+                    yield text
+    except (OSError, EOFError, zlib.error) as error:  # gzip's BadGzipFile is an OSError
+        raise DamagedFile(f"{type(error).__name__}: {error}") from error
+
+
+def _json_object(line: bytes) -> dict | None:
+    try:
+        value = json.loads(line)
+    except ValueError:  # bad JSON and bad UTF-8 alike
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _check_field(first: dict, text_field: str, where: str) -> None:
+    if text_field not in first:
+        keys = ", ".join(repr(k) for k in list(first)[:20]) or "none"
+        raise ValueError(f"data.text_field={text_field!r} is not a key of the first JSON object of {where} (its keys: "
+                         f"{keys}): pass the key that holds the text as --text-field (data.text_field in a config).")
 
 
 def _pyarrow(where: str):
@@ -83,20 +111,22 @@ def _pyarrow(where: str):
 
 def _parquet_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
     """One document per row of the `text_field` column, read in record batches; a file without it is skipped."""
-    table = _pyarrow(where).parquet.ParquetFile(path)
-    if text_field not in table.schema_arrow.names:
-        stats.skip(NO_COLUMN, f"{where} (columns: {', '.join(table.schema_arrow.names)}; set data.text_field)")
-        return
-    stats.num_files += 1
-    batches = (batch.column(0) for batch in table.iter_batches(columns=[text_field], batch_size=1024))
-    yield from _rows(batches, where, stats)
+    pa = _pyarrow(where)
+    with _damage_named(pa):
+        table = pa.parquet.ParquetFile(path)
+        if text_field not in table.schema_arrow.names:
+            stats.skip(NO_COLUMN, f"{where} (columns: {', '.join(table.schema_arrow.names)}; set data.text_field)")
+            return
+        stats.num_files += 1
+        batches = (batch.column(0) for batch in table.iter_batches(columns=[text_field], batch_size=1024))
+        yield from _rows(batches, where, stats)
 
 
 def _arrow_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
     """One document per row of a datasets arrow file (an IPC stream); a missing column is an error, not a skip:
     every file of the directory has the same columns."""
     pa = _pyarrow(where)
-    with pa.memory_map(str(path)) as source:
+    with _damage_named(pa), pa.memory_map(str(path)) as source:
         reader = pa.ipc.open_stream(source)
         names = reader.schema.names
         if text_field not in names:
@@ -105,6 +135,15 @@ def _arrow_documents(path: Path, where: str, text_field: str, stats: CorpusStats
                              "its text column.")
         stats.num_files += 1
         yield from _rows((batch.column(names.index(text_field)) for batch in reader), where, stats)
+
+
+@contextlib.contextmanager
+def _damage_named(pa):
+    """pyarrow's read errors (a file that is not parquet, a truncated one, a missing arrow file) as DamagedFile."""
+    try:
+        yield
+    except (OSError, pa.ArrowException) as error:  # ArrowInvalid is also a ValueError: caught here first
+        raise DamagedFile(f"{type(error).__name__}: {error}") from error
 
 
 def _rows(columns, where: str, stats: CorpusStats) -> Iterator[str]:
