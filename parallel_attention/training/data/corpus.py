@@ -23,6 +23,7 @@ import os
 import sys
 import sysconfig
 import time
+from collections import deque
 from pathlib import Path
 from typing import Iterator
 
@@ -55,51 +56,89 @@ class Corpus:
         self.files = [p for p in self.files if p not in self._missing]
         self.stats = CorpusStats()
         self.truncated = False  # max_bytes stopped the last pass before the corpus's end
+        self._disk_done = 0  # bytes on disk of the files this pass has finished
 
     @property
     def disk_bytes(self) -> int:
-        """The size of the corpus files on disk."""
+        """The size of the corpus files on disk (compressed, for a .jsonl.gz)."""
         return sum(path.stat().st_size for path in self.files)
 
     @property
-    def size_bytes(self) -> int:
-        """The bytes on disk this pass will read at most (for a progress bar)."""
-        return self.disk_bytes if self.max_bytes is None else min(self.disk_bytes, self.max_bytes)
+    def disk_read(self) -> int:
+        """The bytes on disk that the current pass has consumed: the finished files, and the current file so far
+        (a .jsonl's position; other files count once finished). It reaches disk_bytes at the corpus's end."""
+        return self._disk_done + self.stats.disk_in_file
 
-    def documents(self) -> Iterator[str]:
-        """Every document's text, NUL removed (the byte tokenizer's separator); fills a fresh `self.stats`."""
-        self.stats, self.truncated = (stats := CorpusStats()), False
-        for where in self._walk_skips:
-            stats.skip(OTHER_TYPE, where)
-        for path in self._missing:
-            stats.skip(DAMAGED, f"{path.relative_to(self.root).as_posix()} (missing)")
-        for path in self.files:
-            where = path.relative_to(self.root).as_posix()
-            read = self._read(path, where)
+    def documents(self, start: dict | None = None, marks: deque | None = None) -> Iterator[str]:
+        """Every document's text, NUL removed (the byte tokenizer's separator); fills a fresh `self.stats`.
+
+        With `marks`, a mark (`mark_dict` makes it JSON) is appended before each document is yielded: where the
+        reading stands after it, with the counts so far. `start`, such a mark, resumes there without reading the
+        documents before it (a .jsonl seeks to its offset, parquet and arrow files skip their rows)."""
+        first, at = self._begin(start)
+        stats = self.stats
+        if self.max_bytes is not None and stats.num_bytes >= self.max_bytes:
+            return
+        for index in range(first, len(self.files)):
+            path = self.files[index]
+            read = self._read(path, path.relative_to(self.root).as_posix(), at if index == first else (0, 0))
             for text in read:
                 data = text.replace("\x00", "").encode("utf-8")
                 if self.max_bytes is not None and stats.num_bytes + len(data) > self.max_bytes:
                     data = data[: self.max_bytes - stats.num_bytes].decode("utf-8", errors="ignore").encode("utf-8")
                     self.truncated = True
-                if data:
-                    stats.num_documents += 1
-                    stats.num_bytes += len(data)
-                    yield data.decode("utf-8")
-                if self.max_bytes is not None and stats.num_bytes >= self.max_bytes:
-                    self.truncated = self.truncated or path != self.files[-1] or next(read, None) is not None
+                stats.num_documents += bool(data)
+                stats.num_bytes += len(data)
+                done = self.max_bytes is not None and stats.num_bytes >= self.max_bytes
+                if done:  # whether anything is left decides `truncated`, before the mark records it
+                    here = stats.at
+                    self.truncated = self.truncated or index != len(self.files) - 1 or next(read, None) is not None
                     read.close()
+                    stats.at = here
+                if data:
+                    if marks is not None:
+                        marks.append((index, stats.at, stats.num_files, stats.num_documents, stats.num_bytes,
+                                      self.truncated, stats.frozen(), self.disk_read))
+                    yield data.decode("utf-8")
+                if done:
                     return
+            self._disk_done, stats.disk_in_file = self._disk_done + path.stat().st_size, 0
 
-    def _read(self, path: Path, where: str) -> Iterator[str]:
-        """The documents of one file, counting it as read unless the whole file is skipped; a damaged file is
-        refused, or skipped and counted with `skip_bad_files`."""
+    def _begin(self, start: dict | None) -> tuple[int, tuple[int, int]]:
+        """A fresh pass's stats (those of `start`, to resume there): the file index and position to read from."""
+        self.stats, self.truncated, self._disk_done = (stats := CorpusStats()), False, 0
+        if start is None:
+            for where in self._walk_skips:
+                stats.skip(OTHER_TYPE, where)
+            for path in self._missing:
+                stats.skip(DAMAGED, f"{path.relative_to(self.root).as_posix()} (missing)")
+            return 0, (0, 0)
+        for key in ("num_files", "num_documents", "num_bytes"):
+            setattr(stats, key, start[key])
+        stats.skipped.update(start["skipped"])
+        stats.examples.update(start["skipped_examples"])
+        self.truncated = start["truncated"]
+        self._disk_done = sum(path.stat().st_size for path in self.files[:start["file"]])
+        return start["file"], tuple(start["at"])
+
+    def mark_dict(self, mark: tuple) -> dict:
+        """A mark of `documents` as JSON for progress.json (the file named too, for whoever reads it)."""
+        index, at, num_files, num_documents, num_bytes, truncated, (skipped, examples), disk_read = mark
+        return {"file": index, "file_name": self.files[index].relative_to(self.root).as_posix(), "at": list(at),
+                "num_files": num_files, "num_documents": num_documents, "num_bytes": num_bytes,
+                "skipped": skipped, "skipped_examples": examples, "truncated": truncated, "disk_read": disk_read}
+
+    def _read(self, path: Path, where: str, start: tuple[int, int]) -> Iterator[str]:
+        """The documents of one file from `start`, counting it as read unless the whole file is skipped; a damaged
+        file is refused, or skipped and counted with `skip_bad_files`."""
         stats = self.stats
+        stats.at, stats.disk_in_file = start, 0
         if path.stat().st_size == 0:
             stats.skip(EMPTY_FILE, where)
             return
         kept = stats.num_documents
         try:
-            yield from READERS.get(file_kind(path), _text_document)(path, where, self.text_field, stats)
+            yield from READERS.get(file_kind(path), _text_document)(path, where, self.text_field, stats, start)
         except DamagedFile as error:
             if not self.skip_bad_files:
                 raise ValueError(_damaged_message(path, str(error))) from None
@@ -107,10 +146,14 @@ class Corpus:
                                 "kept)")
 
 
-def _text_document(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
-    """A text file as one document; a binary or empty one is skipped."""
+def _text_document(path: Path, where: str, text_field: str, stats: CorpusStats,
+                   start: tuple[int, int] = (0, 0)) -> Iterator[str]:
+    """A text file as one document; a binary or empty one is skipped. `start` (0, 1): read already."""
+    if start != (0, 0):
+        return
+    stats.at = (0, 1)
     try:
-        text = _decode_text(path.read_bytes())
+        text = _decode_text(data := path.read_bytes())
     except OSError as error:
         raise DamagedFile(f"{type(error).__name__}: {error}") from error
     if text is None:
@@ -119,6 +162,7 @@ def _text_document(path: Path, where: str, text_field: str, stats: CorpusStats) 
         stats.skip(EMPTY_FILE, where)
     else:
         stats.num_files += 1
+        stats.disk_in_file = len(data)
         yield text
 
 
@@ -173,8 +217,9 @@ def _decode_text(data: bytes) -> str | None:
 def train_bpe_on_corpus(corpus: Corpus, vocab_size: int, out: Path, final: Path) -> None:
     """Train the BPE into `out`, saying on stderr what it trains, on how much text and where it is kept, then how
     long it took: it is the slow part of preparing (tens of seconds for a few MB on a small CPU)."""
-    print(f"training a byte-level BPE of {vocab_size} tokens on up to {corpus.size_bytes / 1e6:.1f} MB of text "
-          f"from {corpus.source} (kept as {final / 'tokenizer.json'}: runs with the same data settings reuse it)",
+    amount = "all the text" if corpus.max_bytes is None else f"up to {corpus.max_bytes / 1e6:.1f} MB of text"
+    print(f"training a byte-level BPE of {vocab_size} tokens on {amount} of {corpus.source} "
+          f"({corpus.disk_bytes / 1e6:.1f} MB on disk) (kept as {final / 'tokenizer.json'}: runs with the same data settings reuse it)",
           file=sys.stderr, flush=True)
     start = time.perf_counter()  # on a terminal, the library's own bars (they cover the reading too)
     trained = train_bpe(corpus.documents(), vocab_size, out / "tokenizer.json", show_progress=sys.stderr.isatty())

@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import sys
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -84,21 +85,27 @@ def prepare_shards(source: str, tokenizer: str, out_dir, val_fraction: float = 0
 
 def _write_shards(corpus: Corpus, spec: str, partial: PartialPreparation, dtype: np.dtype, eot: int,
                   num_workers: int, shard_tokens: int) -> None:
-    """Encode the documents the finished shards lack, in order, closing a shard at `shard_tokens` tokens."""
-    bar = PreparationBar(corpus, partial.documents_done)
-    texts = itertools.islice(corpus.documents(), partial.documents_done, None)  # a resume reads, never encodes, those
+    """Encode the documents the finished shards lack, in order, closing a shard at `shard_tokens` tokens; each
+    shard is recorded with the mark of its last document, where a resume starts reading."""
+    marks: deque = deque()  # one per document read and not yet written: the encoders' pipeline bounds them
+    texts = corpus.documents(partial.next_input, marks)
+    if partial.next_input is None and partial.documents_done:  # progress.json of an older release: read, skip
+        deque(itertools.islice(texts, partial.documents_done), maxlen=0)
+        marks.clear()
+    bar = PreparationBar(corpus, partial.documents_done, (partial.next_input or {}).get("disk_read", 0))
     writer, end = None, np.array([eot], dtype=dtype)
     try:
         for tokens in encode_documents(spec, partial.path, texts, worker_count(num_workers)):
             if writer is None:
                 writer = IndexedDatasetWriter(partial.next_prefix, dtype)
             writer.add_document(np.concatenate([tokens.astype(dtype), end]))
+            mark = marks.popleft()
             bar.update(len(tokens) + 1)
             if writer.num_tokens >= shard_tokens:
-                partial.finish_shard(writer)
+                partial.finish_shard(writer, corpus.mark_dict(mark))
                 writer = None
         if writer is not None:
-            partial.finish_shard(writer)
+            partial.finish_shard(writer, corpus.mark_dict(mark))
             writer = None
     finally:
         bar.close()
