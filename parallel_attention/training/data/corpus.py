@@ -219,8 +219,8 @@ def train_bpe_on_corpus(corpus: Corpus, vocab_size: int, out: Path, final: Path)
     long it took: it is the slow part of preparing (tens of seconds for a few MB on a small CPU)."""
     amount = "all the text" if corpus.max_bytes is None else f"up to {corpus.max_bytes / 1e6:.1f} MB of text"
     print(f"training a byte-level BPE of {vocab_size} tokens on {amount} of {corpus.source} "
-          f"({corpus.disk_bytes / 1e6:.1f} MB on disk) (kept as {final / 'tokenizer.json'}: runs with the same data settings reuse it)",
-          file=sys.stderr, flush=True)
+          f"({corpus.disk_bytes / 1e6:.1f} MB on disk; kept as {final / 'tokenizer.json'}: runs with the same data "
+          "settings reuse it)", file=sys.stderr, flush=True)
     start = time.perf_counter()  # on a terminal, the library's own bars (they cover the reading too)
     trained = train_bpe(corpus.documents(), vocab_size, out / "tokenizer.json", show_progress=sys.stderr.isatty())
     print(f"trained the BPE ({trained.vocab_size} tokens) on {corpus.stats.num_bytes / 1e6:.1f} MB in "
