@@ -65,6 +65,13 @@ def test_a_blend_trains_alike_at_every_data_parallel_size_and_across_a_resume(bl
     summary = whole.stderr
     assert "blend" in summary and all(f"{name} weight" in summary for name in names)
     assert "epochs sampling" in summary
+    evaluated = [r for r in metrics(tmp_path / "two") if "val_loss" in r]  # steps 0, 3, 6: a loss per source too
+    assert [r["step"] for r in evaluated] == [0, 3, 6]
+    assert all({"val_loss/web_text_document", "val_loss/code_text_document"} <= set(r) for r in evaluated)
+    assert all(min(r["val_loss/web_text_document"], r["val_loss/code_text_document"]) <= r["val_loss"] <=
+               max(r["val_loss/web_text_document"], r["val_loss/code_text_document"]) for r in evaluated)
+    recorded = (tmp_path / "two" / "config.yaml").read_text()
+    assert "stdlib" not in recorded and "source:" not in recorded  # a blend run claims no data.source
 
 
 def _train_stream(prefix: str) -> np.ndarray:

@@ -34,10 +34,11 @@ from .guards.divergence import DivergenceGuard, check_parameters_finite
 from .flops import agree_peak_tflops, step_rates
 from .guards.rank_checks import check_config_agreement, check_replicas
 from .data.batch_prefetch import BatchPrefetcher
-from .data.batches import GlobalBatchSampler, validation_batches
+from .data.batches import GlobalBatchSampler, run_validation
 from .data.agreement import build_data
 from .data.blend import describe_blend
 from .data.identity import check_identity, data_identity, keep_run_tokenizer
+from .data.validation_metrics import validation_record
 from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
@@ -119,9 +120,7 @@ def build(cfg: PretrainConfig) -> Run:
                      context_parallel_kind=cfg.parallel.context_parallel_kind)
     if cfg.model.compile:
         compile_layers(model)
-    val_batches = validation_batches(sources, sampler.weights, cfg.data.seq_len, cfg.training.micro_batch_size,
-                                     cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size,
-                                     document_masking=cfg.data.document_masking)
+    val_batches = run_validation(cfg, sources, sampler.weights, dp_rank, dp_size)  # (source, micro-batch) pairs
     precision = Precision(cfg.training.dtype, device)
     scaler = DynamicLossScaler(enabled=precision.loss_scaling)
     # parameters are replicated over dp x cp: their gradients are averaged (and ZeRO-1 shards) over both
@@ -158,19 +157,19 @@ def _model_inputs(batch: tuple, device: torch.device) -> dict:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean validation loss per token over the fixed validation windows (the same for every layout):
-    token-loss sums and token counts are summed over the data-parallel ranks, then divided."""
+def evaluate(run: Run) -> dict[str, float]:
+    """Mean validation loss per token over the fixed validation windows (the same for every layout), and each
+    source's: token-loss sums and token counts are summed over the data-parallel ranks, then divided."""
     run.model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # [sum of token losses, tokens]
-    for batch in run.val_batches:
+    sums = torch.zeros(len(run.sampler.sources), 2, dtype=torch.float64, device=run.device)  # [losses, tokens]
+    for source, batch in run.val_batches:
         with run.precision.autocast():
             mean = run.model(**_model_inputs(batch, run.device)).double()
         count = float((batch[1] != IGNORE_INDEX).sum())
-        sums += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
+        sums[source] += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
     run.model.train()
     all_reduce_(sums, ps.get_data_parallel_group())
-    return (sums[0] / sums[1]).item()
+    return validation_record(sums, [source.name for source in run.sampler.sources])
 
 
 def _forward_backward(run: Run, micro_batches: list) -> torch.Tensor:
@@ -252,7 +251,8 @@ def train_loop(run: Run, stop: StopSignals) -> None:
         record = train_step(run)
         last, diverged = run.step == t.max_steps, run.guard.stop_reason is not None
         if not diverged and (run.step % t.eval_interval == 0 or last):
-            run.val_losses[run.step] = record["val_loss"] = evaluate(run)
+            record.update(evaluate(run))
+            run.val_losses[run.step] = record["val_loss"]
         log_step(run, record, diverged)
         run.guard.raise_if_stopped()
         run.stopped = any_rank(stop.raised, run.device)  # every rank checkpoints this same step, then stops
@@ -286,9 +286,9 @@ def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResu
     stop = StopSignals()
     try:
         if run.step == 0:  # the starting point the validation curve falls from
-            run.val_losses[0] = evaluate(run)
+            run.val_losses[0] = (first := evaluate(run))["val_loss"]
             if run.logger is not None:
-                run.logger.log({"step": 0, "val_loss": run.val_losses[0]})
+                run.logger.log({"step": 0, **first})
         train_loop(run, stop)
     finally:
         stop.restore()

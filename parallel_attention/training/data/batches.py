@@ -24,7 +24,8 @@ from .token_source import TokenSource, TokenStream
 if TYPE_CHECKING:
     from ..config.schema import PretrainConfig
 
-__all__ = ["GlobalBatchSampler", "SampleRows", "SAMPLINGS", "run_sampler", "validation_batches"]
+__all__ = ["GlobalBatchSampler", "SampleRows", "SAMPLINGS", "run_sampler", "run_validation", "validation_batches",
+           "validation_batches_by_source"]
 
 SAMPLINGS = ("epochs", "random_windows")
 
@@ -146,33 +147,68 @@ def run_sampler(cfg: PretrainConfig, sources: list[TokenSource], weights: list[f
                               cfg.training.seed, cfg.data.document_masking, cfg.data.sampling)
 
 
-def validation_batches(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,
-                       num_batches: int, *, dp_rank: int = 0, dp_size: int = 1,
-                       document_masking: bool = False) -> list[tuple[torch.Tensor, ...]]:
-    """This data-parallel rank's part of a fixed validation set of `num_batches` x `batch_size` windows.
-
-    The blend order shares the windows among the sources by weight; each source's windows are evenly spaced over
-    its validation stream. None depends on the layout: the trainer passes `batch_size =
-    training.micro_batch_size`, whatever the data-parallel size. Rank r takes rows [r*b//dp, (r+1)*b//dp) of
-    every batch (fewer than one row per rank leaves some ranks without that batch), so sum the token losses and
-    the token counts over the ranks, then divide, for a mean that is the same for every layout.
-    """
+def _validation_rows(sources: list[TokenSource], weights: list[float], seq_len: int,
+                     total: int) -> tuple[list[TokenStream], SampleRows]:
+    """The validation streams, and the `total` rows of the fixed validation set: the blend order shares them among
+    the sources by weight; each source's windows are evenly spaced over its validation stream."""
     streams = [source.val for source in sources]
     for stream in streams:
         _check_fits(stream, seq_len, "validation")
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size}).")
-    chosen, draws = blend(weights, 0, batch_size * num_batches)
+    chosen, draws = blend(weights, 0, total)
     offsets = np.empty_like(draws)
     for j, stream in enumerate(streams):
         count = int((chosen == j).sum())
         starts = np.linspace(0, stream.num_tokens - seq_len - 1, count).round().astype(np.int64)
         offsets[chosen == j] = starts[draws[chosen == j]]
-    rows = SampleRows(chosen, draws, np.zeros_like(draws), offsets)
+    return streams, SampleRows(chosen, draws, np.zeros_like(draws), offsets)
+
+
+def run_validation(cfg: PretrainConfig, sources: list[TokenSource], weights, dp_rank: int,
+                   dp_size: int) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+    """The (source, micro-batch) parts a run of `cfg` evaluates on this data-parallel rank."""
+    return validation_batches_by_source(sources, weights, cfg.data.seq_len, cfg.training.micro_batch_size,
+                                        cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size,
+                                        document_masking=cfg.data.document_masking)
+
+
+def validation_batches(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,
+                       num_batches: int, *, dp_rank: int = 0, dp_size: int = 1,
+                       document_masking: bool = False) -> list[tuple[torch.Tensor, ...]]:
+    """This data-parallel rank's part of a fixed validation set of `num_batches` x `batch_size` windows.
+
+    None depends on the layout: the trainer passes `batch_size = training.micro_batch_size`, whatever the
+    data-parallel size. Rank r takes rows [r*b//dp, (r+1)*b//dp) of every batch (fewer than one row per rank leaves
+    some ranks without that batch), so sum the token losses and the token counts over the ranks, then divide, for a
+    mean that is the same for every layout.
+    """
+    return [batch for _, batch in _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank,
+                                                    dp_size, document_masking, by_source=False)]
+
+
+def validation_batches_by_source(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,
+                                 num_batches: int, *, dp_rank: int = 0, dp_size: int = 1,
+                                 document_masking: bool = False) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+    """The rows of `validation_batches`, each rank's share of a batch split by source: (source index,
+    micro-batch) pairs, for a validation loss per source (validation_metrics.py). A source of one gives the very
+    micro-batches of `validation_batches`."""
+    return _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank, dp_size,
+                             document_masking, by_source=True)
+
+
+def _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank, dp_size, document_masking,
+                      by_source: bool) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size}).")
+    streams, rows = _validation_rows(sources, weights, seq_len, batch_size * num_batches)
     first, last = dp_rank * batch_size // dp_size, (dp_rank + 1) * batch_size // dp_size
-    batches = []
+    parts = []
     for b in range(num_batches):
         mine = rows[slice(b * batch_size + first, b * batch_size + last)]
-        if len(mine.source):
-            batches += _micro_batches(streams, mine, seq_len + 1, len(mine.source), document_masking)
-    return batches
+        groups = [(int(j), mine.source == j) for j in np.unique(mine.source)] if by_source else \
+            [(-1, np.ones(len(mine.source), dtype=bool))]
+        for j, chosen in groups:
+            part = SampleRows(*(field[chosen] for field in (mine.source, mine.draw, mine.epoch, mine.offset)))
+            if len(part.source):
+                parts += [(j, batch) for batch in _micro_batches(streams, part, seq_len + 1, len(part.source),
+                                                                 document_masking)]
+    return parts
