@@ -103,10 +103,30 @@ class GlobalBatchSampler:
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
         self.document_masking, self.sampling = document_masking, sampling
         self.windows = [EpochWindows(s.num_tokens, seq_len, seed, j) for j, s in enumerate(self.streams)]
+        # a blend that changed mid-run (blend_history.py): this one's first step, each source's windows read before
+        self.first_step, self.first_draws, self.earlier = 0, np.zeros(len(sources), dtype=np.int64), None
+
+    def continue_at(self, first_step: int, keys: list[int], first_draws: list[int], earlier=None) -> None:
+        """Make this the run's blend from `first_step` on: source j continues its own epochs, with the window order
+        named by `keys[j]` (its index in the blend it first appeared in) after `first_draws[j]` windows read.
+        `earlier(step)`, if given, is the sampler of an earlier step's blend (`phase_at`)."""
+        self.first_step, self.first_draws, self.earlier = first_step, np.asarray(first_draws, np.int64), earlier
+        self.windows = [EpochWindows(s.num_tokens, self.seq_len, self.seed, k) for s, k in zip(self.streams, keys)]
+
+    def phase_at(self, step: int) -> GlobalBatchSampler:
+        """The sampler whose blend the run read at `step`: this one, or an earlier blend's."""
+        if step >= self.first_step:
+            return self
+        if self.earlier is None:
+            raise ValueError(f"step {step} was read by an earlier blend of this run (this one starts at step "
+                             f"{self.first_step}): open the run's data with its history (step_records.open_run_data).")
+        return self.earlier(step)
 
     def rows(self, step: int) -> SampleRows:
         """Where every row of the global batch of `step` comes from; cheap, so every rank computes all of them."""
-        first = step * self.global_batch_size
+        if step < self.first_step:
+            return self.phase_at(step).rows(step)
+        first = (step - self.first_step) * self.global_batch_size
         if self.sampling == "random_windows":  # the previous release's draw, kept exactly for its runs
             generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (1 << 63))
             high = self.streams[0].num_tokens - self.seq_len  # last valid start + 1
@@ -114,6 +134,7 @@ class GlobalBatchSampler:
             draws = np.arange(first, first + self.global_batch_size, dtype=np.int64)
             return SampleRows(np.zeros_like(draws), draws, draws // self.windows[0].num_windows, offsets)
         sources, draws = blend(self.weights, first, self.global_batch_size)
+        draws = draws + self.first_draws[sources]  # each source's own count of windows read in this run
         offsets, epochs = np.empty_like(draws), np.empty_like(draws)
         for j in np.unique(sources):
             chosen = sources == j
@@ -122,22 +143,25 @@ class GlobalBatchSampler:
 
     def global_batch(self, step: int) -> torch.Tensor:
         """LongTensor [global_batch_size, seq_len + 1]."""
-        return read_rows(self.streams, self.rows(step), self.seq_len + 1, False)[0]
+        phase = self.phase_at(step)
+        return read_rows(phase.streams, phase.rows(step), self.seq_len + 1, False)[0]
 
     def local_micro_batches(self, step: int, dp_rank: int, dp_size: int,
                             micro_batch_size: int) -> list[tuple[torch.Tensor, ...]]:
         """This data-parallel rank's rows of the global batch, as (tokens, labels[, document_ids]) micro-batches
         [mb, seq_len]. Only this rank's rows are read from disk."""
         per_rank = _rows_per_rank(self.global_batch_size, dp_rank, dp_size, micro_batch_size)
-        mine = self.rows(step)[slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
-        return _micro_batches(self.streams, mine, self.seq_len + 1, micro_batch_size, self.document_masking)
+        phase = self.phase_at(step)
+        mine = phase.rows(step)[slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
+        return _micro_batches(phase.streams, mine, self.seq_len + 1, micro_batch_size, self.document_masking)
 
     def epochs(self, steps_done: int) -> dict[str, float]:
         """Each source's epochs read after `steps_done` steps (1.25: a quarter into its second epoch)."""
         if self.sampling == "random_windows":
             drawn = np.array([steps_done * self.global_batch_size])
         else:
-            drawn = draws_before(self.weights, steps_done * self.global_batch_size)
+            drawn = draws_before(self.weights, max(0, steps_done - self.first_step) * self.global_batch_size) \
+                + self.first_draws
         return {s.name: round(float(n) / w.num_windows, 4) for s, n, w in zip(self.sources, drawn, self.windows)}
 
 
