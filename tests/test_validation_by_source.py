@@ -7,24 +7,15 @@ import pytest
 import torch
 
 from parallel_attention.training.data.batches import validation_batches, validation_batches_by_source
-from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from parallel_attention.training.data.token_source import open_source
 from parallel_attention.training.data.validation_metrics import source_labels, validation_record
-
-
-def _prefix(path, num_documents, seed):
-    rng = np.random.default_rng(seed)
-    writer = IndexedDatasetWriter(path, token_dtype(300))
-    for _ in range(num_documents):
-        writer.add_document(np.append(rng.integers(1, 300, rng.integers(5, 90)), 0))
-    writer.finish()
-    return str(path)
+from random_prefixes import random_prefix
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("val")
-    return [open_source(_prefix(root / name, n, seed), 0.1, (300, "byte"))
+    return [open_source(random_prefix(root / name, n, seed), 0.1, (300, "byte"))
             for name, n, seed in (("web", 300, 1), ("code", 120, 2), ("math", 80, 3))]
 
 

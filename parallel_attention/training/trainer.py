@@ -37,7 +37,7 @@ from .data.batch_prefetch import BatchPrefetcher
 from .data.batches import GlobalBatchSampler, run_validation
 from .data.agreement import build_data
 from .data.blend import describe_blend
-from .data.identity import check_identity, data_identity, keep_run_tokenizer
+from .data.identity import check_identity, keep_run_tokenizer, run_data_identity
 from .data.validation_metrics import validation_record
 from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm
@@ -134,7 +134,7 @@ def resume_run(run: Run, where: str) -> None:
     """Continue from a checkpoint (`auto`, a step directory, or `none`) of this tokenizer and data, then write
     config.yaml and the tokenizer and open the metrics log: a refused resume (exit 2) leaves the run dir as it was."""
     manifest = None if where == "none" else resume_from_checkpoint(run.cfg, where, run.model, run.optimizer)
-    run.data_identity = data_identity(run.cfg, run.sampler.sources)
+    run.data_identity = run_data_identity(run.cfg, run.sampler, manifest)  # with the blend's history, continued
     if manifest is not None:
         check_identity(manifest, run.data_identity, run.cfg.checkpoint.allow_data_change)
         run.step = manifest["step"]
