@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+from blend_runs import blend_args
 from launch import ROOT, environment, metrics, torchrun
 from parallel_attention.training import load_config
 from parallel_attention.training.data.token_source import open_source
@@ -16,13 +17,7 @@ from random_prefixes import random_prefix
 
 
 def _args(blend, run_dir, steps, *extra):
-    entries = ", ".join(f"{{path: '{path}', weight: {weight}}}" for path, weight in blend)
-    return ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
-            "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=8",
-            "--training.micro_batch_size=4", f"--training.max_steps={steps}", "--training.eval_interval=100",
-            "--training.eval_batches=1", "--schedule.warmup_steps=2", "--logging.log_interval=1",
-            "--logging.progress_bar=false", "--logging.tensorboard=false", f"--data.blend=[{entries}]",
-            "--parallel.tensor_parallel_size=1", "--checkpoint.interval=3", f"--logging.run_dir={run_dir}", *extra]
+    return blend_args(blend, run_dir, steps, *extra, micro_batch_size=4, eval_interval=100)
 
 
 def _inspect(args: list[str], steps: str) -> list[dict]:

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from blend_runs import blend_args
 from launch import ROOT, environment, metrics, torchrun, train_losses
 from parallel_attention.training.data.document_split import validation_mask
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
@@ -38,14 +39,7 @@ def blend(tmp_path_factory):
 
 
 def _args(blend, run_dir, steps, *extra):
-    entries = ", ".join(f"{{path: '{path}', weight: {weight}}}" for path, weight in blend)
-    return ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
-            "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=8",
-            "--training.micro_batch_size=2", f"--training.max_steps={steps}", "--training.eval_interval=3",
-            "--training.eval_batches=1", "--schedule.warmup_steps=2", "--logging.log_interval=1",
-            "--logging.progress_bar=false", "--logging.tensorboard=false", f"--data.blend=[{entries}]",
-            "--parallel.tensor_parallel_size=1",
-            f"--data.val_fraction={VAL_FRACTION}", "--checkpoint.interval=3", f"--logging.run_dir={run_dir}", *extra]
+    return blend_args(blend, run_dir, steps, f"--data.val_fraction={VAL_FRACTION}", *extra)
 
 
 def test_a_blend_trains_alike_at_every_data_parallel_size_and_across_a_resume(blend, tmp_path):
