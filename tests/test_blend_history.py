@@ -76,6 +76,12 @@ def test_an_unchanged_blend_keeps_todays_batches(sources):
         assert today.epochs(step) == continued.epochs(step)
 
 
+def test_another_batch_size_alone_starts_no_blend(sources):
+    blend = _identity([("web", 0.7), ("code", 0.3)], sources)
+    history = extend_history(first_history(blend, BATCH), blend, 40, 2 * BATCH)
+    assert len(history) == 1 and history[0]["global_batch_size"] == 2 * BATCH and history[0]["step"] == 0
+
+
 @pytest.mark.parametrize("phases", [
     [(0, [("web", 0.7), ("code", 0.3)]), (23, [("web", 0.2), ("code", 0.8)])],  # weights
     [(0, [("web", 0.7), ("code", 0.3)]), (17, [("web", 0.5), ("code", 0.3), ("math", 0.2)])],  # a source added

@@ -49,14 +49,15 @@ def windows_read(history: list[dict], step: int) -> dict[int, int]:
 
 def extend_history(history: list[dict], identity: dict, step: int, global_batch_size: int) -> list[dict]:
     """The history with this run's blend (`identity`'s sources) from `step` on: unchanged if it is the last
-    phase's; else a new phase whose sources continue their windows (a new source starts at 0)."""
+    phase's; else a new phase whose sources continue their windows (a new source starts at 0). Another
+    global batch size alone starts no phase: an unchanged blend draws as every earlier release did, its batch
+    size the config's."""
     last = history[-1]
     if step == 0:  # nothing was read yet: a fresh start
         return first_history(identity, global_batch_size)
     now = [(s["sha256"], s["weight"]) for s in identity["sources"]]
-    if now == [(s["sha256"], s["weight"]) for s in last["sources"]] and global_batch_size == \
-            last["global_batch_size"]:
-        return history
+    if now == [(s["sha256"], s["weight"]) for s in last["sources"]]:
+        return [*history[:-1], {**last, "global_batch_size": global_batch_size}]
     read, keys = windows_read(history, step), {}
     for phase in history:
         keys.update({s["sha256"]: s["key"] for s in phase["sources"]})
