@@ -148,3 +148,23 @@ def test_the_script_skips_on_request_and_says_so(tmp_path):
     done = subprocess.run([*script, "--skip-bad-files"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "skipped 1 damaged or unreadable files (first: b_bad.jsonl.gz" in done.stdout
+
+
+def test_finished_shards_before_a_damaged_file_are_never_taken_for_a_good_corpus(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()  # over a megabyte before the damage: the encoders' first chunk, so shards finish first
+    (corpus / "a_good.jsonl.gz").write_bytes(gzip.compress(_lines(TEXTS * 50)))
+    (corpus / "b_bad.jsonl.gz").write_bytes(DAMAGES["truncated"](gzip.compress(_lines(TEXTS))))
+    with pytest.raises(ValueError, match="b_bad.jsonl.gz cannot be read to its end"):
+        prepare_shards(str(corpus), "byte", tmp_path / "out", shard_tokens=200_000)
+    assert _left(tmp_path) == [".out.partial"]  # the shards before the damage, kept for a resume, not as data
+    assert not (tmp_path / ".out.partial" / "meta.json").exists()
+    (corpus / "b_bad.jsonl.gz").write_bytes(gzip.compress(_lines(TEXTS)))  # a good copy: the corpus changed
+    meta = prepare_shards(str(corpus), "byte", tmp_path / "out", shard_tokens=200_000)
+    assert meta["num_documents"] == 51 * len(TEXTS) and not meta["skipped"]
+    good = tmp_path / "good"
+    good.mkdir()
+    for name in ("a_good.jsonl.gz", "b_bad.jsonl.gz"):
+        (good / name).write_bytes((corpus / name).read_bytes())
+    reference = prepare_shards(str(good), "byte", tmp_path / "reference", shard_tokens=200_000)
+    assert [s["bin_sha256"] for s in meta["shards"]] == [s["bin_sha256"] for s in reference["shards"]]
