@@ -45,8 +45,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction,
                         help="share of the documents held out for validation (default: %(default)s)")
     parser.add_argument("--max-bytes", type=_max_bytes, default=_WHOLE,
-                        help=f"cap on the bytes of text read ('none' for all; default: all of a corpus, "
-                             f"{defaults.max_bytes:,} of stdlib, the quick start's)")
+                        help=f"cap on the bytes of text read ('none' for all; default: all of a corpus; "
+                             f"{defaults.max_bytes} for stdlib, the quick start's)")
     parser.add_argument("--bpe-vocab-size", "--vocab-size", type=int, default=defaults.bpe_vocab_size,
                         help="tokens of the BPE that --tokenizer bpe trains (default: %(default)s)")
     parser.add_argument("--text-field", default=defaults.text_field,
