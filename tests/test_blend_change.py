@@ -38,6 +38,7 @@ def test_a_blend_changed_at_a_resume_continues_each_sources_epochs(tmp_path):
     resumed = torchrun("pretrain.py", 1, _args(changed, run_dir, 10, "--checkpoint.allow_data_change=true"))
     assert (f"the blend changes at step 6: {web} weight 0.7 -> 0.3 (continues at " in resumed.stderr and
             f"{math} added with weight 0.4" in resumed.stderr), resumed.stderr[-3000:]
+    assert f"; by step 10: {web} weight 0.3, " in resumed.stderr
 
     after = _inspect(_args(changed, run_dir, 10, "--checkpoint.allow_data_change=true"), "0:10")
     assert [r for r in after if r["step"] < 6] == before  # the past, as it was read

@@ -20,6 +20,7 @@ import os
 import sys
 
 from .batches import GlobalBatchSampler
+from .blend import describe_blend
 from .sampling import draws_before
 
 __all__ = ["continue_blend", "continue_run_blend", "describe_change", "extend_history", "first_history",
@@ -112,7 +113,7 @@ def continue_run_blend(cfg, sampler: GlobalBatchSampler, identity: dict, manifes
     continue_blend(sampler, history)
     if manifest is not None and len(history) > 1 and history[-1]["step"] == manifest["step"] and \
             cfg.checkpoint.allow_data_change:  # else check_identity refuses the change
-        say_change(history, sampler)
+        say_change(history, sampler, cfg.training.max_steps)
 
 
 def describe_change(history: list[dict], windows_per_source: dict[str, int]) -> str | None:
@@ -133,9 +134,10 @@ def describe_change(history: list[dict], windows_per_source: dict[str, int]) -> 
     return f"the blend changes at step {after['step']}: " + "; ".join(parts)
 
 
-def say_change(history: list[dict], sampler: GlobalBatchSampler) -> None:
-    """Print describe_change on rank 0's stderr, if the blend changed."""
+def say_change(history: list[dict], sampler: GlobalBatchSampler, max_steps: int) -> None:
+    """Print describe_change on rank 0's stderr, if the blend changed, with each source's epochs by `max_steps`
+    (the summary printed before the resume counted them as if the new blend had run from step 0)."""
     windows = {source.name: w.num_windows for source, w in zip(sampler.sources, sampler.windows)}
     line = describe_change(history, windows)
     if line is not None and os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
+        print(f"{line}; by step {max_steps}: {describe_blend(sampler, max_steps)}", file=sys.stderr, flush=True)
