@@ -10,7 +10,8 @@ recursively for text files (.txt, .md, .py, ...), .jsonl and .jsonl.gz (one docu
 --text-field) and .parquet (one per row, column --text-field; needs pyarrow), or a directory written by
 Hugging Face datasets' save_to_disk (one document per row, column --text-field). --tokenizer is byte, gpt2 (tiktoken, cached
 files only), bpe (a byte-level BPE trained on the corpus, saved as <out>/tokenizer.json) or a path to a
-tokenizer.json or a directory holding one. --shard-tokens sets the tokens of each shard. Run the same command
+tokenizer.json or a directory holding one. --shard-tokens sets the tokens of each shard. A corpus is read whole
+unless --max-bytes caps it (stdlib: 8 MB, as the quick start's config does). Run the same command
 again after a kill and it resumes from the finished shards. The trainer prepares data itself when data_dir does
 not exist; this script is for doing it ahead of time, e.g. once on a login node. It prints a summary, skipped
 files and shards included.
@@ -24,6 +25,8 @@ import time
 
 from parallel_attention.training import DataConfig
 from parallel_attention.training import prepare_data
+
+_WHOLE = object()  # --max-bytes not given: all of a corpus, the config's cap of stdlib
 
 
 def _max_bytes(text: str) -> int | None:
@@ -41,8 +44,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=defaults.data_dir, help="output directory (default: %(default)s)")
     parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction,
                         help="share of the documents held out for validation (default: %(default)s)")
-    parser.add_argument("--max-bytes", type=_max_bytes, default=defaults.max_bytes,
-                        help="cap on the bytes of text read ('none' for all; default: %(default)s)")
+    parser.add_argument("--max-bytes", type=_max_bytes, default=_WHOLE,
+                        help=f"cap on the bytes of text read ('none' for all; default: all of a corpus; "
+                             f"{defaults.max_bytes} for stdlib, the quick start's)")
     parser.add_argument("--bpe-vocab-size", "--vocab-size", type=int, default=defaults.bpe_vocab_size,
                         help="tokens of the BPE that --tokenizer bpe trains (default: %(default)s)")
     parser.add_argument("--text-field", default=defaults.text_field,
@@ -51,7 +55,13 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokenizing threads (0: one per CPU core, up to 8; default: %(default)s)")
     parser.add_argument("--shard-tokens", type=int, default=defaults.shard_tokens,
                         help="a shard closes once it holds this many tokens (default: %(default)s)")
-    return parser.parse_args(argv)
+    parser.add_argument("--skip-bad-files", action="store_true",
+                        help="skip a truncated, corrupt or missing corpus file (counted in the summary and meta.json) "
+                             "instead of refusing it")
+    args = parser.parse_args(argv)
+    if args.max_bytes is _WHOLE:  # the 8 MB cap keeps the quick start quick; a corpus of one's own is read whole
+        args.max_bytes = defaults.max_bytes if args.source == "stdlib" else None
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = prepare_data(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
                             max_bytes=args.max_bytes, text_field=args.text_field,
                             bpe_vocab_size=args.bpe_vocab_size, num_workers=args.workers,
-                            shard_tokens=args.shard_tokens)
+                            shard_tokens=args.shard_tokens, skip_bad_files=args.skip_bad_files)
     except (ValueError, OSError) as error:  # bad source, tokenizer or settings: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ import pytest
 
 from launch import ROOT
 from parallel_attention.training import ConfigError, load_config
-from parallel_attention.training.data.blend import prepared_tokenizer
+from parallel_attention.training.data.blend import prepared_tokenizer, recorded_config
 from parallel_attention.training.run.resume import keep_previous_sampling
 from parallel_attention.training.data.token_files import DataFileError
 from parallel_attention.training.data.token_source import TokenSource
@@ -41,6 +41,26 @@ def test_a_bad_blend_is_refused_naming_the_entry(tmp_path, blend, sampling, mess
     cfg = load_config(TINY, [f"--data.blend={blend}", f"--data.sampling={sampling}"])
     with pytest.raises(ConfigError, match=message):
         cfg.validate(2)
+
+
+def test_data_source_beside_a_blend_is_refused_naming_both_keys(tmp_path):
+    a = _prefix(tmp_path, "a")
+    (tmp_path / "corpus").mkdir()
+    cfg = load_config(TINY, [f"--data.blend=[{{path: {a}, weight: 1}}]", f"--data.source={tmp_path / 'corpus'}"])
+    with pytest.raises(ConfigError, match=r"data.source='.*corpus' and data.blend are both set.*prepare_data.py "
+                                          r"--source .*corpus --out DIR\) and add DIR to data.blend"):
+        cfg.validate(2)
+
+
+def test_a_blend_runs_config_yaml_claims_no_source(tmp_path):
+    a = _prefix(tmp_path, "a")
+    blended = load_config(TINY, [f"--data.blend=[{{path: {a}, weight: 1}}]"]).to_dict()
+    recorded = recorded_config(blended)
+    assert "source" not in recorded["data"] and "data_dir" not in recorded["data"] and "max_bytes" not in \
+        recorded["data"]
+    assert recorded["data"]["blend"] == [{"path": a, "weight": 1.0}] and recorded["model"] == blended["model"]
+    plain = load_config(TINY).to_dict()
+    assert recorded_config(plain) == plain  # a run of data.source records it, as before
 
 
 def test_a_misspelt_blend_key_is_named_with_its_index(tmp_path):

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from blend_runs import blend_args
 from launch import ROOT, environment, metrics, torchrun, train_losses
 from parallel_attention.training.data.document_split import validation_mask
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
@@ -38,14 +39,7 @@ def blend(tmp_path_factory):
 
 
 def _args(blend, run_dir, steps, *extra):
-    entries = ", ".join(f"{{path: '{path}', weight: {weight}}}" for path, weight in blend)
-    return ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
-            "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=8",
-            "--training.micro_batch_size=2", f"--training.max_steps={steps}", "--training.eval_interval=3",
-            "--training.eval_batches=1", "--schedule.warmup_steps=2", "--logging.log_interval=1",
-            "--logging.progress_bar=false", "--logging.tensorboard=false", f"--data.blend=[{entries}]",
-            "--parallel.tensor_parallel_size=1",
-            f"--data.val_fraction={VAL_FRACTION}", "--checkpoint.interval=3", f"--logging.run_dir={run_dir}", *extra]
+    return blend_args(blend, run_dir, steps, f"--data.val_fraction={VAL_FRACTION}", *extra)
 
 
 def test_a_blend_trains_alike_at_every_data_parallel_size_and_across_a_resume(blend, tmp_path):
@@ -65,6 +59,13 @@ def test_a_blend_trains_alike_at_every_data_parallel_size_and_across_a_resume(bl
     summary = whole.stderr
     assert "blend" in summary and all(f"{name} weight" in summary for name in names)
     assert "epochs sampling" in summary
+    evaluated = [r for r in metrics(tmp_path / "two") if "val_loss" in r]  # steps 0, 3, 6: a loss per source too
+    assert [r["step"] for r in evaluated] == [0, 3, 6]
+    assert all({"val_loss/web_text_document", "val_loss/code_text_document"} <= set(r) for r in evaluated)
+    assert all(min(r["val_loss/web_text_document"], r["val_loss/code_text_document"]) <= r["val_loss"] <=
+               max(r["val_loss/web_text_document"], r["val_loss/code_text_document"]) for r in evaluated)
+    recorded = (tmp_path / "two" / "config.yaml").read_text()
+    assert "stdlib" not in recorded and "source:" not in recorded  # a blend run claims no data.source
 
 
 def _train_stream(prefix: str) -> np.ndarray:

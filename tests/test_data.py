@@ -183,10 +183,14 @@ def test_a_directory_of_every_format_gives_one_document_per_file_line_and_row(mi
 def test_a_bad_source_or_text_field_is_named(mixed_corpus, tmp_path):
     with pytest.raises(ValueError, match="data.source='nowhere'"):
         prepare_data("nowhere", "byte", tmp_path / "out")
+    with pytest.raises(ValueError, match=r"text_field='nope' is not a key of the first JSON object of rows.jsonl:1 "
+                                         r"\(its keys: 'content'\)"):  # a .jsonl is refused at its first object
+        prepare_data(str(mixed_corpus), "byte", tmp_path / "out", val_fraction=0.3, text_field="nope")
+    (mixed_corpus / "rows.jsonl").unlink()
     meta = prepare_data(str(mixed_corpus), "byte", tmp_path / "out", val_fraction=0.3, text_field="nope")
-    assert meta["skipped"]["parquet files without the text column"] == 1
+    assert meta["skipped"]["parquet files without the text column"] == 1  # a parquet file is skipped, counted
     assert "columns: content, n" in meta["skipped_examples"]["parquet files without the text column"]
-    assert meta["skipped"]["bad JSON lines"] == 4 and meta["num_documents"] == 3  # the three text files
+    assert meta["num_documents"] == 3  # the three text files
 
 
 def test_the_script_prints_the_summary(mixed_corpus, tmp_path):

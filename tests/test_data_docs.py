@@ -38,7 +38,16 @@ def placeholders(tmp_path) -> dict[str, str]:
     corpus.mkdir()
     (corpus / "part.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in TEXTS), encoding="utf-8")
     train_bpe(iter(TEXTS), 300, tmp_path / "tokenizer_dir" / "tokenizer.json")
-    filled = {"path/to/corpus": str(corpus), "path/to/tokenizer_dir": str(tmp_path / "tokenizer_dir")}
+    code, samples = tmp_path / "code_corpus", tmp_path / "samples_of_every_source"
+    code.mkdir()
+    samples.mkdir()
+    for i in range(20):
+        (code / f"mod_{i}.py").write_text(f"def f_{i}(x):\n    return x * {i} + {i % 7}\n" * (3 + i), encoding="utf-8")
+    (samples / "part.jsonl").write_text("".join(json.dumps({"content": t}) + "\n" for t in TEXTS[:40]))
+    for i in range(10):
+        (samples / f"mod_{i}.py").write_text((code / f"mod_{i}.py").read_text())
+    filled = {"path/to/corpus": str(corpus), "path/to/tokenizer_dir": str(tmp_path / "tokenizer_dir"),
+              "path/to/code_corpus": str(code), "path/to/samples_of_every_source": str(samples)}
     try:
         import datasets
     except ImportError:

@@ -18,7 +18,8 @@ HELP = {  # the script, its arguments before --help, the defaults its help must 
     "generate.py": ([], ["default: 100", "default: 0.8", "default: 40", "sampling seed (default: 0)",
                          "default: the run's parallel.timeout_s"]),
     "prepare_data.py": ([], ["default: stdlib", "default: byte", "default: data/stdlib_byte", "default: 0.02",
-                             "default: 8000000", "default: 8192", "default: text", "default: 0)"]),
+                             "default: all of a corpus; 8000000 for stdlib", "default: 8192", "default: text",
+                             "default: 0)"]),
     "convert_hf.py": (["export"], ["default: the one recorded at import"]),
 }
 

@@ -176,7 +176,7 @@ def test_a_truncating_max_bytes_says_so_in_one_line(jsonl, tmp_path, capfd):
     meta = prepare_shards(str(jsonl), "byte", tmp_path / "cut", max_bytes=500)
     lines = [line for line in capfd.readouterr().err.splitlines() if "cut the corpus" in line]
     assert meta["truncated"] and meta["num_bytes"] == 500 and len(lines) == 1
-    assert lines[0].startswith("data.max_bytes=500 cut the corpus: read 0.0 MB of text of ") and \
+    assert lines[0].startswith("data.max_bytes=500 cut the corpus: read 0.0 MB of text from the first ") and \
         "--max-bytes none (in a config: data.max_bytes: null)" in lines[0]
     assert not prepare_shards(str(jsonl), "byte", tmp_path / "all", max_bytes=10**9)["truncated"]
     assert "cut the corpus" not in capfd.readouterr().err
@@ -238,8 +238,8 @@ def test_ensure_prepared_resumes_an_unfinished_preparation(jsonl, tmp_path, monk
     whole = prepare_shards(str(jsonl), "byte", tmp_path / "whole", shard_tokens=300)
     real = PartialPreparation.finish_shard
 
-    def die_after_two(self, writer):
-        real(self, writer)
+    def die_after_two(self, writer, *rest):
+        real(self, writer, *rest)
         if len(self.shards) == 2:
             raise KeyboardInterrupt
 

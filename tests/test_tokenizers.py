@@ -72,9 +72,10 @@ def test_bpe_training_is_announced_and_timed(jsonl_corpus, tmp_path, capsys):
     prepare_data(str(jsonl_corpus), "bpe", tmp_path / "data", val_fraction=0.1, text_field="body",
                  bpe_vocab_size=300, num_workers=1)
     before, after = capsys.readouterr().err.splitlines()[:2]
-    size = sum(f.stat().st_size for f in jsonl_corpus.iterdir()) / 1e6  # the bytes on disk, an upper bound
-    assert before == (f"training a byte-level BPE of 300 tokens on up to {size:.1f} MB of text from {jsonl_corpus} "
-                      f"(kept as {tmp_path / 'data' / 'tokenizer.json'}: runs with the same data settings reuse it)")
+    size = sum(f.stat().st_size for f in jsonl_corpus.iterdir()) / 1e6  # bytes on disk, said as such (not text)
+    assert before == (f"training a byte-level BPE of 300 tokens on all the text of {jsonl_corpus} ({size:.1f} MB on "
+                      f"disk; kept as {tmp_path / 'data' / 'tokenizer.json'}: runs with the same data settings reuse "
+                      "it)")
     assert after.startswith("trained the BPE (300 tokens) on ") and f"in {len(TEXTS) * 4} documents in " in after
     assert after.endswith(" s")
 

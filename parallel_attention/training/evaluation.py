@@ -1,4 +1,5 @@
-"""The validation loss: the mean loss per token over the fixed validation windows, the same at every layout."""
+"""The validation loss: the mean loss per token over the fixed validation windows, the same at every layout, and
+each source's of a blend."""
 
 from __future__ import annotations
 
@@ -7,24 +8,27 @@ import torch
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_reduce_
 from ..transformer.cross_entropy import IGNORE_INDEX
+from .data.validation_metrics import validation_record
 from .micro_batches import model_inputs
-from .pipeline_step import pipeline_validation_sums
+from .pipeline_step import pipeline_validation_losses
 
 
 @torch.no_grad()
-def evaluate(run) -> float:
-    """Token-loss sums and token counts over this rank's validation batches (through the pipeline's stages at
-    pp > 1), summed over the data-parallel ranks, then divided."""
+def evaluate(run) -> dict[str, float]:
+    """{"val_loss": ..., "val_loss/<source>": ...}: token-loss sums and token counts per source over this rank's
+    validation micro-batches (through the pipeline's stages at pp > 1), summed over the data-parallel ranks, then
+    divided."""
     run.model.eval()
-    if run.pipeline_eval is not None:
-        sums = pipeline_validation_sums(run)
-    else:
-        sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # [sum of token losses, tokens]
-        for batch in run.val_batches:
+    sums = torch.zeros(len(run.sampler.sources), 2, dtype=torch.float64, device=run.device)  # [losses, tokens]
+    means = pipeline_validation_losses(run) if run.pipeline_eval is not None else None
+    for i, (source, batch) in enumerate(run.val_batches):
+        if means is None:
             with run.precision.autocast():
                 mean = run.model(**model_inputs(batch, run.device)).double()
-            count = float((batch[1] != IGNORE_INDEX).sum())
-            sums += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
+        else:
+            mean = means[i]
+        count = float((batch[1] != IGNORE_INDEX).sum())
+        sums[source] += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
     run.model.train()
     all_reduce_(sums, ps.get_data_parallel_group())
-    return (sums[0] / sums[1]).item()
+    return validation_record(sums, [source.name for source in run.sampler.sources])

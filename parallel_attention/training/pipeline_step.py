@@ -29,7 +29,6 @@ from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_reduce_
 from ..tensor_parallel.param_kinds import local_shard
 from ..tensor_parallel.rng import dropout_coordinates
-from ..transformer.cross_entropy import IGNORE_INDEX
 from ..transformer.model import GPTModel
 from ..transformer.pipeline_stage import PipelineStage
 from .gradients import all_reduce_data_parallel
@@ -58,7 +57,7 @@ def build_runners(cfg, model: GPTModel, micro_batches: int, val_batches: list):
     par = cfg.parallel
     if par.pipeline_parallel_size == 1:
         return None, None
-    rows = {batch[0].shape[0] for batch in val_batches}
+    rows = {batch[0].shape[0] for _, batch in val_batches}  # (source, micro-batch) pairs
     if len(rows) != 1:
         raise ValueError(f"the validation batches have {sorted(rows)} rows: a pipeline needs them equal (set "
                          "training.eval_batches to a multiple of the data-parallel size).")
@@ -103,14 +102,11 @@ def pipeline_forward_backward(run, micro_batches: list) -> torch.Tensor:
 
 
 @torch.no_grad()
-def pipeline_validation_sums(run) -> torch.Tensor:
-    """[sum of token losses, tokens] over this data-parallel rank's validation batches, on every stage."""
-    record = run.pipeline_eval.run(lambda i: model_inputs(run.val_batches[i], run.device),
+def pipeline_validation_losses(run) -> torch.Tensor:
+    """Each of this data-parallel rank's validation micro-batches' mean loss (float64), on every stage."""
+    record = run.pipeline_eval.run(lambda i: model_inputs(run.val_batches[i][1], run.device),
                                    lambda i: run.precision.autocast(), lambda i: contextlib.nullcontext())
-    means = _all_stages(record).double()
-    counts = torch.tensor([float((batch[1] != IGNORE_INDEX).sum()) for batch in run.val_batches], dtype=torch.float64,
-                          device=run.device)
-    return torch.stack([(means * counts).sum(), counts.sum()])
+    return _all_stages(record).double()
 
 
 @torch.no_grad()

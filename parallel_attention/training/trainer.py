@@ -34,10 +34,10 @@ from .guards.divergence import DivergenceGuard, check_parameters_finite
 from .flops import agree_peak_tflops, step_rates
 from .guards.rank_checks import check_config_agreement, check_replicas
 from .data.batch_prefetch import BatchPrefetcher
-from .data.batches import GlobalBatchSampler, validation_batches
+from .data.batches import GlobalBatchSampler, run_validation
 from .data.agreement import build_data
 from .data.blend import describe_blend
-from .data.identity import check_identity, data_identity, keep_run_tokenizer
+from .data.identity import check_identity, keep_run_tokenizer, run_data_identity
 from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
@@ -126,9 +126,7 @@ def build(cfg: PretrainConfig) -> Run:
                      context_parallel_kind=cfg.parallel.context_parallel_kind, stage=model_stage(cfg))
     if cfg.model.compile:
         compile_layers(model)
-    val_batches = validation_batches(sources, sampler.weights, cfg.data.seq_len, cfg.training.micro_batch_size,
-                                     cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size,
-                                     document_masking=cfg.data.document_masking)
+    val_batches = run_validation(cfg, sources, sampler.weights, dp_rank, dp_size)  # (source, micro-batch) pairs
     precision = Precision(cfg.training.dtype, device)
     scaler = DynamicLossScaler(enabled=precision.loss_scaling)
     # parameters are replicated over dp x cp: their gradients are averaged (and ZeRO-1 shards) over both
@@ -148,7 +146,7 @@ def resume_run(run: Run, where: str) -> None:
     """Continue from a checkpoint (`auto`, a step directory, or `none`) of this tokenizer and data, then write
     config.yaml and the tokenizer and open the metrics log: a refused resume (exit 2) leaves the run dir as it was."""
     manifest = None if where == "none" else resume_from_checkpoint(run.cfg, where, run.model, run.optimizer)
-    run.data_identity = data_identity(run.cfg, run.sampler.sources)
+    run.data_identity = run_data_identity(run.cfg, run.sampler, manifest)  # with the blend's history, continued
     if manifest is not None:
         check_identity(manifest, run.data_identity, run.cfg.checkpoint.allow_data_change)
         run.step = manifest["step"]
@@ -246,7 +244,8 @@ def train_loop(run: Run, stop: StopSignals) -> None:
         record = train_step(run)
         last, diverged = run.step == t.max_steps, run.guard.stop_reason is not None
         if not diverged and (run.step % t.eval_interval == 0 or last):
-            run.val_losses[run.step] = record["val_loss"] = evaluate(run)
+            record.update(evaluate(run))
+            run.val_losses[run.step] = record["val_loss"]
         log_step(run, record, diverged)
         run.guard.raise_if_stopped()
         run.stopped = any_rank(stop.raised, run.device)  # every rank checkpoints this same step, then stops
@@ -280,9 +279,9 @@ def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResu
     stop = StopSignals()
     try:
         if run.step == 0:  # the starting point the validation curve falls from
-            run.val_losses[0] = evaluate(run)
+            run.val_losses[0] = (first := evaluate(run))["val_loss"]
             if run.logger is not None:
-                run.logger.log({"step": 0, "val_loss": run.val_losses[0]})
+                run.logger.log({"step": 0, **first})
         train_loop(run, stop)
     finally:
         stop.restore()

@@ -214,7 +214,12 @@ def check_context_parallel(cfg: Any) -> None:
 
 def check_blend(data) -> None:
     """data.blend: each entry a path that exists (a directory, or a Megatron-LM prefix's .bin and .idx) with a
-    positive weight; random_windows reads one source only."""
+    positive weight; random_windows reads one source only; no data.source beside it (a blend never reads it)."""
+    if data.blend and data.source != "stdlib":  # stdlib: the default, which a config need not have set
+        raise ConfigError(f"data.source={data.source!r} and data.blend are both set, but a blend trains on its "
+                          "entries only and never reads data.source: prepare the source ahead of time (python "
+                          f"scripts/prepare_data.py --source {data.source} --out DIR) and add DIR to data.blend, or "
+                          "drop data.blend to train on data.source alone.")
     for i, entry in enumerate(data.blend):
         key = f"data.blend[{i}]"
         if not math.isfinite(entry.weight) or entry.weight <= 0:

@@ -11,8 +11,10 @@ order its state.json lists them (a DatasetDict's splits in the order of its data
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +22,16 @@ from typing import Iterator
 
 from ...hf.config import read_json_object
 
-__all__ = ["READERS", "CorpusStats", "datasets_files", "file_kind", "is_datasets_directory"]
+__all__ = ["DAMAGED", "READERS", "CorpusStats", "DamagedFile", "datasets_files", "file_kind", "is_datasets_directory"]
 
 # Reasons something is skipped; each names its unit.
 BINARY, EMPTY_FILE, OTHER_TYPE = "binary or not UTF-8 files", "empty files", "files of another type"
 BAD_LINE, NO_COLUMN, EMPTY_DOC = "bad JSON lines", "parquet files without the text column", "empty documents"
+DAMAGED = "damaged or unreadable files"
+
+
+class DamagedFile(Exception):
+    """A corpus file that cannot be read to its end (truncated, corrupt, missing): the reader stops there."""
 
 
 @dataclass
@@ -37,10 +44,21 @@ class CorpusStats:
     num_bytes: int = 0
     skipped: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)
+    # where the reader stands in the current file: (offset, item) after its last record, and disk bytes consumed
+    at: tuple = (0, 0)
+    disk_in_file: int = 0
+    _frozen: tuple | None = field(default=None, repr=False, compare=False)
+
+    def frozen(self) -> tuple[dict, dict]:
+        """The skipped counts and examples as they stand, copied only after they change (a mark per document)."""
+        if self._frozen is None:
+            self._frozen = (dict(sorted(self.skipped.items())), dict(sorted(self.examples.items())))
+        return self._frozen
 
     def skip(self, reason: str, where: str) -> None:
         self.skipped[reason] += 1
         self.examples.setdefault(reason, where)
+        self._frozen = None
 
     def summary(self) -> dict:
         return {"num_files": self.num_files, "num_documents": self.num_documents, "num_bytes": self.num_bytes,
@@ -52,23 +70,49 @@ def file_kind(path: Path) -> str:
     return ".jsonl.gz" if path.name.lower().endswith(".jsonl.gz") else path.suffix.lower()
 
 
-def _jsonl_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
-    """One document per non-blank line: the string `text_field` of its JSON object; other lines are skipped."""
-    stats.num_files += 1
-    with (gzip.open(path, "rb") if file_kind(path) == ".jsonl.gz" else path.open("rb")) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)[text_field]
-            except (ValueError, KeyError, TypeError, IndexError):  # ValueError covers bad JSON and bad UTF-8
-                text = None
-            if not isinstance(text, str):
-                stats.skip(BAD_LINE, f"{where}:{lineno} (not a JSON object with a string {text_field!r})")
-            elif not text.strip():
-                stats.skip(EMPTY_DOC, f"{where}:{lineno}")
-            else:
-                yield text
+def _jsonl_documents(path: Path, where: str, text_field: str, stats: CorpusStats,
+                     start: tuple[int, int] = (0, 0)) -> Iterator[str]:
+    """One document per non-blank line: the string `text_field` of its JSON object; other lines are skipped, but a
+    file whose first object lacks `text_field` is refused, naming the keys it has (the wrong --text-field).
+    `start` (offset in the decompressed text, line number) resumes after a line, seeking instead of parsing."""
+    checked, gz = start != (0, 0), file_kind(path) == ".jsonl.gz"
+    stats.num_files += not checked
+    try:
+        with (gzip.open(path, "rb") if gz else path.open("rb")) as f:
+            f.seek(start[0])  # a gzip file decompresses up to there; a plain one only moves
+            disk = f.fileobj if gz else f
+            for lineno, line in enumerate(f, start[1] + 1):
+                stats.at, stats.disk_in_file = (f.tell(), lineno), disk.tell()
+                if not line.strip():
+                    continue
+                value = _json_object(line)
+                if not checked and value is not None:
+                    checked = True
+                    _check_field(value, text_field, f"{where}:{lineno}")
+                text = None if value is None else value.get(text_field)
+                if not isinstance(text, str):
+                    stats.skip(BAD_LINE, f"{where}:{lineno} (not a JSON object with a string {text_field!r})")
+                elif not text.strip():
+                    stats.skip(EMPTY_DOC, f"{where}:{lineno}")
+                else:
+                    yield text
+    except (OSError, EOFError, zlib.error) as error:  # gzip's BadGzipFile is an OSError
+        raise DamagedFile(f"{type(error).__name__}: {error}") from error
+
+
+def _json_object(line: bytes) -> dict | None:
+    try:
+        value = json.loads(line)
+    except ValueError:  # bad JSON and bad UTF-8 alike
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _check_field(first: dict, text_field: str, where: str) -> None:
+    if text_field not in first:
+        keys = ", ".join(repr(k) for k in list(first)[:20]) or "none"
+        raise ValueError(f"data.text_field={text_field!r} is not a key of the first JSON object of {where} (its keys: "
+                         f"{keys}): pass the key that holds the text as --text-field (data.text_field in a config).")
 
 
 def _pyarrow(where: str):
@@ -81,37 +125,68 @@ def _pyarrow(where: str):
     return pyarrow
 
 
-def _parquet_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
-    """One document per row of the `text_field` column, read in record batches; a file without it is skipped."""
-    table = _pyarrow(where).parquet.ParquetFile(path)
-    if text_field not in table.schema_arrow.names:
-        stats.skip(NO_COLUMN, f"{where} (columns: {', '.join(table.schema_arrow.names)}; set data.text_field)")
-        return
-    stats.num_files += 1
-    batches = (batch.column(0) for batch in table.iter_batches(columns=[text_field], batch_size=1024))
-    yield from _rows(batches, where, stats)
-
-
-def _arrow_documents(path: Path, where: str, text_field: str, stats: CorpusStats) -> Iterator[str]:
-    """One document per row of a datasets arrow file (an IPC stream); a missing column is an error, not a skip:
-    every file of the directory has the same columns."""
+def _parquet_documents(path: Path, where: str, text_field: str, stats: CorpusStats,
+                       start: tuple[int, int] = (0, 0)) -> Iterator[str]:
+    """One document per row of the `text_field` column, read in record batches; a file without it is skipped.
+    `start` (0, row) resumes at a row, skipping the row groups before it unread."""
     pa = _pyarrow(where)
-    with pa.memory_map(str(path)) as source:
+    with _damage_named(pa):
+        table = pa.parquet.ParquetFile(path)
+        if text_field not in table.schema_arrow.names:
+            stats.skip(NO_COLUMN, f"{where} (columns: {', '.join(table.schema_arrow.names)}; set data.text_field)")
+            return
+        stats.num_files += start == (0, 0)
+        first, skip = 0, start[1]
+        while first < table.num_row_groups and table.metadata.row_group(first).num_rows <= skip:
+            skip -= table.metadata.row_group(first).num_rows
+            first += 1
+        groups = list(range(first, table.num_row_groups))
+        batches = (batch.column(0) for batch in table.iter_batches(columns=[text_field], batch_size=1024,
+                                                                   row_groups=groups))
+        yield from _rows(_after(batches, skip), where, stats, start[1])
+
+
+def _arrow_documents(path: Path, where: str, text_field: str, stats: CorpusStats,
+                     start: tuple[int, int] = (0, 0)) -> Iterator[str]:
+    """One document per row of a datasets arrow file (an IPC stream); a missing column is an error, not a skip:
+    every file of the directory has the same columns. `start` (0, row) resumes at a row."""
+    pa = _pyarrow(where)
+    with _damage_named(pa), pa.memory_map(str(path)) as source:
         reader = pa.ipc.open_stream(source)
         names = reader.schema.names
         if text_field not in names:
             raise ValueError(f"data.text_field={text_field!r} is not a column of the datasets directory "
                              f"{path.parent} (columns: {', '.join(names)}): set data.text_field (--text-field) to "
                              "its text column.")
-        stats.num_files += 1
-        yield from _rows((batch.column(names.index(text_field)) for batch in reader), where, stats)
+        stats.num_files += start == (0, 0)
+        columns = (batch.column(names.index(text_field)) for batch in reader)
+        yield from _rows(_after(columns, start[1]), where, stats, start[1])
 
 
-def _rows(columns, where: str, stats: CorpusStats) -> Iterator[str]:
-    row = 0
+def _after(columns, skip: int):
+    """The columns without their first `skip` rows (memory-mapped or skipped batches are never converted)."""
+    for column in columns:
+        if skip >= len(column):
+            skip -= len(column)
+            continue
+        yield column.slice(skip)
+        skip = 0
+
+
+@contextlib.contextmanager
+def _damage_named(pa):
+    """pyarrow's read errors (a file that is not parquet, a truncated one, a missing arrow file) as DamagedFile."""
+    try:
+        yield
+    except (OSError, pa.ArrowException) as error:  # ArrowInvalid is also a ValueError: caught here first
+        raise DamagedFile(f"{type(error).__name__}: {error}") from error
+
+
+def _rows(columns, where: str, stats: CorpusStats, row: int = 0) -> Iterator[str]:
     for column in columns:
         for value in column.to_pylist():
             row += 1
+            stats.at = (0, row)
             if isinstance(value, str) and value.strip():
                 yield value
             else:

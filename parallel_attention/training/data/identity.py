@@ -20,11 +20,12 @@ from ...checkpointing.tensor_io import file_digest
 from ..config.schema import PretrainConfig
 from ..config.checks import ConfigError
 from .blend import blend_entries, prepared_tokenizer
+from .blend_history import continue_run_blend
 from .token_source import TokenSource
 from .tokenizer import copy_tokenizer
 
 __all__ = ["DataChangedError", "check_identity", "check_tokenizer", "data_identity", "keep_run_tokenizer",
-           "tokenizer_identity"]
+           "run_data_identity", "source_sha256", "tokenizer_identity"]
 
 
 class DataChangedError(ConfigError):
@@ -37,7 +38,8 @@ def tokenizer_identity(spec: str, tokenizer_json: Path | None) -> dict:
     return {"tokenizer": spec, "sha256": sha}
 
 
-def _source_sha256(source: TokenSource) -> str:
+def source_sha256(source: TokenSource) -> str:
+    """What identifies a source's content: its meta.json (which records every shard's hash) or its .idx."""
     path = Path(source.name)
     return file_digest(path / "meta.json" if source.meta is not None else Path(f"{path}.idx"))["sha256"]
 
@@ -46,9 +48,17 @@ def data_identity(cfg: PretrainConfig, sources: list[TokenSource]) -> dict:
     """The tokenizer, each source (path as configured, sha256, weight) and the sampling of this run."""
     entries = blend_entries(cfg.data)
     return {"tokenizer": tokenizer_identity(cfg.data.tokenizer, prepared_tokenizer(sources, cfg.data.tokenizer)),
-            "sources": [{"path": e.path, "sha256": _source_sha256(s), "weight": e.weight}
+            "sources": [{"path": e.path, "sha256": source_sha256(s), "weight": e.weight}
                         for e, s in zip(entries, sources)],
             "sampling": cfg.data.sampling}
+
+
+def run_data_identity(cfg: PretrainConfig, sampler, manifest: dict | None) -> dict:
+    """data_identity with the run's history of blends (blend_history.py), `sampler` set to continue it: where a
+    resume under checkpoint.allow_data_change changed the blend, each source continues its own epochs."""
+    identity = data_identity(cfg, sampler.sources)
+    continue_run_blend(cfg, sampler, identity, manifest)
+    return identity
 
 
 def _describe(tokenizer: dict) -> str:

@@ -1,10 +1,12 @@
 """Where a preparation works until it is whole: `.NAME.partial/` beside the output directory `NAME`.
 
 A preparation writes its shards there, one after the other. After each shard's files are renamed into place,
-progress.json (written atomically) records the shard (counts and sha256 of both files) and the settings the work
-was done with. A killed preparation leaves the finished shards and progress.json; the same command then resumes:
-it skips the documents those shards hold (read, not encoded) and writes the next shard, so the result is
-byte-identical to a run that never stopped. Other settings, or a corpus whose files changed, start over.
+progress.json (written atomically) records the shard (counts and sha256 of both files), where the corpus's next
+document starts (`next_input`: the file, its byte offset or row, and the counts so far: corpus.py's mark) and the
+settings the work was done with. A killed preparation leaves the finished shards and progress.json; the same
+command then resumes: it starts reading the corpus at `next_input`, never reading the finished shards' documents
+again (a progress.json without it, from an older release, makes it read and skip them), and writes the next shard,
+so the result is byte-identical to a run that never stopped. Other settings, or a corpus whose files changed, start over.
 
 Only a complete preparation replaces `NAME` (one rename), so an existing dataset stays as it was until the new one
 is whole. Two preparations of one `NAME` exclude each other with an flock on `.NAME.lock`.
@@ -43,6 +45,7 @@ class PartialPreparation:
         self.path = self.final.parent / f".{self.final.name}.partial"
         self.lock_path = self.final.parent / f".{self.final.name}.lock"
         self.settings, self.shards = settings, []
+        self.next_input: dict | None = None  # where the corpus's next document starts (corpus.py's mark)
         self._itemsize: int | None = None  # of the shards' tokens, known once one is written
         self._lock_fd: int | None = None
 
@@ -72,9 +75,10 @@ class PartialPreparation:
         finally:
             self._unlock()
 
-    def finish_shard(self, writer: IndexedDatasetWriter) -> None:
-        """Close `writer`'s shard and record it (after its files are in place: a kill between the two only
-        loses that shard)."""
+    def finish_shard(self, writer: IndexedDatasetWriter, next_input: dict | None = None) -> None:
+        """Close `writer`'s shard and record it with where the corpus's next document starts (after its files
+        are in place: a kill between the two only loses that shard)."""
+        self.next_input = next_input
         writer.finish()
         prefix, self._itemsize = writer.prefix.name, writer.dtype.itemsize
         self.shards.append({"prefix": prefix, "num_documents": len(writer.lengths), "num_tokens": writer.num_tokens,
@@ -92,6 +96,7 @@ class PartialPreparation:
         recorded = _read_json(self.path / PROGRESS)
         if recorded.get("settings") == self.settings and self._shards_intact(recorded):
             self.shards, self._itemsize = recorded["shards"], recorded["itemsize"]
+            self.next_input = recorded.get("next_input")
             for path in self.path.iterdir():  # a shard killed half-written, or renamed but not yet recorded
                 if path.name not in _KEEP and path.name.rsplit(".", 1)[0] not in {s["prefix"] for s in self.shards}:
                     path.unlink()
@@ -118,7 +123,8 @@ class PartialPreparation:
 
     def _write_progress(self) -> None:
         write_atomic(self.path / PROGRESS, [json.dumps({"settings": self.settings, "itemsize": self._itemsize,
-                                                        "shards": self.shards}, indent=1).encode("utf-8")])
+                                                        "shards": self.shards, "next_input": self.next_input},
+                                                       indent=1).encode("utf-8")])
 
     def _keep_or_drop(self) -> None:
         """After a failure: keep finished work (shards, a trained BPE) for a resume, else leave nothing behind."""

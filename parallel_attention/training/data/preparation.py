@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import sys
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -46,24 +47,26 @@ DEFAULT_SHARD_TOKENS = 1_000_000_000
 
 def prepare_shards(source: str, tokenizer: str, out_dir, val_fraction: float = 0.02, max_bytes: int | None = None,
                    *, text_field: str = "text", bpe_vocab_size: int = 8192, num_workers: int = 0,
-                   shard_tokens: int = DEFAULT_SHARD_TOKENS) -> dict:
+                   shard_tokens: int = DEFAULT_SHARD_TOKENS, skip_bad_files: bool = False) -> dict:
     """Tokenize `source` into shards in `out_dir` (format 2); return meta.json's dict.
 
     `tokenizer` is "byte", "gpt2", "bpe" (first train a byte-level BPE of `bpe_vocab_size` tokens on the corpus,
     kept as out_dir/tokenizer.json) or a path to a tokenizer.json or a directory holding one. Run it again after a
-    kill and it resumes from the finished shards (the same settings and corpus files), byte-identically.
+    kill and it resumes from the finished shards (the same settings and corpus files), byte-identically. A damaged
+    corpus file is refused by name, or skipped and counted with `skip_bad_files` (corpus.py).
     """
     check_settings(val_fraction, max_bytes, num_workers)
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens={shard_tokens} must be positive (default {DEFAULT_SHARD_TOKENS:,}).")
-    corpus = Corpus(source, text_field, max_bytes)
+    corpus = Corpus(source, text_field, max_bytes, skip_bad_files)
     settings = {"format_version": FORMAT_VERSION, **_spec_key(tokenizer), "source": source_key(source),
                 "corpus_files_sha256": _listing_sha256(corpus), "max_bytes": max_bytes, "text_field": text_field,
                 "bpe_vocab_size": bpe_vocab_size if tokenizer == "bpe" else None, "shard_tokens": shard_tokens,
-                **_python_version(source)}
+                "skip_bad_files": skip_bad_files, **_python_version(source)}
     use_threads(worker_count(num_workers))
     with PartialPreparation(out_dir, settings) as partial:
         if tokenizer == "bpe" and not (partial.path / "tokenizer.json").is_file():
+            _refuse_unless_text(corpus)  # a wrong text field or an empty corpus, named before a BPE is trained
             train_bpe_on_corpus(corpus, bpe_vocab_size, partial.path, Path(out_dir))
         tok = get_tokenizer(tokenizer, partial.path)
         eot = end_of_text(tok)
@@ -73,7 +76,7 @@ def prepare_shards(source: str, tokenizer: str, out_dir, val_fraction: float = 0
                 "dtype": token_dtype(tok.vocab_size).name, **tokenizer_key(tokenizer, partial.path),
                 "eot_token": eot, "source": settings["source"], "max_bytes": max_bytes, "truncated": corpus.truncated,
                 "text_field": text_field, "bpe_vocab_size": settings["bpe_vocab_size"], "val_fraction": val_fraction,
-                "shard_tokens": shard_tokens, **corpus.stats.summary(),
+                "shard_tokens": shard_tokens, "skip_bad_files": skip_bad_files, **corpus.stats.summary(),
                 **_split_counts(partial.path, partial.shards, val_fraction), **_python_version(source),
                 "shards": partial.shards}
         partial.complete(meta)
@@ -82,21 +85,27 @@ def prepare_shards(source: str, tokenizer: str, out_dir, val_fraction: float = 0
 
 def _write_shards(corpus: Corpus, spec: str, partial: PartialPreparation, dtype: np.dtype, eot: int,
                   num_workers: int, shard_tokens: int) -> None:
-    """Encode the documents the finished shards lack, in order, closing a shard at `shard_tokens` tokens."""
-    bar = PreparationBar(corpus, partial.documents_done)
-    texts = itertools.islice(corpus.documents(), partial.documents_done, None)  # a resume reads, never encodes, those
+    """Encode the documents the finished shards lack, in order, closing a shard at `shard_tokens` tokens; each
+    shard is recorded with the mark of its last document, where a resume starts reading."""
+    marks: deque = deque()  # one per document read and not yet written: the encoders' pipeline bounds them
+    texts = corpus.documents(partial.next_input, marks)
+    if partial.next_input is None and partial.documents_done:  # progress.json of an older release: read, skip
+        deque(itertools.islice(texts, partial.documents_done), maxlen=0)
+        marks.clear()
+    bar = PreparationBar(corpus, partial.documents_done, (partial.next_input or {}).get("disk_read", 0))
     writer, end = None, np.array([eot], dtype=dtype)
     try:
         for tokens in encode_documents(spec, partial.path, texts, worker_count(num_workers)):
             if writer is None:
                 writer = IndexedDatasetWriter(partial.next_prefix, dtype)
             writer.add_document(np.concatenate([tokens.astype(dtype), end]))
+            mark = marks.popleft()
             bar.update(len(tokens) + 1)
             if writer.num_tokens >= shard_tokens:
-                partial.finish_shard(writer)
+                partial.finish_shard(writer, corpus.mark_dict(mark))
                 writer = None
         if writer is not None:
-            partial.finish_shard(writer)
+            partial.finish_shard(writer, corpus.mark_dict(mark))
             writer = None
     finally:
         bar.close()
@@ -123,6 +132,15 @@ def _split_counts(path: Path, shards: list[dict], val_fraction: float) -> dict:
     val_docs = int(mask.sum())
     return {"num_tokens": total_tokens, "num_train_tokens": total_tokens - val_tokens, "num_val_tokens": val_tokens,
             "num_train_documents": total_docs - val_docs, "num_val_documents": val_docs}
+
+
+def _refuse_unless_text(corpus: Corpus) -> None:
+    """Read up to the corpus's first document (its first file, as a rule): refuse a corpus that has none."""
+    documents = corpus.documents()
+    first = next(documents, None)
+    documents.close()
+    if first is None:
+        _refuse_empty(corpus)
 
 
 def _refuse_empty(corpus: Corpus) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ...checkpointing.tensor_io import file_digest
 from ..config.checks import ConfigError
+from .preparation_command import preparation_command
 from .tokenizer import TokenizerUnavailableError
 
 __all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "refuse_other_settings",
@@ -48,11 +49,11 @@ def refusal_message(error: BaseException, data_dir) -> str:
 
 
 def prepare_again(data_dir, meta: dict | None = None) -> str:
-    """The fix for a bad data directory: prepare it anew (the trainer prepares a data.data_dir that does not exist)."""
-    source, tokenizer = (meta or {}).get("source", "SOURCE"), (meta or {}).get("tokenizer", "TOKENIZER")
-    return (f"prepare it again: delete {data_dir} and start the run again (it prepares data.data_dir from "
-            f"data.source), or run `python scripts/prepare_data.py --source {source} --tokenizer {tokenizer} "
-            f"--out {data_dir}`, or point data.data_dir at a new directory")
+    """The fix for a bad data directory: prepare it anew with the settings it was prepared with (the trainer
+    prepares a data.data_dir that does not exist)."""
+    return (f"prepare it again as it was prepared: run `{preparation_command(data_dir, meta)}` (or, for a run's "
+            f"data.data_dir, delete {data_dir} and start the run again: it prepares data.data_dir from data.source), "
+            "or point data.data_dir at a new directory")
 
 
 def meta_and_reason(data_dir) -> tuple[dict | None, str]:

@@ -64,6 +64,21 @@ def _agreed_manifest(path: Path) -> dict:
     return saved
 
 
+def resume_manifest(cfg: PretrainConfig, where: str) -> dict | None:
+    """The manifest of the checkpoint a resume from `where` would read (`auto`: the newest under the run's
+    checkpoints/), without loading it: None for `none`, no checkpoint, or one that cannot be read."""
+    if where == "auto":
+        found = list_checkpoints(Path(cfg.logging.run_dir) / "checkpoints")
+        where = str(found[-1]) if found else "none"
+    if where == "none":
+        return None
+    try:
+        manifest = json.loads((Path(where) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and "extra" in manifest and "step" in manifest else None
+
+
 def keep_previous_sampling(cfg: PretrainConfig, where: str) -> None:
     """A run started before `data.sampling` existed drew random windows: resumed, it keeps drawing them, so that it
     sees the batches it would have seen. The checkpoint it resumes from (`auto`: the newest under the run's

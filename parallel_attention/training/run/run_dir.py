@@ -23,6 +23,7 @@ from ...checkpointing.tensor_io import write_atomic
 from ...tensor_parallel import parallel_state as ps
 from ...tensor_parallel.collectives import broadcast_object
 from ..config.schema import ConfigError, PretrainConfig
+from ..data.blend import recorded_config
 from .run_lock import RunDirInUseError, RunDirLock
 
 _HELD: dict[str, RunDirLock] = {}  # run dirs this process holds: a notebook or test that builds twice keeps one
@@ -116,7 +117,7 @@ def write_run_config(cfg: PretrainConfig) -> None:
     """Rank 0 writes config.yaml (atomically), once the run has resumed or started fresh: a refused resume
     leaves the old one."""
     if ps.get_global_rank() == 0:
-        text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        text = yaml.safe_dump(recorded_config(cfg.to_dict()), sort_keys=False)
         write_atomic(Path(cfg.logging.run_dir) / "config.yaml", [text.encode("utf-8")])
 
 
