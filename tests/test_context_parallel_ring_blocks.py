@@ -6,7 +6,8 @@ float64, one process: the two kernels sum in other orders (the flash kernel in t
 plain softmax attention of the pair is the reference for both.
 
 A pair partly masked by packed documents runs the fused kernel once per document sub-pair (counted by a dispatch
-mode): per pair, and through the whole ring at cp 2 and 4 (float64, 1e-10 against the masked softmax reference).
+mode): per pair, and through the whole ring at cp 2 and 4 (float64, 1e-10 against the masked softmax reference),
+with no host sync in the step and no per-pair mask built for the fused pieces (only the math builds its masks).
 """
 
 from __future__ import annotations
@@ -95,6 +96,24 @@ class _CountFused(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts what would make a CUDA host wait for the device (reading a value: item, bool, int; an op whose output
+    shape depends on values) and the bool [..., m, m] masks built."""
+
+    SYNCS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2")
+
+    def __init__(self, m: int):
+        super().__init__()
+        self.m, self.syncs, self.masks = m, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.syncs += func.overloadpacket.__name__ in self.SYNCS
+        self.masks += (isinstance(out, torch.Tensor) and out.dtype == torch.bool and out.dim() >= 2
+                       and tuple(out.shape[-2:]) == (self.m, self.m))
+        return out
+
+
 def _masked_softmax(q, k, v, mask, scale):
     """The reference: softmax attention with rows that see nothing giving 0 (and lse -inf)."""
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
@@ -150,12 +169,12 @@ def _ring_worker(cp, causal, kinds):
     for blocks in (CPU_FLASH_BLOCKS, MATH_BLOCKS):
         local = [split_for_context_parallel(t.detach(), group, 2).requires_grad_() for t in (q, k, v)]
         plan = RingPlan(group, BlockMasks(40 // (2 * cp), causal, documents), 2, blocks=blocks)
-        with _CountFused() as fused:
+        with _CountFused() as fused, _HostSyncs(40 // (2 * cp)) as watched:
             out = RingAttention.apply(*local, plan)
             out.backward(split_for_context_parallel(grad_out, group, 2))
         for got, ref in zip([out] + [t.grad for t in local], (want, q.grad, k.grad, v.grad)):
             torch.testing.assert_close(got, split_for_context_parallel(ref.detach(), group, 2), rtol=1e-10, atol=1e-10)
-        results.append(fused.calls)
+        results.append((fused.calls, watched.syncs, watched.masks))
     return results, plan.computed_pairs()
 
 
@@ -165,5 +184,22 @@ def test_the_ring_with_documents_equals_the_reference_through_the_fused_kernel(c
     from distributed import run_distributed
 
     for kinds in (("odd", "whole"), ("single", "single")):
-        for (fused, math_calls), pairs in run_distributed(_ring_worker, 4, 4, cp, causal, kinds, timeout=240):
+        for (flash, math), pairs in run_distributed(_ring_worker, 4, 4, cp, causal, kinds, timeout=240):
+            (fused, syncs, masks), (math_calls, math_syncs, math_masks) = flash, math
             assert math_calls == 0 and fused >= 2 * pairs > 0, (fused, pairs)
+            # no host sync in the step; the fused pieces build no per-pair mask, the math one per pair it runs
+            assert syncs == math_syncs == 0 and masks == 0 and math_masks > 0, (flash, math)
+
+
+@pytest.mark.parametrize("blocks", [CPU_FLASH_BLOCKS, MATH_BLOCKS], ids=["flash", "math"])
+def test_the_causal_ring_keeps_no_mask_and_builds_one_only_for_the_math(blocks):
+    """One rank (cp 1: the pairs (0, 0) and (1, 1) are causal diagonals): the plan holds no tensor, the fused
+    operator needs no mask, the math builds the m x m ones it reads (per diagonal pair, forward and backward)."""
+    from parallel_attention.transformer.context_parallel.ring_attention import BlockMasks, RingAttention, RingPlan
+
+    plan = RingPlan(None, BlockMasks(M, True), 1, blocks=blocks)
+    q, k, v = (torch.randn(B, NH, 2 * M, D, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    with _HostSyncs(M) as watched:
+        RingAttention.apply(q, k, v, plan).sum().backward()
+    assert not any(isinstance(value, torch.Tensor) for value in vars(plan.masks).values())
+    assert watched.syncs == 0 and (watched.masks == 0) == (blocks is CPU_FLASH_BLOCKS), watched.masks

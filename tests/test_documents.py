@@ -59,20 +59,22 @@ def test_bad_document_ids_are_named(ids, shape, message):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_hidden_and_mask_match_brute_force_on_zigzag_blocks(causal):
+def test_mask_and_block_pieces_match_brute_force_on_zigzag_blocks(causal):
     torch.manual_seed(3)
     ids = _ids([[3, 1, 6, 2, 4], [8, 8]])  # s 16
     layout = DocumentLayout.from_ids(ids)
     chunks = torch.arange(16).chunk(8)  # cp 4 zigzag: rank r holds chunks r and 7 - r
     blocks = [torch.cat([chunks[r], chunks[7 - r]]) for r in range(4)] + list(chunks)
-    hidden_seen = set()
     for q_index in blocks:
         for k_index in blocks:
-            expected = _brute_mask(ids, q_index, k_index, causal)
-            assert torch.equal(layout.mask(q_index, k_index, causal), expected)
-            assert layout.hidden(q_index, k_index, causal) == (not expected.any())
-            hidden_seen.add(layout.hidden(q_index, k_index, causal))
-    assert hidden_seen == {True, False}  # both answers occur: the check is not vacuous
+            assert torch.equal(layout.mask(q_index, k_index, causal), _brute_mask(ids, q_index, k_index, causal))
+    runs_seen = set()
+    for q_chunk in chunks:  # the ring's pairs: a pair runs exactly when it has pieces
+        for k_chunk in chunks:
+            pieces = layout.block_pieces(int(q_chunk[0]), int(k_chunk[0]), 2, causal)
+            assert bool(pieces) == bool(_brute_mask(ids, q_chunk, k_chunk, causal).any())
+            runs_seen.add(bool(pieces))
+    assert runs_seen == {True, False}  # both answers occur: the check is not vacuous
     full = torch.arange(16)
     assert torch.equal(layout.full_mask(causal), _brute_mask(ids, full, full, causal))
 

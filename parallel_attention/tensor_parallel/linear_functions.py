@@ -18,9 +18,12 @@ backward. `overlap_comm` decides only when the backward waits for a collective (
 On CUDA, ProcessGroupNCCL runs an async collective on its own stream after an event wait on the current one, and
 wait() makes the current stream wait for it; on gloo the collective runs on gloo's thread while this one computes.
 
-Every collective reduces a tensor its own GEMM just produced, in place (no defensive clone). Autocast: the
-forward GEMM runs under the caller's autocast; the backward casts the saved input and weight to the gradient's
-dtype and each gradient back to its tensor's dtype, as autocast's own casts would.
+Every collective reduces a tensor its own GEMM just produced, in place (no defensive clone). Autocast: each public
+function casts its input to the autocast dtype once, before the region (`autocast_input`), as Megatron's half
+layout keeps it: the sequence-parallel all-gathers, the reduce-scatter and all-reduce of dX and the saved input are
+then half precision (a float32 input would double their bytes; the GEMM casts it anyway, so the forward is the
+same); the cast's own backward returns dX to the input's dtype. The forward GEMM runs under the caller's autocast;
+the backward casts the weight to the gradient's dtype and each gradient back to its tensor's dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ def _own_tensor(y: torch.Tensor) -> torch.Tensor:
     its own (`_unsafe_view`, the reshape torch's matmul uses): autograd forbids overwriting a custom function's
     view output in place, and the model's loss overwrites the logits."""
     return y if y._base is None else torch.ops.aten._unsafe_view(y._base, y.shape)
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in the autocast dtype where autocast is on for x's device and would cast x (not float64), else x itself."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or not x.is_floating_point() or x.dtype == torch.float64:
+        return x
+    return x.to(torch.get_autocast_dtype(device))
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,25 +194,25 @@ class _SequenceParallelRowLinear(torch.autograd.Function):
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The linear of a layer without communication (p = 1), differentiable once."""
-    return _LocalLinear.apply(x, weight, bias)
+    return _LocalLinear.apply(autocast_input(x), weight, bias)
 
 
 def column_parallel_linear(x, weight, bias, group: ProcessGroup, wait_policy=wait_after_next_gemm) -> torch.Tensor:
     """[s, b, in] -> [s, b, out/p]: no collective forward, one all-reduce backward."""
-    return _ColumnParallelLinear.apply(x, weight, bias, group, wait_policy)
+    return _ColumnParallelLinear.apply(autocast_input(x), weight, bias, group, wait_policy)
 
 
 def sequence_parallel_column_linear(x, weight, bias, group: ProcessGroup,
                                     wait_policy=wait_after_next_gemm) -> torch.Tensor:
     """[s/p, b, in] -> [s, b, out/p]: one all-gather forward; backward one all-gather and one reduce-scatter."""
-    return _SequenceParallelColumnLinear.apply(x, weight, bias, group, wait_policy)
+    return _SequenceParallelColumnLinear.apply(autocast_input(x), weight, bias, group, wait_policy)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """[s, b, in/p] -> [s, b, out], without the bias: one all-reduce forward, none backward."""
-    return _RowParallelLinear.apply(x, weight, group)
+    return _RowParallelLinear.apply(autocast_input(x), weight, group)
 
 
 def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """[s, b, in/p] -> [s/p, b, out], without the bias: one reduce-scatter forward, one all-gather backward."""
-    return _SequenceParallelRowLinear.apply(x, weight, group)
+    return _SequenceParallelRowLinear.apply(autocast_input(x), weight, group)

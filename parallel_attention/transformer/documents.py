@@ -12,13 +12,14 @@ every layer's attention (never recomputed per layer).
                         packed token-major ([b s]), then b s; max_length the longest (varlen kernels)
 
 Contract for a kernel that works on blocks (the CPU per-document kernel here, the context-parallel ring):
-given GLOBAL token indices of a block of queries `q_index` and a block of keys `k_index` (1-D int64 tensors on
-the layout's device, any order, not necessarily contiguous: a zigzag chunk is two ranges),
-- `hidden(q_index, k_index, causal)` is True when no query of the block may attend any key of it in any row
-  (same document and, with `causal`, key index <= query index): the pair can be skipped. It costs
-  O(sq log sk) and one host sync, not O(sq sk).
-- `mask(q_index, k_index, causal)` is the bool [b, 1, sq, sk] mask of the pair (True = may attend), to AND with
-  a user's mask; `full_mask(causal)` is that mask over the whole sequence, built once per layout and kept.
+- `block_pieces(q0, k0, m, causal)`: the per-document sub-pairs of the block of queries [q0, q0 + m) and keys
+  [k0, k0 + m) (contiguous GLOBAL ranges, such as the ring's chunks); none when no query of the block may attend
+  any key of it in any row (same document and, with `causal`, key index <= query index): the pair can be skipped.
+  From the host-side spans: no tensor operation and no host sync, kept per block for the batch.
+- `mask(q_index, k_index, causal)` is the bool [b, 1, sq, sk] mask of a block of GLOBAL token indices (1-D int64
+  tensors on the layout's device, any order: a zigzag part is two ranges; True = may attend), to AND with a user's
+  mask or for a kernel that reads masks; `full_mask(causal)` is that mask over the whole sequence, built once per
+  layout and kept.
 A query row whose every key is hidden outputs zeros (as in every backend); with causal attention inside
 documents there is none, since each token sees itself.
 """
@@ -70,7 +71,7 @@ class DocumentLayout:
     row_spans: tuple[tuple[tuple[int, int], ...], ...]  # per row: the (start, end) of each document
     cu_seqlens: torch.Tensor  # [n + 1] int32: document starts in the token-major packed batch, then b s
     max_length: int  # the longest document
-    _masks: dict = field(default_factory=dict, repr=False)  # full_mask(causal), kept once built
+    _kept: dict = field(default_factory=dict, repr=False)  # full_mask(causal) and block_pieces, kept once built
 
     @classmethod
     def from_ids(cls, document_ids: torch.Tensor, shape: tuple[int, ...] | None = None) -> DocumentLayout:
@@ -106,14 +107,6 @@ class DocumentLayout:
         """Whether every row holds the same documents (a per-document kernel can then run all rows at once)."""
         return all(spans == self.row_spans[0] for spans in self.row_spans)
 
-    def hidden(self, q_index: torch.Tensor, k_index: torch.Tensor, causal: bool) -> bool:
-        """True when no query of `q_index` may attend any key of `k_index` in any row (see the contract)."""
-        keys = torch.sort(k_index).values
-        low = self.starts[:, q_index]  # [b, sq]: the first key each query may see
-        high = q_index.expand_as(low) + 1 if causal else self.ends[:, q_index]  # one past the last
-        seen = torch.searchsorted(keys, high.contiguous()) - torch.searchsorted(keys, low.contiguous())
-        return not bool((seen > 0).any())
-
     def mask(self, q_index: torch.Tensor, k_index: torch.Tensor, causal: bool) -> torch.Tensor:
         """Bool [b, 1, sq, sk]: True where query q_index[i] may attend key k_index[j] (same document, and with
         `causal` k_index[j] <= q_index[i])."""
@@ -127,7 +120,14 @@ class DocumentLayout:
         GLOBAL ranges): ((rows, qa, qb, ka, kb, diagonal), ...) with [qa, qb), [ka, kb) relative to q0 and k0,
         rows a slice of the batch (all rows at once when `uniform`). Each is fully visible, or with `diagonal`
         the causal (top-left) square; every other (query, key) of the block is hidden. A query lies in at most
-        one piece per row."""
+        one piece per row. No piece: the block is hidden. From the host-side spans (no tensor operation, no
+        sync), built once per block and kept for the batch's other layers and the backward."""
+        key = ("pieces", q0, k0, m, causal)
+        if key not in self._kept:
+            self._kept[key] = self._block_pieces(q0, k0, m, causal)
+        return self._kept[key]
+
+    def _block_pieces(self, q0: int, k0: int, m: int, causal: bool) -> tuple:
         if causal and k0 > q0:
             return ()
         rows = [slice(None)] if self.uniform() else [slice(r, r + 1) for r in range(self.shape[0])]
@@ -141,10 +141,10 @@ class DocumentLayout:
 
     def full_mask(self, causal: bool) -> torch.Tensor:
         """mask() over the whole sequence, built on first use and kept for the batch's other layers."""
-        if causal not in self._masks:
+        if causal not in self._kept:
             index = torch.arange(self.shape[1], device=self.segments.device)
-            self._masks[causal] = self.mask(index, index, causal)
-        return self._masks[causal]
+            self._kept[causal] = self.mask(index, index, causal)
+        return self._kept[causal]
 
     def combine(self, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """The user's mask (broadcastable to [b, 1, s, s]) AND the documents' (AND causal)."""

@@ -47,7 +47,10 @@ class LayerNorm(_Norm):
 class _RMSNormFunction(torch.autograd.Function):
     """y = x / rms(x) * w with a hand-written backward: saves the normalised input and the float32 1/rms only (not
     also the input), and runs half the passes of autograd's six-op graph (4.8 vs 9.7 ms fwd+bwd at [512, 2, 512]
-    on one CPU core). The forward's float operations are those of the plain torch expression, bit for bit."""
+    on one CPU core). The forward's float operations are those of the plain torch expression, bit for bit.
+    y keeps x's dtype, as apex's mixed-dtype kernel does: under autocast, bf16 q or k with the float32 weight of a
+    head norm stay bf16 (promoted to float32 they would leave the attention's half-precision paths); the weight's
+    gradient is still summed in float32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,14 +59,14 @@ class _RMSNormFunction(torch.autograd.Function):
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         normed = (x32 * rstd).to(x.dtype)
         ctx.save_for_backward(normed, rstd, weight)
-        return normed * weight
+        return normed * weight.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         normed, rstd, weight = ctx.saved_tensors
-        grad_weight = (grad * normed).sum(dim=tuple(range(grad.dim() - 1)))
         compute = rstd.dtype
         g32, n32 = (grad * weight).to(compute), normed.to(compute)
+        grad_weight = (grad.to(compute) * n32).sum(dim=tuple(range(grad.dim() - 1)))
         # d/dx of x * rstd(x), applied to g: rstd * (g - x_hat * mean(g * x_hat))
         grad_x = g32.sub_(n32 * (g32 * n32).mean(-1, keepdim=True)).mul_(rstd)
         return grad_x.to(grad.dtype), grad_weight.to(weight.dtype), None

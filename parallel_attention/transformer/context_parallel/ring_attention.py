@@ -5,12 +5,13 @@ Shapes (per rank): q [b, nhl, 2m, d], k, v [b, nkvl, 2m, d]: this rank's zigzag 
 (ring_exchange: one batched send and receive) before the block in hand is computed, so the transfer overlaps it.
 
     forward:  per (q chunk, k chunk) pair: skipped when the mask hides it entirely (causal: k chunk after the
-              q chunk; documents: DocumentLayout.hidden), else scores = q k^T / sqrt(d), masked, and the
-              partial output merged with the running one by log-sum-exp (exact; the pair's kernel, `ring_blocks`:
-              the device's fused flash operator where it applies, else explicit-lse torch math; merged in float32
-              for half inputs); with
-              attention dropout (dropout_rng='layout_invariant', `ring_dropout`) each pair's probabilities are
-              dropped with the mask of its global (sample, head, query, key): the output of cp = 1
+              q chunk; documents: no DocumentLayout.block_pieces, decided on the host without a sync), else scores
+              = q k^T / sqrt(d), masked, and the partial output merged with the running one by log-sum-exp (exact;
+              the pair's kernel, `ring_blocks`: the device's fused flash operator where it applies, else
+              explicit-lse torch math, the only one that reads a mask, built for it per pair; merged in float32
+              for half inputs); with attention dropout (dropout_rng='layout_invariant', `ring_dropout`) each
+              pair's probabilities are dropped with the mask of its global (sample, head, query, key): the output
+              of cp = 1
     backward: recomputes each pair's probabilities from the final lse (and its dropout mask from the hash); dQ
               stays here, dK/dV of a block travel with it around the ring and come home with one last exchange
 
@@ -33,11 +34,12 @@ from .zigzag import chunk_ids
 
 
 class BlockMasks:
-    """Which (q chunk, k chunk) pairs run, and with what mask: causal by chunk number, or the documents'."""
+    """Which (q chunk, k chunk) pairs run, and with what mask: causal by chunk number, or the documents'. Deciding
+    which pairs run costs no tensor operation and no host sync (the documents' pieces come from their host-side
+    spans, kept per batch); a mask is built only when a kernel asks for it (`mask`), never kept by the ring."""
 
     def __init__(self, m: int, causal: bool, documents=None, device=None) -> None:
         self.m, self.causal, self.documents, self.device = m, causal, documents, device
-        self._diagonal = torch.ones(m, m, dtype=torch.bool, device=device).tril()
 
     def _index(self, chunk: int) -> torch.Tensor:
         return torch.arange(chunk * self.m, (chunk + 1) * self.m, device=self.device)
@@ -46,18 +48,26 @@ class BlockMasks:
         """Whether the pair is the causal diagonal block (no documents): the fused kernels' is_causal."""
         return self.causal and self.documents is None and q_chunk == k_chunk
 
-    def pair(self, q_chunk: int, k_chunk: int) -> tuple[bool, torch.Tensor | None, tuple | None]:
-        """(runs, mask, pieces): mask None = every key visible; otherwise bool broadcastable to [b, nh, m, m].
-        pieces: with documents, the pair's per-document sub-pairs (DocumentLayout.block_pieces), else None."""
+    def runs(self, q_chunk: int, k_chunk: int) -> tuple[bool, tuple | None]:
+        """(runs, pieces): whether any query of the pair may attend a key of it, and with documents the pair's
+        per-document sub-pairs (DocumentLayout.block_pieces: none exactly when the pair is hidden), else None."""
         if self.documents is not None:
-            qi, ki = self._index(q_chunk), self._index(k_chunk)
-            if self.documents.hidden(qi, ki, self.causal):
-                return False, None, None
             pieces = self.documents.block_pieces(q_chunk * self.m, k_chunk * self.m, self.m, self.causal)
-            return True, self.documents.mask(qi, ki, self.causal), pieces
-        if not self.causal or k_chunk < q_chunk:
-            return True, None, None
-        return (True, self._diagonal, None) if k_chunk == q_chunk else (False, None, None)
+            return bool(pieces), pieces
+        return not self.causal or k_chunk <= q_chunk, None
+
+    def mask(self, q_chunk: int, k_chunk: int) -> torch.Tensor | None:
+        """The pair's bool mask, broadcastable to [b, nh, m, m], built now; None = every key visible."""
+        if self.documents is not None:
+            return self.documents.mask(self._index(q_chunk), self._index(k_chunk), self.causal)
+        if self.diagonal(q_chunk, k_chunk):
+            return torch.ones(self.m, self.m, dtype=torch.bool, device=self.device).tril_()
+        return None
+
+    def pair(self, q_chunk: int, k_chunk: int) -> tuple[bool, torch.Tensor | None, tuple | None]:
+        """(runs, mask, pieces) of the pair (`runs`, its mask built by `mask` when it runs)."""
+        runs, pieces = self.runs(q_chunk, k_chunk)
+        return runs, self.mask(q_chunk, k_chunk) if runs else None, pieces
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -79,14 +89,17 @@ class RingPlan:
         self.blocks = blocks
         self.size, self.rank = group_size(group), group_rank(group)
 
-    def pairs(self, step: int):
-        """The Pair (ring_blocks) of every pair that runs at ring step `step` (the k/v of rank rank - step)."""
+    def pairs(self, step: int, q: torch.Tensor | None = None):
+        """The Pair (ring_blocks) of every pair that runs at ring step `step` (the k/v of rank rank - step), each
+        with its mask where the kernel reads one for `q` (`reads_masks`; None: none is built)."""
         source = (self.rank - step) % self.size
         mine, theirs = chunk_ids(self.size, self.rank), chunk_ids(self.size, source)
+        with_masks = q is not None and self.blocks.reads_masks(q)
         for i, q_chunk in enumerate(mine):
             for j, k_chunk in enumerate(theirs):
-                runs, mask, pieces = self.masks.pair(q_chunk, k_chunk)
+                runs, pieces = self.masks.runs(q_chunk, k_chunk)
                 if runs:
+                    mask = self.masks.mask(q_chunk, k_chunk) if with_masks else None
                     yield Pair(i, j, mask, (q_chunk, k_chunk), self.masks.diagonal(q_chunk, k_chunk), pieces)
 
     def drop(self, chunks: tuple[int, int], like: torch.Tensor):
@@ -123,7 +136,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(plan.size):
             pending = ring_exchange([kv], plan.group) if step < plan.size - 1 else None
             ks, vs = (_halves(t, m) for t in kv.unbind())
-            for pair in plan.pairs(step):
+            for pair in plan.pairs(step, q):
                 i, j = pair.i, pair.j
                 block = plan.blocks.forward(_halves(q, m)[i], ks[j], vs[j], pair, scale, plan.drop(pair.chunks, q))
                 out[i], lse[i] = _merge(out[i], lse[i], *block)
@@ -151,7 +164,7 @@ class RingAttention(torch.autograd.Function):
             pending = ring_exchange(([kv] if kv_ahead else []) + ([dkv] if dkv is not None else []), plan.group)
             ks, vs = (_halves(t, m) for t in kv.unbind())
             dk, dv = [[torch.zeros_like(h, dtype=acc) for h in ks] for _ in range(2)]
-            for pair in plan.pairs(step):
+            for pair in plan.pairs(step, q):
                 i, j, drop = pair.i, pair.j, plan.drop(pair.chunks, q)  # the forward's dropout mask, hashed again
                 grads = plan.blocks.backward(qs[i], ks[j], vs[j], pair, scale, drop, dos[i], outs[i], lses[i],
                                              deltas[i])

@@ -37,7 +37,9 @@ class Pair(NamedTuple):
 
     i: int
     j: int
-    mask: torch.Tensor | None  # bool broadcastable to [b, nh, m, m]; None: every key visible
+    # bool broadcastable to [b, nh, m, m], for the kernels that read one (`reads_masks`); None: every key visible,
+    # or a pair the flash operators run whole from `diagonal` or `pieces` (the ring builds no mask for them)
+    mask: torch.Tensor | None
     chunks: tuple[int, int]  # (q chunk, k chunk) of the 2 cp chunks: the global rows and columns of the block
     diagonal: bool  # the causal diagonal block (mask: lower-triangular), without documents
     pieces: tuple | None = None  # with documents: the per-document sub-pairs (DocumentLayout.block_pieces)
@@ -74,6 +76,10 @@ class MathBlocks:
 
     name = "explicit-lse math"
 
+    def reads_masks(self, q: torch.Tensor) -> bool:
+        """Whether the pairs of `q` need their masks built: the math does."""
+        return True
+
     def forward(self, q, k, v, pair: Pair, scale: float, drop):
         """The pair's output (probabilities dropped by `drop`) and the log-sum-exp of its undropped scores."""
         k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
@@ -100,6 +106,11 @@ class FlashBlocks(MathBlocks):
 
     def __init__(self, ops: FlashOps) -> None:
         self.ops, self.name = ops, ops.name
+
+    def reads_masks(self, q: torch.Tensor) -> bool:
+        """Only where the operators refuse q's dtype or head dim (the pairs then run as math): a ring pair is full,
+        the causal diagonal or documents' pieces, which the operators run without a mask."""
+        return not self.ops.takes(q)
 
     def _takes(self, q, pair: Pair) -> bool:
         return (pair.mask is None or pair.diagonal or pair.pieces is not None) and self.ops.takes(q)
