@@ -8,6 +8,7 @@ raise the same DataFileError, a ConfigError: pretrain.py says `config error: ...
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, TypeVar
 
 from ...tensor_parallel.collectives import all_gather_objects
@@ -20,7 +21,7 @@ from .token_files import REFUSALS, DataFileError, refusal_message
 from .token_source import TokenSource
 from .tokenizer import tokenizer_vocab_size
 
-__all__ = ["agreed", "build_data", "open_run_blend"]
+__all__ = ["agreed", "build_data", "index_cache_root", "open_run_blend"]
 
 T = TypeVar("T")
 
@@ -39,10 +40,16 @@ def agreed(check: Callable[[], T], data_dir) -> T:
     return result
 
 
+def index_cache_root(cfg: PretrainConfig) -> Path:
+    """data.index_cache, or RUN/index_cache when it is null."""
+    return Path(cfg.data.index_cache if cfg.data.index_cache is not None else Path(cfg.logging.run_dir) / "index_cache")
+
+
 def open_run_blend(cfg: PretrainConfig) -> tuple[list[TokenSource], list[float]]:
     """The blend's sources, each verified, their vocabulary checked against the model's."""
     data = cfg.data
-    sources, weights = open_blend(data, tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size))
+    sources, weights = open_blend(data, tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size),
+                                  index_cache_root(cfg))
     for source in sources:
         if source.vocab_size > cfg.model.vocab_size:
             tokenizer = source.meta["tokenizer"] if source.meta else data.tokenizer
