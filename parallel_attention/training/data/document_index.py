@@ -15,6 +15,7 @@ validation.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -35,27 +36,32 @@ def _count_validation(num_documents: int, val_fraction: float, piece: int = 1 <<
 
 
 class _Writer:
-    """One split's three arrays, filled in order."""
+    """One split's three arrays, appended in order to .npy files whose header (their final shape) comes first:
+    plain writes, so the build's memory holds one piece, not the pages of a growing map."""
 
     def __init__(self, directory: Path, split: str, count: int) -> None:
-        self.arrays = [np.lib.format.open_memmap(directory / f"{split}_{field}.npy", mode="w+", dtype=np.int64,
-                                                 shape=(count + 1 if field == "starts" else count,))
-                       for field in _FIELDS]
-        self.arrays[0][0], self.done = 0, 0
+        self.files = []
+        for field in _FIELDS:
+            f = open(directory / f"{split}_{field}.npy", "wb")
+            shape = (count + 1,) if field == "starts" else (count,)
+            np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": shape})
+            self.files.append(f)
+        self.files[0].write(np.zeros(1, dtype="<i8").tobytes())
+        self.end = 0  # the stream's length so far
 
     def add(self, source: np.ndarray, lengths: np.ndarray, documents: np.ndarray) -> None:
-        starts, sources, docs = self.arrays
-        n, at = len(source), self.done
-        sources[at:at + n], docs[at:at + n] = source, documents
-        starts[at + 1:at + n + 1] = starts[at] + np.cumsum(lengths)
-        self.done += n
+        ends = self.end + np.cumsum(lengths, dtype=np.int64)
+        for f, values in zip(self.files, (ends, source, documents)):
+            f.write(np.ascontiguousarray(values, dtype="<i8").tobytes())
+        if len(ends):
+            self.end = int(ends[-1])
 
     def close(self) -> int:
-        for array in self.arrays:
-            array.flush()
-        tokens = int(self.arrays[0][-1])
-        del self.arrays
-        return tokens
+        for f in self.files:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        return self.end
 
 
 def write_streams(directory: Path, shards: list[IndexedTokens], val_fraction: float, name: str,
