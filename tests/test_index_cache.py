@@ -158,33 +158,44 @@ def test_meta_without_chunk_hashes_is_verified_whole_at_start(tmp_path):
         open_source(str(data), 0.1, (VOCAB, "byte"))
 
 
-SLOW_INDEX = """
+SLOW = """
 import runpy, sys, time
-from parallel_attention.training.data import source_index
-real = source_index.write_streams
-def slow(*args, **kwargs):
-    time.sleep(8)  # longer than parallel.timeout_s=5
-    return real(*args, **kwargs)
-source_index.write_streams = slow
+from parallel_attention.training.data import prepared, source_index
+
+def slowly(real):
+    def slow(*args, **kwargs):
+        time.sleep(8)  # longer than parallel.timeout_s=5
+        return real(*args, **kwargs)
+    return slow
+
+source_index.write_streams = slowly(source_index.write_streams)
+prepared.prepare_data = slowly(prepared.prepare_data)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_indexing_longer_than_the_collective_timeout_still_starts_and_trains(tmp_path):
-    prefix = _prefix(tmp_path / "web_text_document", [200] * 60)
-    wrapper = tmp_path / "slow_index.py"
-    wrapper.write_text(SLOW_INDEX)
-    run = tmp_path / "run"
+@pytest.mark.parametrize("data", ["blend", "data_dir"])
+def test_preparing_or_indexing_longer_than_the_collective_timeout_still_starts_and_trains(tmp_path, data):
+    """Rank 0 prepares (data_dir) and one rank indexes, each for longer than parallel.timeout_s, while the other
+    waits on the filesystem; then both train."""
+    wrapper, run = tmp_path / "slow.py", tmp_path / "run"
+    wrapper.write_text(SLOW)
+    if data == "blend":
+        prefix = _prefix(tmp_path / "web_text_document", [200] * 60)
+        where = [f"--data.blend=[{{path: '{prefix}', weight: 1.0}}]"]
+    else:
+        where = [f"--data.data_dir={tmp_path / 'data'}", "--data.source=stdlib", "--data.max_bytes=40000"]
     args = ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
             "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=4",
             "--training.micro_batch_size=2", "--training.max_steps=2", "--training.eval_interval=100",
             "--logging.log_interval=1", "--logging.progress_bar=false", "--logging.tensorboard=false",
-            f"--data.blend=[{{path: '{prefix}', weight: 1.0}}]", "--parallel.tensor_parallel_size=1",
-            "--parallel.timeout_s=5", f"--logging.run_dir={run}"]
+            "--parallel.tensor_parallel_size=1", "--parallel.timeout_s=5", f"--logging.run_dir={run}", *where]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(wrapper),
                str(ROOT / "scripts" / "pretrain.py"), *args]
     result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-6000:]
     assert sorted(r["step"] for r in metrics(run) if "loss" in r) == [1, 2]
-    assert len(list((run / "index_cache").glob("web_text_document-*"))) == 1  # built once, by one rank
+    caches = list((run / "index_cache").glob("web_text_document-*")) if data == "blend" else \
+        list((tmp_path / "data" / ".index_cache").glob("prepared-*"))
+    assert len(caches) == 1  # built once, by one rank

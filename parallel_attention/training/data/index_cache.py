@@ -27,7 +27,7 @@ from typing import Callable
 
 from ...checkpointing.tensor_io import fsync_dir
 
-__all__ = ["INFO", "POLL_S", "REPORT_S", "STALE_S", "cached"]
+__all__ = ["INFO", "POLL_S", "REPORT_S", "STALE_S", "cached", "wait_for"]
 
 INFO = "info.json"
 POLL_S = 0.5
@@ -63,6 +63,17 @@ def cached(root: Path, name: str, key: dict, build: Callable[[Path, Callable[[st
             return final, info
         waiting = _wait(lock, what, waiting)
     return final, info
+
+
+def wait_for(ready: Callable[[], bool], what: str) -> None:
+    """Poll `ready()` until it holds, with no bound, saying every REPORT_S seconds that `what` is awaited."""
+    began = reported = time.time()
+    while not ready():
+        if time.time() - reported >= REPORT_S:
+            print(f"waiting {time.time() - began:.0f} s for {what} (no collective: parallel.timeout_s does not "
+                  "bound it)", file=sys.stderr, flush=True)
+            reported = time.time()
+        time.sleep(POLL_S)
 
 
 def _take(lock: Path) -> bool:
