@@ -104,7 +104,7 @@ def first_steps(data_dir: Path, steps: int) -> list[float]:
 
 
 # the child's own peak: /proc's VmHWM belongs to its address space (wait4's ru_maxrss would also count the parent's
-# memory at the fork, which exec keeps in the child's record)
+# memory at the fork, which exec keeps in the child's record); run in `code`, whose package -c then imports first
 PEAK = """
 import atexit, runpy, sys
 def peak():
@@ -127,7 +127,7 @@ def start(code: Path, prefix: Path, run_dir: Path, cache: Path) -> tuple[float, 
         command.append(f"--data.index_cache={cache}")
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
     began = time.perf_counter()
-    child = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    child = subprocess.run(command, env=env, cwd=code, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seconds = time.perf_counter() - began
     if child.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed: {child.stderr[-2000:]}")
