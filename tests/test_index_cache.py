@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from launch import ROOT, environment, metrics
-from parallel_attention.training.data import chunk_hashes, index_cache, source_index
+from parallel_attention.training.data import chunk_hashes, document_index, index_cache, source_index
 from parallel_attention.training.data.identity import DataChangedError, check_identity, source_record
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from parallel_attention.training.data.token_files import DataFileError
-from parallel_attention.training.data.token_source import open_source
+from parallel_attention.training.data.token_source import TokenStream, open_source
 
 VOCAB = 256
 
@@ -63,6 +63,21 @@ def test_the_cached_streams_hold_what_the_rule_gives(tmp_path, monkeypatch, leng
     assert _segments(source.train) == train and _segments(source.val) == val
     assert isinstance(source.train.segment_starts, np.memmap)  # mapped, not held: memory does not grow with it
     assert source.num_documents == len(lengths)
+
+
+def test_the_coarse_index_finds_what_a_search_of_all_starts_finds(tmp_path, monkeypatch):
+    monkeypatch.setattr(document_index, "COARSE", 3)
+    lengths = [int(n) for n in np.random.default_rng(1).integers(0, 9, 200)]  # empty documents: repeated starts
+    source = open_source(_prefix(tmp_path / "p", lengths), 0.05, (VOCAB, "byte"), index_cache=tmp_path / "c")
+    for stream in (source.train, source.val):
+        assert stream.coarse[0] == 3 and stream.coarse[1].tolist() == stream.segment_starts[::3].tolist()
+        positions = np.arange(stream.num_tokens)
+        whole = np.searchsorted(np.asarray(stream.segment_starts), positions, side="right") - 1
+        assert np.array_equal(stream.window_documents(positions, 1)[:, 0], stream.segment_document[whole])
+        offsets = np.arange(0, stream.num_tokens - 8, 5)
+        plain = TokenStream(stream.shards, (stream.segment_starts, stream.segment_source, stream.segment_document),
+                            (VOCAB, "byte"), "p")
+        assert np.array_equal(stream.windows(offsets, 8), plain.windows(offsets, 8))
 
 
 def test_one_build_while_the_others_wait_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch):

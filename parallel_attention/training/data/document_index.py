@@ -8,6 +8,11 @@ as `.npy` files (`train_starts.npy`, `train_source.npy`, `train_document.npy`, a
 opens with np.load(mmap_mode="r"): a step's read touches only the pages its windows need (a binary search in
 `starts`), and a rank's memory no longer grows with the corpus.
 
+Beside them, `train_coarse.npy` holds every COARSE-th entry of `starts` (a few MB at 10^9 documents), read
+into memory: a window's segment is found in it first, then in one COARSE-entry slice of `starts`, so a lookup
+reads a page or two of the map instead of the ~30 scattered ones of a binary search over all of it (each a read
+on a network filesystem).
+
 The values are those the previous in-memory build held, so batches are unchanged: every ~1/val_fraction-th
 document is validation (document_split); a source of a single document gives its last val_fraction of tokens to
 validation.
@@ -24,9 +29,10 @@ from .document_split import validation_range
 from .indexed_dataset import IndexedTokens
 from .token_files import DataFileError
 
-__all__ = ["SPLITS", "load_stream", "write_streams"]
+__all__ = ["COARSE", "SPLITS", "load_stream", "write_streams"]
 
 SPLITS = ("train", "val")
+COARSE = 4096  # entries of `starts` per entry of the in-memory coarse index
 _FIELDS = ("starts", "source", "document")
 
 
@@ -47,7 +53,8 @@ class _Writer:
             np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": shape})
             self.files.append(f)
         self.files[0].write(np.zeros(1, dtype="<i8").tobytes())
-        self.end = 0  # the stream's length so far
+        self.end, self.written = 0, 1  # the stream's length so far; entries of `starts` written
+        self.coarse, self.path = [np.zeros(1, dtype=np.int64)], directory / f"{split}_coarse.npy"
 
     def add(self, source: np.ndarray, lengths: np.ndarray, documents: np.ndarray) -> None:
         ends = self.end + np.cumsum(lengths, dtype=np.int64)
@@ -55,8 +62,11 @@ class _Writer:
             f.write(np.ascontiguousarray(values, dtype="<i8").tobytes())
         if len(ends):
             self.end = int(ends[-1])
+            self.coarse.append(ends[(self.written + np.arange(len(ends))) % COARSE == 0])
+            self.written += len(ends)
 
     def close(self) -> int:
+        np.save(self.path, np.concatenate(self.coarse))
         for f in self.files:
             f.flush()
             os.fsync(f.fileno())
@@ -90,9 +100,11 @@ def write_streams(directory: Path, shards: list[IndexedTokens], val_fraction: fl
             progress(f"{document:,} of {num_documents:,} documents indexed")
         base += shard.num_tokens
     tokens = {split: writer.close() for split, writer in writers.items()}
-    return {"num_documents": num_documents, **{f"num_{split}_tokens": tokens[split] for split in SPLITS}}
+    return {"num_documents": num_documents, "coarse": COARSE,
+            **{f"num_{split}_tokens": tokens[split] for split in SPLITS}}
 
 
-def load_stream(directory: Path, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(starts, source, document) of `split`, memory-mapped read-only."""
-    return tuple(np.load(directory / f"{split}_{field}.npy", mmap_mode="r") for field in _FIELDS)
+def load_stream(directory: Path, split: str) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """((starts, source, document) of `split`, memory-mapped read-only; its coarse index, in memory)."""
+    return (tuple(np.load(directory / f"{split}_{field}.npy", mmap_mode="r") for field in _FIELDS),
+            np.load(directory / f"{split}_coarse.npy"))

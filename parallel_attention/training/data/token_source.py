@@ -35,11 +35,14 @@ class TokenStream:
     document segment_document[k], and starts at segment_starts[k] in the stream (document_index.py)."""
 
     def __init__(self, shards: list[tuple[np.ndarray, Path]], segments: tuple, vocab: tuple[int, str], name: str,
-                 verifiers: list[ChunkVerifier | None] | None = None) -> None:
+                 verifiers: list[ChunkVerifier | None] | None = None,
+                 coarse: tuple[int, np.ndarray] | None = None) -> None:
         """shards: each shard's tokens and file; segments: (segment_starts, segment_source, segment_document),
         memory-mapped or in memory; vocab: (size, where that size comes from) for the id check; verifiers: each
-        shard's chunk verifier (None: its file was verified at start)."""
+        shard's chunk verifier (None: its file was verified at start); coarse: (stride, segment_starts[::stride])
+        for memory-mapped starts (document_index.py), None to search them whole."""
         self.shards, (self.vocab_size, self.vocab_from), self.name = shards, vocab, name
+        self.coarse = coarse
         self.verifiers = verifiers or [None] * len(shards)
         self.shard_starts = np.cumsum([0] + [len(s) for s, _ in shards], dtype=np.int64)
         self.segment_starts, self.segment_source, self.segment_document = segments
@@ -59,8 +62,22 @@ class TokenStream:
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_tokens):
             raise IndexError(f"a window of {length} tokens at {positions.min()} leaves the {self.num_tokens}-token "
                              f"stream of {self.name}.")
-        segment = np.searchsorted(self.segment_starts, positions, side="right") - 1
+        segment = self._segments(positions)
         return self.segment_source[segment] + (positions - self.segment_starts[segment]), segment
+
+    def _segments(self, positions: np.ndarray) -> np.ndarray:
+        """The segment of each position: the last k with segment_starts[k] <= position, found in the coarse
+        index, then in one stride of the map (the same k as a search of all of it)."""
+        if self.coarse is None:
+            return np.searchsorted(self.segment_starts, positions, side="right") - 1
+        stride, coarse = self.coarse
+        block = np.searchsorted(coarse, positions, side="right") - 1
+        segment = np.empty(positions.shape, dtype=np.int64)
+        for b in np.unique(block):
+            chosen, first = block == b, int(b) * stride
+            part = np.asarray(self.segment_starts[first:first + stride + 1])
+            segment[chosen] = first + np.searchsorted(part, positions[chosen], side="right") - 1
+        return segment
 
     def windows(self, offsets, length: int) -> np.ndarray:
         """int64 [len(offsets), length]: the tokens of each window, every id checked against the vocabulary."""
@@ -144,7 +161,9 @@ def _from_cache(name: str, directory: Path, info: dict, vocab: tuple[int, str], 
         verifiers.append(ChunkVerifier(tokens.bin_path, shard["chunk_bytes"], shard["chunk_sha256"],
                                        tokens.dtype.itemsize, fix)
                          if verify and shard["chunk_sha256"] is not None else None)
-    train, val = (TokenStream(shards, load_stream(directory, split), vocab, name, verifiers) for split in SPLITS)
+    streams = [load_stream(directory, split) for split in SPLITS]
+    train, val = (TokenStream(shards, segments, vocab, name, verifiers, (info["coarse"], coarse))
+                  for segments, coarse in streams)
     return TokenSource(name, train, val, vocab[0], meta, info["num_documents"], info)
 
 
