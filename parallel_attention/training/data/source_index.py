@@ -29,7 +29,7 @@ from .token_files import DataFileError, prepare_again, sha256_of
 __all__ = ["CACHE_DIR", "VERSION", "chunks_digest", "megatron_index", "prepared_index"]
 
 CACHE_DIR = ".index_cache"
-VERSION = 1
+VERSION = 2  # of the cache layout: 2 added the coarse index
 
 
 def _file_key(path: Path) -> list[int]:
