@@ -46,12 +46,13 @@ def _zero(path: Path) -> None:
 
 def test_a_same_size_zeroed_token_file_is_refused_naming_the_file_and_both_hashes(data_cfg):
     train = Path(data_cfg.data_dir) / "shard_00000.bin"
-    recorded = json.loads((train.parent / "meta.json").read_text())["shards"][0]["bin_sha256"]
-    _open(data_cfg)  # hashed (and cached) while intact
+    recorded = json.loads((train.parent / "meta.json").read_text())["shards"][0]["bin_chunk_sha256"][0]
+    _open(data_cfg)  # indexed while intact
     _zero(train)
-    for open_it in (lambda: _open(data_cfg), lambda: ensure_prepared(data_cfg)):
+    source = _open(data_cfg)  # the start reads no .bin: its chunk is verified when first read
+    for read_it in (lambda: source.train.windows([0], 8), lambda: _open(data_cfg).val.windows([0], 8)):
         with pytest.raises(DataFileError) as info:
-            open_it()
+            read_it()
         message = str(info.value)
         assert isinstance(info.value, ConfigError)  # pretrain.py: `config error: ...`, exit 2
         assert str(train) in message and recorded in message and sha256_of(train) in message, message
@@ -188,16 +189,16 @@ def test_every_rank_refuses_alike_whichever_rank_finds_the_fault(tmp_path):
     good, bad = tmp_path / "good", tmp_path / "bad"
     for path in (good, bad):
         prepare_data("stdlib", "byte", path, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
-    _zero(bad / "shard_00000.bin")
+    _zero(bad / "shard_00000.idx")  # checked at start, when the index cache is built (a .bin: when read)
     cfg = _pretrain_config(good, tmp_path / "run")
     assert run_distributed(_build_data_on_each_rank, 2, 1, cfg, None) == [None, None]
     said = run_distributed(_build_data_on_each_rank, 2, 1, cfg, str(bad))  # only rank 1 finds it: no hang
-    assert said[0] == said[1] and str(bad / "shard_00000.bin") in said[0], said
+    assert said[0] == said[1] and str(bad / "shard_00000.idx") in said[0], said
     said = run_distributed(_build_data_on_each_rank, 2, 1, _pretrain_config(bad, tmp_path / "run"), None)
-    assert said[0] == said[1] and str(bad / "shard_00000.bin") in said[0], said  # rank 0 found it first
+    assert said[0] == said[1] and str(bad / "shard_00000.idx") in said[0], said  # rank 0 found it first
 
 
-def test_pretraining_on_a_zeroed_token_file_stops_before_any_step_with_exit_2(tmp_path):
+def test_pretraining_on_a_zeroed_token_file_stops_at_its_first_read_with_exit_2(tmp_path):
     data_dir = tmp_path / "data"
     prepare_data("stdlib", "byte", data_dir, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
     _zero(data_dir / "shard_00000.bin")

@@ -81,6 +81,9 @@ class DataConfig:
     # epochs: each source's windows in a seeded order per epoch, none repeated before all are read;
     # random_windows: windows drawn with replacement (runs started before 0.3; one source only)
     sampling: Literal["epochs", "random_windows"] = "epochs"
+    # where the index caches of Megatron-LM prefixes (and read-only prepared directories) are built once and
+    # memory-mapped by every rank (docs/data.md, "Index caches"); None: RUN/index_cache (logging.run_dir)
+    index_cache: str | None = None
 
 
 @dataclass

@@ -1,13 +1,17 @@
 """The data verdict every rank shares: a problem with the token files found on any rank refuses the run on all.
 
-Global rank 0 prepares the data while the others wait, then every rank opens and verifies the files. A rank that
-raised on its own would leave the others waiting in their next collective until the timeout, and torchrun's report
-would name whichever rank failed first. So each step gathers every rank's verdict (a barrier too) and all ranks
+Global rank 0 prepares the data while the others wait for it on the filesystem (no collective: preparing may take
+longer than parallel.timeout_s), then every rank opens and verifies the files. A rank that raised on its own would
+leave the others waiting in their next collective until the timeout, and torchrun's report would name whichever
+rank failed first. So each step gathers every rank's verdict (a barrier too) and all ranks
 raise the same DataFileError, a ConfigError: pretrain.py says `config error: ...` once and every rank exits 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import secrets
+from pathlib import Path
 from typing import Callable, TypeVar
 
 from ...tensor_parallel.collectives import all_gather_objects
@@ -16,11 +20,12 @@ from .batches import GlobalBatchSampler, run_sampler
 from ..config.schema import PretrainConfig
 from .prepared import ensure_prepared
 from .blend import open_blend
-from .token_files import REFUSALS, DataFileError, refusal_message
+from .index_cache import wait_for
+from .token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message
 from .token_source import TokenSource
 from .tokenizer import tokenizer_vocab_size
 
-__all__ = ["agreed", "build_data", "open_run_blend"]
+__all__ = ["agreed", "build_data", "index_cache_root", "open_run_blend"]
 
 T = TypeVar("T")
 
@@ -39,10 +44,16 @@ def agreed(check: Callable[[], T], data_dir) -> T:
     return result
 
 
+def index_cache_root(cfg: PretrainConfig) -> Path:
+    """data.index_cache, or RUN/index_cache when it is null."""
+    return Path(cfg.data.index_cache if cfg.data.index_cache is not None else Path(cfg.logging.run_dir) / "index_cache")
+
+
 def open_run_blend(cfg: PretrainConfig) -> tuple[list[TokenSource], list[float]]:
     """The blend's sources, each verified, their vocabulary checked against the model's."""
     data = cfg.data
-    sources, weights = open_blend(data, tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size))
+    sources, weights = open_blend(data, tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size),
+                                  index_cache_root(cfg))
     for source in sources:
         if source.vocab_size > cfg.model.vocab_size:
             tokenizer = source.meta["tokenizer"] if source.meta else data.tokenizer
@@ -53,14 +64,44 @@ def open_run_blend(cfg: PretrainConfig) -> tuple[list[TokenSource], list[float]]
     return sources, weights
 
 
+def _prepared_by_rank_0(cfg: PretrainConfig) -> None:
+    """Global rank 0 prepares data.data_dir; the others wait for it on the filesystem, not in a collective
+    (preparing a corpus may take hours, the collective timeout minutes): for its complete meta.json, or for the
+    verdict file rank 0 leaves beside it when it refuses. Then every rank shares rank 0's verdict (the barrier: no
+    rank opens the files before rank 0 has prepared them)."""
+    data_dir, rank_0 = Path(cfg.data.data_dir), ps.get_global_rank() == 0
+    nonce = all_gather_objects(secrets.token_hex(8) if rank_0 else None)[0]  # this start's, not an older one's
+    verdict = data_dir.parent / f".{data_dir.name}.refused-{nonce}"
+    refusal = None
+    if rank_0:
+        try:
+            ensure_prepared(cfg.data)
+        except REFUSALS as error:
+            refusal = error
+            with contextlib.suppress(OSError):  # a read-only parent: the data is there, the others do not wait
+                verdict.write_text(refusal_message(error, data_dir), encoding="utf-8")
+    else:
+        wait_for(lambda: verdict.is_file() or meta_and_reason(data_dir)[0] is not None,
+                 f"global rank 0 to prepare {data_dir}")
+    try:
+        agreed(lambda: _raise(refusal), data_dir)
+    finally:
+        if rank_0:
+            verdict.unlink(missing_ok=True)
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
 def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
     """Prepare data.data_dir once (global rank 0) unless a blend names the sources, then open every source on every
     rank, checked against its meta.json's sha256; a refusal on any rank is every rank's. Returns the sampler and
     the blend's sources. Nothing is written into the run directory here (identity.keep_run_tokenizer copies
     the tokenizer there once the run has resumed)."""
-    data_dir, rank_0 = cfg.data.data_dir, ps.get_global_rank() == 0
+    data_dir = cfg.data.data_dir
     if not cfg.data.blend:
-        agreed(lambda: rank_0 and ensure_prepared(cfg.data),
-               data_dir)  # the barrier too: no rank opens the files before rank 0 has prepared them
+        _prepared_by_rank_0(cfg)
     sources, weights = agreed(lambda: open_run_blend(cfg), data_dir)
     return run_sampler(cfg, sources, weights), sources

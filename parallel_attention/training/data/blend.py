@@ -60,10 +60,13 @@ def prepared_tokenizer(sources: list[TokenSource], spec: str) -> Path | None:
     return path
 
 
-def open_blend(data: DataConfig, tokenizer_vocab: int) -> tuple[list[TokenSource], list[float]]:
-    """The blend's sources, each verified against its meta.json, and their weights."""
+def open_blend(data: DataConfig, tokenizer_vocab: int, index_cache: Path | None = None) -> tuple[list[TokenSource],
+                                                                                              list[float]]:
+    """The blend's sources, each verified against its meta.json, and their weights; `index_cache`: the root of
+    the index caches of Megatron-LM prefixes (token_source.open_source)."""
     entries = blend_entries(data)
-    sources = [open_source(e.path, data.val_fraction, (tokenizer_vocab, data.tokenizer)) for e in entries]
+    sources = [open_source(e.path, data.val_fraction, (tokenizer_vocab, data.tokenizer), index_cache=index_cache)
+               for e in entries]
     prepared_tokenizer(sources, data.tokenizer)
     return sources, [e.weight for e in entries]
 

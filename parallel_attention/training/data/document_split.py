@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["validation_mask"]
+__all__ = ["validation_mask", "validation_range"]
 
 
 def validation_mask(num_documents: int, val_fraction: float) -> np.ndarray:
     """bool [num_documents]: True for the validation documents (all False for fewer than two documents)."""
+    return validation_range(num_documents, val_fraction, 0, num_documents)
+
+
+def validation_range(num_documents: int, val_fraction: float, first: int, stop: int) -> np.ndarray:
+    """validation_mask(num_documents, val_fraction)[first:stop], in memory proportional to stop - first: a reader
+    of 10^9 documents takes it in pieces."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must lie in (0, 1).")
-    index = np.arange(num_documents, dtype=np.float64)
+    index = np.arange(first, stop, dtype=np.float64)
     mask = np.floor((index + 1) * val_fraction) > np.floor(index * val_fraction)
-    if num_documents >= 2 and not mask.any():
+    # floor(i * f) never decreases with i, so some document is picked iff floor(n * f) > floor(0 * f) = 0
+    if num_documents >= 2 and np.floor(np.float64(num_documents) * val_fraction) == 0 and stop == num_documents > first:
         mask[-1] = True
     if num_documents < 2:
         mask[:] = False

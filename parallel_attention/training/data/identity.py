@@ -3,9 +3,10 @@
 A model means nothing without the tokenizer its ids came from, and a resumed run that silently reads other data is
 another experiment. So every checkpoint records `data_identity`: the tokenizer (its spec and the sha256 of its
 tokenizer.json; byte and gpt2 are known by name), each source's path with the sha256 of what identifies its
-content (a prepared directory's meta.json, which records every shard's hash; a Megatron-LM prefix's .idx), and the
-sampling. A resume with another tokenizer is refused; with other data it is refused unless
-`checkpoint.allow_data_change: true` asks for it (continued pretraining), and then the run says what changed.
+content (a prepared directory's meta.json, which records every shard's hash; a Megatron-LM prefix's .idx and the
+hashes of its .bin's chunks, from its index cache), and the sampling. A resume with another tokenizer is refused;
+with other data it is refused unless `checkpoint.allow_data_change: true` asks for it (continued pretraining), and
+then the run says what changed.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from ..config.schema import PretrainConfig
 from ..config.checks import ConfigError
 from .blend import blend_entries, prepared_tokenizer
 from .blend_history import continue_run_blend
+from .source_index import chunks_digest
 from .token_source import TokenSource
 from .tokenizer import copy_tokenizer
 
 __all__ = ["DataChangedError", "check_identity", "check_tokenizer", "data_identity", "keep_run_tokenizer",
-           "run_data_identity", "source_sha256", "tokenizer_identity"]
+           "run_data_identity", "source_record", "source_sha256", "tokenizer_identity"]
 
 
 class DataChangedError(ConfigError):
@@ -39,17 +41,27 @@ def tokenizer_identity(spec: str, tokenizer_json: Path | None) -> dict:
 
 
 def source_sha256(source: TokenSource) -> str:
-    """What identifies a source's content: its meta.json (which records every shard's hash) or its .idx."""
-    path = Path(source.name)
-    return file_digest(path / "meta.json" if source.meta is not None else Path(f"{path}.idx"))["sha256"]
+    """What identifies a source's content: its meta.json (which records every shard's hash), or a Megatron-LM
+    prefix's .idx (hashed once, when its index cache was built)."""
+    if source.meta is not None:
+        return file_digest(Path(source.name) / "meta.json")["sha256"]
+    return source.index["idx_sha256"]
+
+
+def source_record(path: str, weight: float, source: TokenSource) -> dict:
+    """{path, sha256 (`source_sha256`), weight}, and for a prefix `bin_chunks_sha256`: one hash over its .bin's
+    chunk hashes, from its index cache (read once)."""
+    if source.meta is not None:
+        return {"path": path, "sha256": source_sha256(source), "weight": weight}
+    return {"path": path, "sha256": source_sha256(source), "weight": weight,
+            "bin_chunks_sha256": chunks_digest(source.index)}
 
 
 def data_identity(cfg: PretrainConfig, sources: list[TokenSource]) -> dict:
     """The tokenizer, each source (path as configured, sha256, weight) and the sampling of this run."""
     entries = blend_entries(cfg.data)
     return {"tokenizer": tokenizer_identity(cfg.data.tokenizer, prepared_tokenizer(sources, cfg.data.tokenizer)),
-            "sources": [{"path": e.path, "sha256": source_sha256(s), "weight": e.weight}
-                        for e, s in zip(entries, sources)],
+            "sources": [source_record(e.path, e.weight, s) for e, s in zip(entries, sources)],
             "sampling": cfg.data.sampling}
 
 
@@ -59,6 +71,17 @@ def run_data_identity(cfg: PretrainConfig, sampler, manifest: dict | None) -> di
     identity = data_identity(cfg, sampler.sources)
     continue_run_blend(cfg, sampler, identity, manifest)
     return identity
+
+
+def _bin_changed(saved: list[dict], current: list[dict]) -> bool:
+    """A Megatron-LM .bin whose chunk hashes differ (checkpoints from before they were recorded pass)."""
+    key = "bin_chunks_sha256"
+    return any(a.get(key) and b.get(key) and a[key] != b[key] for a, b in zip(saved, current))
+
+
+def _describe_source(s: dict) -> str:
+    chunks = f", .bin {s['bin_chunks_sha256'][:12]}" if s.get("bin_chunks_sha256") else ""
+    return f"{s['path']} x{s['weight']:g} ({s['sha256'][:12]}{chunks})"
 
 
 def _describe(tokenizer: dict) -> str:
@@ -79,10 +102,10 @@ def check_identity(manifest: dict, current: dict, allow_data_change: bool) -> No
             "replaced).")
     content = [[(s["sha256"], s["weight"]) for s in identity["sources"]] + [identity["sampling"]]
                for identity in (saved, current)]
-    if content[0] == content[1]:  # the same data under another path is the same data
-        return
-    before = ", ".join(f"{s['path']} x{s['weight']:g} ({s['sha256'][:12]})" for s in saved["sources"])
-    after = ", ".join(f"{s['path']} x{s['weight']:g} ({s['sha256'][:12]})" for s in current["sources"])
+    if content[0] == content[1] and not _bin_changed(saved["sources"], current["sources"]):
+        return  # the same data under another path is the same data
+    before = ", ".join(_describe_source(s) for s in saved["sources"])
+    after = ", ".join(_describe_source(s) for s in current["sources"])
     change = f"data {before}, {saved['sampling']} -> {after}, {current['sampling']}"
     if not allow_data_change:
         raise DataChangedError(

@@ -33,6 +33,7 @@ DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6
                8: np.uint16}
 _CODE_OF = {np.dtype(t): code for code, t in DTYPE_CODES.items()}
 _UINT16_BELOW = 65_500  # Megatron's optimal_dtype: uint16 for a vocabulary under this many tokens
+_PIECE = 1 << 22  # index entries read at a time: 32 MB of int64
 
 
 class IndexFormatError(ConfigError):
@@ -98,43 +99,106 @@ class IndexedTokens:
     """One indexed dataset, memory-mapped: its token stream and where each document starts in it.
 
     `tokens` is the whole .bin as one array (documents back to back, as the sequences lie on disk);
-    `document_starts[i]` is the token offset of document i and `document_starts[-1]` the total, so document i is
-    tokens[document_starts[i]:document_starts[i + 1]]. A document of several sequences (Megatron's sentence-split
-    data) is one document here: its sequences are contiguous in .bin.
+    `boundaries()` gives the token offset where each document starts (and, last, the total), in pieces, so that
+    document i is tokens[b[i]:b[i + 1]]. A document of several sequences (Megatron's sentence-split data) is one
+    document here: its sequences are contiguous in .bin; an empty document (a repeated document index) is none.
+
+    Opening reads only the header; `check_index=True` also reads the whole index in pieces of _PIECE entries
+    (memory O(1) in the corpus) and refuses one that does not describe its .bin. An index cache (index_cache.py)
+    checks once, when it is built, and opens with `check_index=False` afterwards.
     """
 
-    def __init__(self, prefix) -> None:
+    def __init__(self, prefix, check_index: bool = True) -> None:
         self.prefix = Path(prefix)
         self.idx_path, self.bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
         for path in (self.idx_path, self.bin_path):
             if not path.is_file():
                 raise IndexFormatError(f"{path} does not exist: an indexed dataset is a PREFIX.bin and PREFIX.idx "
                                        f"pair; give its prefix without the extension ({self.prefix}).")
-        self.dtype, lengths, pointers, documents = _read_index(self.idx_path)
-        self.num_sequences = len(lengths)
-        self.num_tokens = int(lengths.sum(dtype=np.int64))
+        self.dtype, self._lengths, self._pointers, self._documents = _read_index(self.idx_path)
+        self.num_sequences = len(self._lengths)
+        self._num_documents, self._starts = None, None
+        if check_index:
+            self.num_tokens = sum(int(p.sum(dtype=np.int64)) for p in _pieces(self._lengths))
+        else:  # back to back (checked when the cache was built): the last pointer and length give the total
+            self.num_tokens = (int(self._pointers[-1]) // self.dtype.itemsize + int(self._lengths[-1])
+                               if self.num_sequences else 0)
         expected = self.num_tokens * self.dtype.itemsize
         if self.bin_path.stat().st_size != expected:
             raise IndexFormatError(f"{self.bin_path} has {self.bin_path.stat().st_size} bytes but {self.idx_path} "
                                    f"describes {expected} ({self.num_tokens} tokens of {self.dtype}): the pair does "
                                    "not belong together or one was cut short; prepare it again.")
-        steps = lengths[:-1].astype(np.int64) * self.dtype.itemsize
-        if len(lengths) and (pointers[0] != 0 or np.any(np.diff(pointers) != steps)):
-            raise IndexFormatError(f"{self.idx_path}: its sequences are not back to back in {self.bin_path}, which "
-                                   "this reader needs (every Megatron-LM and NeMo writer lays them out so).")
-        sequence_starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=sequence_starts[1:])
-        if len(documents) == 0 or documents[0] != 0 or documents[-1] != len(lengths) or np.any(np.diff(documents) < 0):
-            raise IndexFormatError(f"{self.idx_path}: its document indices do not run from 0 to its "
-                                   f"{len(lengths)} sequences: the index is damaged; prepare it again.")
-        bounds = documents if np.all(np.diff(documents) > 0) else np.unique(documents)  # empty documents dropped
-        self.document_starts = sequence_starts[bounds]
-        self.num_documents = len(self.document_starts) - 1
+        if check_index:
+            self._check_pointers()
+            self._num_documents = self._check_documents()
         self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,)) \
             if self.num_tokens else np.zeros(0, dtype=self.dtype)
 
+    def _check_pointers(self) -> None:
+        itemsize, expected = self.dtype.itemsize, 0
+        for lengths, pointers in zip(_pieces(self._lengths), _pieces(self._pointers)):
+            steps = lengths.astype(np.int64) * itemsize
+            if pointers[0] != expected or np.any(np.diff(pointers) != steps[:-1]):
+                raise IndexFormatError(f"{self.idx_path}: its sequences are not back to back in {self.bin_path}, "
+                                       "which this reader needs (every Megatron-LM and NeMo writer lays them out so).")
+            expected = int(pointers[-1]) + int(steps[-1])
+
+    def _check_documents(self) -> int:
+        """The number of non-empty documents, once the document indices are found to run from 0 to the count."""
+        documents, n = self._documents, self.num_sequences
+        bad = len(documents) == 0 or documents[0] != 0 or documents[-1] != n
+        previous, distinct = 0, 1 if len(documents) else 0
+        for piece in ([] if bad else _pieces(documents)):
+            steps = np.diff(piece, prepend=previous)
+            bad, previous, distinct = bool(np.any(steps < 0)), int(piece[-1]), distinct + int(np.count_nonzero(steps))
+            if bad:
+                break
+        if bad:
+            raise IndexFormatError(f"{self.idx_path}: its document indices do not run from 0 to its "
+                                   f"{n} sequences: the index is damaged; prepare it again.")
+        return distinct - 1
+
+    @property
+    def num_documents(self) -> int:
+        if self._num_documents is None:
+            self._num_documents = self._check_documents()
+        return self._num_documents
+
+    def boundaries(self):
+        """The documents' token offsets in pieces: each piece starts where the last ended (its first entry is the
+        previous piece's last), so a piece b holds the documents b[:-1] .. b[1:]."""
+        last_sequence, last_offset = None, None
+        for piece in _pieces(self._documents):
+            keep = np.empty(len(piece), dtype=bool)
+            keep[0] = last_sequence is None or piece[0] != last_sequence
+            np.not_equal(piece[1:], piece[:-1], out=keep[1:])
+            sequences, last_sequence = piece[keep], int(piece[-1])
+            offsets = np.full(len(sequences), self.num_tokens, dtype=np.int64)
+            inside = sequences < self.num_sequences
+            offsets[inside] = self._pointers[sequences[inside]] // self.dtype.itemsize
+            if last_offset is not None:
+                offsets = np.concatenate([[last_offset], offsets])
+            if len(offsets):
+                last_offset = int(offsets[-1])
+                yield offsets
+
+    @property
+    def document_starts(self) -> np.ndarray:
+        """int64 [num_documents + 1]: every boundary at once (memory grows with the corpus: for tests and tools)."""
+        if self._starts is None:
+            pieces = list(self.boundaries())
+            self._starts = np.concatenate([pieces[0]] + [p[1:] for p in pieces[1:]])
+        return self._starts
+
     def document(self, index: int) -> np.ndarray:
-        return self.tokens[self.document_starts[index]:self.document_starts[index + 1]]
+        starts = self.document_starts
+        return self.tokens[starts[index]:starts[index + 1]]
+
+
+def _pieces(array: np.ndarray):
+    """`array` (a memory map) in pieces of _PIECE entries, each read into memory."""
+    for lo in range(0, len(array), _PIECE):
+        yield np.asarray(array[lo:lo + _PIECE])
 
 
 def _read_index(path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:

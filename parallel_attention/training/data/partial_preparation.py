@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from ...checkpointing.tensor_io import file_digest, replace_directory, write_atomic
+from .chunk_hashes import CHUNK_BYTES, file_and_chunk_sha256
 from .indexed_dataset import IndexedDatasetWriter
 from .token_files import META, index_bytes
 
@@ -81,9 +82,10 @@ class PartialPreparation:
         self.next_input = next_input
         writer.finish()
         prefix, self._itemsize = writer.prefix.name, writer.dtype.itemsize
+        bin_sha256, chunks = file_and_chunk_sha256(self.path / f"{prefix}.bin", CHUNK_BYTES)
         self.shards.append({"prefix": prefix, "num_documents": len(writer.lengths), "num_tokens": writer.num_tokens,
-                            **{f"{kind}_sha256": file_digest(self.path / f"{prefix}.{kind}")["sha256"]
-                               for kind in ("bin", "idx")}})
+                            "bin_sha256": bin_sha256, "idx_sha256": file_digest(self.path / f"{prefix}.idx")["sha256"],
+                            "chunk_bytes": CHUNK_BYTES, "bin_chunk_sha256": chunks})
         self._write_progress()
 
     def complete(self, meta: dict) -> None:

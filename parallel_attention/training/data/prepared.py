@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .preparation import source_key, tokenizer_key
 from .preparation import prepare_shards as prepare_data
-from .token_files import DataFileError, meta_and_reason, prepare_again, refuse_other_settings, verify_files
+from .token_files import DataFileError, meta_and_reason, prepare_again, refuse_other_settings, verify_at_start
 
 __all__ = ["ensure_prepared", "prepare_data", "read_meta"]
 
@@ -53,5 +53,5 @@ def ensure_prepared(data_cfg) -> dict:
         if meta.get("format_version") is None:  # the previous format split train/val when it was prepared
             wanted["val_fraction"] = data_cfg.val_fraction
         refuse_other_settings(data_dir, meta, wanted)
-        verify_files(data_dir, meta)  # on rank 0 first: it fills the hash cache that the other ranks then read
+        verify_at_start(data_dir, meta)  # on rank 0 first: it fills the hash cache that the other ranks then read
     return meta

@@ -24,7 +24,7 @@ from .preparation_command import preparation_command
 from .tokenizer import TokenizerUnavailableError
 
 __all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "refuse_other_settings",
-           "sha256_of", "verify_files", "verify_sha256"]
+           "sha256_of", "verify_at_start", "verify_files", "verify_sha256"]
 
 META = "meta.json"
 FORMAT_VERSION = 2  # shards in Megatron-LM's indexed-dataset format; 1 (no "format_version" key): train/val .bin
@@ -147,6 +147,22 @@ def verify_files(data_dir, meta: dict) -> None:
     data_dir = Path(data_dir)
     for name, recorded in recorded_hashes(meta).items():
         _check_sha256(data_dir / name, recorded, data_dir, meta)
+    if meta.get("format_version") != FORMAT_VERSION:
+        for split in ("train", "val"):
+            _check_offsets(data_dir, meta, split)
+
+
+def verify_at_start(data_dir, meta: dict) -> None:
+    """What a start verifies, without reading the corpus: the trained BPE's tokenizer.json, and the files whose
+    hash meta.json records only whole (data prepared before chunk hashes, checked as verify_files does). A .bin
+    with `bin_chunk_sha256` is verified chunk by chunk as it is read (chunk_hashes.py), each .idx when the
+    source's index cache is built (source_index.py)."""
+    data_dir = Path(data_dir)
+    chunked = {f"{s['prefix']}.{kind}" for s in meta.get("shards", []) if s.get("bin_chunk_sha256") is not None
+               for kind in ("bin", "idx")}
+    for name, recorded in recorded_hashes(meta).items():
+        if name not in chunked:
+            _check_sha256(data_dir / name, recorded, data_dir, meta)
     if meta.get("format_version") != FORMAT_VERSION:
         for split in ("train", "val"):
             _check_offsets(data_dir, meta, split)

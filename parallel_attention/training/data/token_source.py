@@ -7,36 +7,54 @@ space; `document_split.validation_mask` holds every ~1/val_fraction-th document 
 format keeps the split it was prepared with). Each stream is the concatenation of its documents' tokens, read
 through `TokenStream`: windows may cross document boundaries, and each token's document index is known, so
 `data.document_masking` still masks them.
+
+Opening reads no corpus: the per-document arrays come memory-mapped from the source's index cache (source_index),
+built once, and each 64 MiB chunk of a .bin is verified the first time this process reads from it (chunk_hashes).
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .document_split import validation_mask
+from .chunk_hashes import ChunkVerifier
+from .document_index import SPLITS, load_stream
 from .indexed_dataset import IndexedTokens
-from .token_files import DataFileError, meta_and_reason, prepare_again, verify_files
+from .source_index import megatron_index, prepared_index
+from .token_files import DataFileError, meta_and_reason, prepare_again, verify_at_start
 
 __all__ = ["TokenSource", "TokenStream", "open_source"]
 
 
 class TokenStream:
-    """Segments of a source's token space read as one stream: segment i is `lengths[i]` tokens from `starts[i]`
-    (source-level offsets) of document `documents[i]`."""
+    """Segments of a source's token space read as one stream: segment k is the tokens
+    [segment_source[k], segment_source[k] + segment_starts[k + 1] - segment_starts[k]) of the source, from its
+    document segment_document[k], and starts at segment_starts[k] in the stream (document_index.py)."""
 
-    def __init__(self, shards: list[tuple[np.ndarray, Path]], starts: np.ndarray, lengths: np.ndarray,
-                 documents: np.ndarray, vocab: tuple[int, str], name: str) -> None:
-        """shards: each shard's tokens and file; vocab: (size, where that size comes from) for the id check."""
+    def __init__(self, shards: list[tuple[np.ndarray, Path]], segments: tuple, vocab: tuple[int, str], name: str,
+                 verifiers: list[ChunkVerifier | None] | None = None,
+                 coarse: tuple[int, np.ndarray] | None = None) -> None:
+        """shards: each shard's tokens and file; segments: (segment_starts, segment_source, segment_document),
+        memory-mapped or in memory; vocab: (size, where that size comes from) for the id check; verifiers: each
+        shard's chunk verifier (None: its file was verified at start); coarse: (stride, segment_starts[::stride])
+        for memory-mapped starts (document_index.py), None to search them whole."""
         self.shards, (self.vocab_size, self.vocab_from), self.name = shards, vocab, name
+        self.coarse = coarse
+        self.verifiers = verifiers or [None] * len(shards)
         self.shard_starts = np.cumsum([0] + [len(s) for s, _ in shards], dtype=np.int64)
-        self.segment_source = np.asarray(starts, dtype=np.int64)
-        self.segment_document = np.asarray(documents, dtype=np.int64)
-        self.segment_starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.segment_starts[1:])
+        self.segment_starts, self.segment_source, self.segment_document = segments
         self.num_tokens = int(self.segment_starts[-1])
+
+    @classmethod
+    def in_memory(cls, shards, starts, lengths, documents, vocab: tuple[int, str], name: str) -> TokenStream:
+        """A stream of few segments held in memory (the previous format's train.bin / val.bin)."""
+        segment_starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=segment_starts[1:])
+        return cls(shards, (segment_starts, np.asarray(starts, dtype=np.int64), np.asarray(documents, np.int64)),
+                   vocab, name)
 
     def _locate(self, offsets, length: int) -> tuple[np.ndarray, np.ndarray]:
         """(source-level position, segment) of every token of the windows [offset, offset + length)."""
@@ -44,8 +62,22 @@ class TokenStream:
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_tokens):
             raise IndexError(f"a window of {length} tokens at {positions.min()} leaves the {self.num_tokens}-token "
                              f"stream of {self.name}.")
-        segment = np.searchsorted(self.segment_starts, positions, side="right") - 1
+        segment = self._segments(positions)
         return self.segment_source[segment] + (positions - self.segment_starts[segment]), segment
+
+    def _segments(self, positions: np.ndarray) -> np.ndarray:
+        """The segment of each position: the last k with segment_starts[k] <= position, found in the coarse
+        index, then in one stride of the map (the same k as a search of all of it)."""
+        if self.coarse is None:
+            return np.searchsorted(self.segment_starts, positions, side="right") - 1
+        stride, coarse = self.coarse
+        block = np.searchsorted(coarse, positions, side="right") - 1
+        segment = np.empty(positions.shape, dtype=np.int64)
+        for b in np.unique(block):
+            chosen, first = block == b, int(b) * stride
+            part = np.asarray(self.segment_starts[first:first + stride + 1])
+            segment[chosen] = first + np.searchsorted(part, positions[chosen], side="right") - 1
+        return segment
 
     def windows(self, offsets, length: int) -> np.ndarray:
         """int64 [len(offsets), length]: the tokens of each window, every id checked against the vocabulary."""
@@ -54,8 +86,11 @@ class TokenStream:
         shard = np.searchsorted(self.shard_starts, source_positions, side="right") - 1
         for s in np.unique(shard):
             chosen = shard == s
-            tokens, path = self.shards[s]
-            rows[chosen] = values = tokens[source_positions[chosen] - self.shard_starts[s]]
+            (tokens, path), verifier = self.shards[s], self.verifiers[s]
+            positions = source_positions[chosen] - self.shard_starts[s]
+            if verifier is not None:
+                verifier.check_tokens(positions)
+            rows[chosen] = values = tokens[positions]
             if values.size and (int(values.max()) >= self.vocab_size or int(values.min()) < 0):
                 bad = int(values.max()) if int(values.max()) >= self.vocab_size else int(values.min())
                 raise DataFileError(f"{path} holds token id {bad}, outside the vocabulary [0, {self.vocab_size}) of "
@@ -79,51 +114,57 @@ class TokenSource:
     vocab_size: int
     meta: dict | None  # the prepared directory's meta.json; None for a Megatron-LM prefix
     num_documents: int
+    index: dict | None = None  # its index cache's info.json (source_index.py); None for the previous format
 
 
-def open_source(path: str, val_fraction: float, tokenizer: tuple[int, str], verify: bool = True) -> TokenSource:
+def open_source(path: str, val_fraction: float, tokenizer: tuple[int, str], verify: bool = True,
+                index_cache: Path | None = None) -> TokenSource:
     """Open a prepared directory or a Megatron-LM prefix, verifying every file it reads against meta.json.
 
     `tokenizer`: the run's (vocabulary size, data.tokenizer), which a Megatron-LM prefix's ids are checked
-    against; a prepared directory's are checked against the vocabulary its meta.json records."""
+    against; a prepared directory's are checked against the vocabulary its meta.json records. `index_cache`: where
+    a Megatron-LM prefix's index cache goes (and a read-only prepared directory's); None: a private temporary
+    directory, gone when the source is closed (built anew each time). `verify=False` skips the start's checks
+    and the chunks' (tests that read damaged files)."""
+    if index_cache is None:
+        with tempfile.TemporaryDirectory(prefix="index_cache-") as root:  # the maps keep the files readable
+            return open_source(path, val_fraction, tokenizer, verify, Path(root))
     if Path(path).is_dir():
         meta, why = meta_and_reason(path)
         if meta is None:
             raise DataFileError(f"{path} holds no complete prepared data ({why}): {prepare_again(path)}.")
         if verify:
-            verify_files(path, meta)
+            verify_at_start(path, meta)
         if "format_version" not in meta:
             return _previous_format(path, meta)
-        prefixes = [Path(path) / shard["prefix"] for shard in meta["shards"]]
         vocab = (int(meta["vocab_size"]), f"the tokenizer {meta['tokenizer']} ({Path(path) / 'meta.json'})")
-        return _from_indexed(path, [IndexedTokens(p) for p in prefixes], val_fraction, vocab, meta)
+        directory, info = prepared_index(Path(path), meta, val_fraction, Path(index_cache))
+        return _from_cache(path, directory, info, vocab, meta, verify, prepare_again(path, meta))
     if Path(f"{path}.idx").is_file() or Path(f"{path}.bin").is_file():
-        vocab = (tokenizer[0], f"data.tokenizer={tokenizer[1]!r}")
-        return _from_indexed(path, [IndexedTokens(path)], val_fraction, vocab, None)
+        directory, info = megatron_index(Path(path), val_fraction, Path(index_cache))
+        fix = (f"if the change is wanted, delete {directory} (the index and its hashes are then made anew); else "
+               f"restore {path}.bin")
+        return _from_cache(path, directory, info, tokenizer, None, verify, fix)
     raise DataFileError(f"the data path {path!r} (data.blend or data.data_dir) is neither a prepared data directory "
                         f"nor a Megatron-LM prefix ({path}.bin + {path}.idx): give a directory that "
                         "scripts/prepare_data.py wrote, or a prefix without its extension.")
 
 
-def _from_indexed(name: str, shards: list[IndexedTokens], val_fraction: float, vocab: tuple[int, str],
-                  meta: dict | None) -> TokenSource:
-    """Documents of every shard in order; every ~1/val_fraction-th is validation (one document: its tail)."""
-    base = np.cumsum([0] + [s.num_tokens for s in shards[:-1]], dtype=np.int64)
-    starts = np.concatenate([s.document_starts[:-1] + b for s, b in zip(shards, base)]) if shards else np.zeros(0)
-    ends = np.concatenate([s.document_starts[1:] + b for s, b in zip(shards, base)]) if shards else np.zeros(0)
-    starts, ends = starts.astype(np.int64), ends.astype(np.int64)
-    tokens, vocab_size = [(s.tokens, s.bin_path) for s in shards], vocab[0]
-    if len(starts) == 0:
-        raise DataFileError(f"{name} holds no documents: point data.blend at a source with text.")
-    if len(starts) == 1:  # a single document: its last val_fraction of tokens is validation
-        cut = int(ends[0] - max(1, int(round((ends[0] - starts[0]) * val_fraction))))
-        train = TokenStream(tokens, starts, [cut - starts[0]], [0], vocab, name)
-        val = TokenStream(tokens, [cut], [ends[0] - cut], [0], vocab, name)
-        return TokenSource(name, train, val, vocab_size, meta, 1)
-    held = validation_mask(len(starts), val_fraction)
-    index = np.arange(len(starts))
-    streams = [TokenStream(tokens, starts[m], ends[m] - starts[m], index[m], vocab, name) for m in (~held, held)]
-    return TokenSource(name, *streams, vocab_size, meta, len(starts))
+def _from_cache(name: str, directory: Path, info: dict, vocab: tuple[int, str], meta: dict | None, verify: bool,
+                fix: str) -> TokenSource:
+    """The source whose streams and chunk hashes its index cache `directory` holds."""
+    prefixes = [Path(name) / s["prefix"] for s in meta["shards"]] if meta is not None else [Path(name)]
+    shards, verifiers = [], []
+    for prefix, shard in zip(prefixes, info["shards"]):
+        tokens = IndexedTokens(prefix, check_index=False)
+        shards.append((tokens.tokens, tokens.bin_path))
+        verifiers.append(ChunkVerifier(tokens.bin_path, shard["chunk_bytes"], shard["chunk_sha256"],
+                                       tokens.dtype.itemsize, fix)
+                         if verify and shard["chunk_sha256"] is not None else None)
+    streams = [load_stream(directory, split) for split in SPLITS]
+    train, val = (TokenStream(shards, segments, vocab, name, verifiers, (info["coarse"], coarse))
+                  for segments, coarse in streams)
+    return TokenSource(name, train, val, vocab[0], meta, info["num_documents"], info)
 
 
 def _previous_format(path: str, meta: dict) -> TokenSource:
@@ -138,6 +179,6 @@ def _previous_format(path: str, meta: dict) -> TokenSource:
         starts = np.asarray(np.memmap(Path(path) / f"{split}.idx", dtype="<u8", mode="r", shape=(documents,)),
                             dtype=np.int64) if documents else np.zeros(1, dtype=np.int64)
         lengths = np.diff(np.append(starts, count))
-        streams.append(TokenStream([(tokens, Path(path) / f"{split}.bin")], starts, lengths, np.arange(len(starts)),
-                                   vocab, path))
+        streams.append(TokenStream.in_memory([(tokens, Path(path) / f"{split}.bin")], starts, lengths,
+                                             np.arange(len(starts)), vocab, path))
     return TokenSource(path, *streams, vocab[0], meta, int(meta.get("num_documents", 0)))

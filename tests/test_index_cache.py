@@ -1,0 +1,216 @@
+"""Index caches and chunked verification: a source's per-document arrays are built once into .npy files that every
+process memory-maps (the same values the in-memory build held, so batches are unchanged), by one process while the
+others wait on the filesystem, never inside a collective; each .bin chunk is verified when first read; a Megatron
+prefix's changed .bin is refused at resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from launch import ROOT, environment, metrics
+from parallel_attention.training.data import chunk_hashes, document_index, index_cache, source_index
+from parallel_attention.training.data.identity import DataChangedError, check_identity, source_record
+from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, token_dtype
+from parallel_attention.training.data.token_files import DataFileError
+from parallel_attention.training.data.token_source import TokenStream, open_source
+
+VOCAB = 256
+
+
+def _prefix(path, lengths, seed=0) -> str:
+    """A Megatron-LM prefix of documents of `lengths` tokens (0: an empty document, still a document)."""
+    rng = np.random.default_rng(seed)
+    writer = IndexedDatasetWriter(path, token_dtype(VOCAB))
+    for n in lengths:
+        writer.add_document(rng.integers(1, VOCAB, n))
+    writer.finish()
+    return str(path)
+
+
+def _reference(lengths, val_fraction):
+    """(train, val) as lists of (source start, length, document) by the rule written out plainly: documents in
+    order, document i held out when floor((i + 1) f) > floor(i f) (the last if none is)."""
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    documents = [(int(starts[i]), int(n)) for i, n in enumerate(lengths)]
+    if len(documents) == 1:
+        (start, n), = documents
+        cut = max(1, int(round(n * val_fraction)))
+        return [(start, n - cut, 0)], [(start + n - cut, cut, 0)]
+    held = [np.floor((i + 1) * val_fraction) > np.floor(i * val_fraction) for i in range(len(documents))]
+    if not any(held):
+        held[-1] = True
+    train = [(s, n, i) for i, ((s, n), h) in enumerate(zip(documents, held)) if not h]
+    return train, [(s, n, i) for i, ((s, n), h) in enumerate(zip(documents, held)) if h]
+
+
+def _segments(stream):
+    lengths = np.diff(stream.segment_starts)
+    return list(zip(stream.segment_source.tolist(), lengths.tolist(), stream.segment_document.tolist()))
+
+
+@pytest.mark.parametrize("lengths, val_fraction", [([7, 0, 3, 9, 0, 0, 5, 11, 2, 4, 8], 0.2), ([40], 0.1),
+                                                   ([5, 6, 7], 0.02), ([0, 12, 0], 0.25)])
+def test_the_cached_streams_hold_what_the_rule_gives(tmp_path, monkeypatch, lengths, val_fraction):
+    monkeypatch.setattr("parallel_attention.training.data.indexed_dataset._PIECE", 2)  # many pieces
+    source = open_source(_prefix(tmp_path / "p", lengths), val_fraction, (VOCAB, "byte"), index_cache=tmp_path / "c")
+    train, val = _reference(lengths, val_fraction)
+    assert _segments(source.train) == train and _segments(source.val) == val
+    assert isinstance(source.train.segment_starts, np.memmap)  # mapped, not held: memory does not grow with it
+    assert source.num_documents == len(lengths)
+
+
+def test_the_coarse_index_finds_what_a_search_of_all_starts_finds(tmp_path, monkeypatch):
+    monkeypatch.setattr(document_index, "COARSE", 3)
+    lengths = [int(n) for n in np.random.default_rng(1).integers(0, 9, 200)]  # empty documents: repeated starts
+    source = open_source(_prefix(tmp_path / "p", lengths), 0.05, (VOCAB, "byte"), index_cache=tmp_path / "c")
+    for stream in (source.train, source.val):
+        assert stream.coarse[0] == 3 and stream.coarse[1].tolist() == stream.segment_starts[::3].tolist()
+        positions = np.arange(stream.num_tokens)
+        whole = np.searchsorted(np.asarray(stream.segment_starts), positions, side="right") - 1
+        assert np.array_equal(stream.window_documents(positions, 1)[:, 0], stream.segment_document[whole])
+        offsets = np.arange(0, stream.num_tokens - 8, 5)
+        plain = TokenStream(stream.shards, (stream.segment_starts, stream.segment_source, stream.segment_document),
+                            (VOCAB, "byte"), "p")
+        assert np.array_equal(stream.windows(offsets, 8), plain.windows(offsets, 8))
+
+
+def test_one_build_while_the_others_wait_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_cache, "POLL_S", 0.01)
+    builds, release = [], threading.Event()
+
+    def build(tmp, progress):
+        builds.append(1)
+        release.wait(10)
+        (tmp / "x.npy").write_bytes(b"1")
+        return {"n": 1}
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(index_cache.cached(tmp_path, "s", {"k": 1}, build,
+                                                                                  "test"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    release.set()
+    for t in threads:
+        t.join(20)
+    assert len(builds) == 1 and len(results) == 3 and len({str(d) for d, _ in results}) == 1
+    assert results[0][1]["n"] == 1 and results[0][1]["key"] == {"k": 1}
+
+    def broken(tmp, progress):
+        (tmp / "half.npy").write_bytes(b"1")
+        raise DataFileError("killed half way")
+
+    with pytest.raises(DataFileError):
+        index_cache.cached(tmp_path, "t", {"k": 2}, broken, "test")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [results[0][0].name]  # no lock, no temporary, no cache
+
+
+def test_a_stale_lock_is_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setattr(index_cache, "STALE_S", 0.0)
+    monkeypatch.setattr(index_cache, "POLL_S", 0.01)
+    key = {"k": 3}
+    directory, _ = index_cache.cached(tmp_path, "s", key, lambda tmp, progress: {}, "test")
+    lock = tmp_path / f".{directory.name}.lock"
+    (directory / index_cache.INFO).unlink()  # as if never finished, its builder dead
+    lock.write_text("gone pid 1\n")
+    assert index_cache.cached(tmp_path, "s", key, lambda tmp, progress: {"again": True}, "test")[1]["again"]
+
+
+def test_a_changed_chunk_stops_the_read_naming_file_and_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(source_index, "CHUNK_BYTES", 64)  # 32 uint16 tokens a chunk
+    prefix = _prefix(tmp_path / "p", [50] * 10)
+    source = open_source(prefix, 0.1, (VOCAB, "byte"), index_cache=tmp_path / "c")
+    assert len(source.index["shards"][0]["chunk_sha256"]) == -(-500 * 2 // 64)
+    raw = bytearray(open(f"{prefix}.bin", "rb").read())
+    raw[5 * 64 + 3] ^= 1  # chunk 5: tokens 160..191
+    open(f"{prefix}.bin", "r+b").write(bytes(raw))
+    source.train.windows([0], 20)  # chunk 0 only: read
+    with pytest.raises(DataFileError, match=rf"{prefix}.bin has sha256 \w+ in its chunk 5 of 64 bytes .*delete"):
+        source.train.windows([150], 20)
+    assert 0 in source.train.verifiers[0].verified and 5 not in source.train.verifiers[0].verified
+
+
+def test_a_resume_on_a_changed_megatron_bin_is_refused_or_said(tmp_path, capfd):
+    prefix = _prefix(tmp_path / "p", [30] * 8)
+    identity = {"tokenizer": {"tokenizer": "byte", "sha256": None}, "sampling": "epochs"}
+
+    def current():
+        source = open_source(prefix, 0.1, (VOCAB, "byte"), index_cache=tmp_path / "c")
+        return {**identity, "sources": [source_record(prefix, 1.0, source)]}
+
+    saved = current()
+    assert current() == saved  # the cache answers: nothing re-hashed, nothing changed
+    raw = bytearray(open(f"{prefix}.bin", "rb").read())
+    raw[10] ^= 1  # an in-vocabulary id: nothing else would notice
+    open(f"{prefix}.bin", "r+b").write(bytes(raw))
+    manifest = {"extra": {"data_identity": saved}, "path": "ckpt"}
+    with pytest.raises(DataChangedError, match=r"\.bin "):
+        check_identity(manifest, current(), allow_data_change=False)
+    check_identity(manifest, current(), allow_data_change=True)
+    assert "continuing on other data" in capfd.readouterr().err
+    old = {**saved, "sources": [{k: v for k, v in saved["sources"][0].items() if k != "bin_chunks_sha256"}]}
+    check_identity({"extra": {"data_identity": old}, "path": "ckpt"}, saved, allow_data_change=False)  # 0.x: passes
+
+
+def test_meta_without_chunk_hashes_is_verified_whole_at_start(tmp_path):
+    from parallel_attention.training import prepare_data
+    data = tmp_path / "data"
+    meta = prepare_data("stdlib", "byte", data, val_fraction=0.1, max_bytes=20_000)
+    assert meta["shards"][0]["chunk_bytes"] == chunk_hashes.CHUNK_BYTES and meta["shards"][0]["bin_chunk_sha256"]
+    for shard in meta["shards"]:
+        del shard["bin_chunk_sha256"], shard["chunk_bytes"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    source = open_source(str(data), 0.1, (VOCAB, "byte"))
+    assert source.train.verifiers == [None] * len(meta["shards"])
+    bin_file = data / "shard_00000.bin"
+    bin_file.write_bytes(bytes(bin_file.stat().st_size))
+    with pytest.raises(DataFileError, match="shard_00000.bin has sha256 "):
+        open_source(str(data), 0.1, (VOCAB, "byte"))
+
+
+SLOW = """
+import runpy, sys, time
+from parallel_attention.training.data import prepared, source_index
+
+def slowly(real):
+    def slow(*args, **kwargs):
+        time.sleep(8)  # longer than parallel.timeout_s=5
+        return real(*args, **kwargs)
+    return slow
+
+source_index.write_streams = slowly(source_index.write_streams)
+prepared.prepare_data = slowly(prepared.prepare_data)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("data", ["blend", "data_dir"])
+def test_preparing_or_indexing_longer_than_the_collective_timeout_still_starts_and_trains(tmp_path, data):
+    """Rank 0 prepares (data_dir) and one rank indexes, each for longer than parallel.timeout_s, while the other
+    waits on the filesystem; then both train."""
+    wrapper, run = tmp_path / "slow.py", tmp_path / "run"
+    wrapper.write_text(SLOW)
+    if data == "blend":
+        prefix = _prefix(tmp_path / "web_text_document", [200] * 60)
+        where = [f"--data.blend=[{{path: '{prefix}', weight: 1.0}}]"]
+    else:
+        where = [f"--data.data_dir={tmp_path / 'data'}", "--data.source=stdlib", "--data.max_bytes=40000"]
+    args = ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
+            "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=4",
+            "--training.micro_batch_size=2", "--training.max_steps=2", "--training.eval_interval=100",
+            "--logging.log_interval=1", "--logging.progress_bar=false", "--logging.tensorboard=false",
+            "--parallel.tensor_parallel_size=1", "--parallel.timeout_s=5", f"--logging.run_dir={run}", *where]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(wrapper),
+               str(ROOT / "scripts" / "pretrain.py"), *args]
+    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert sorted(r["step"] for r in metrics(run) if "loss" in r) == [1, 2]
+    caches = list((run / "index_cache").glob("web_text_document-*")) if data == "blend" else \
+        list((tmp_path / "data" / ".index_cache").glob("prepared-*"))
+    assert len(caches) == 1  # built once, by one rank
