@@ -98,8 +98,9 @@ def test_document_masking_under_cp_trains_like_one_process_with_masking(document
         layout("tp2_cp2_ring", 2, cp2, ring, masked), layout("tp2_cp2_all_to_all", 2, cp2, a2a, masked)],
         timeout=900)
     expected, unmasked = single["p1"], single["p1_unmasked"]
-    # masking changes every step's loss by more than 10x the layouts' tolerance (measured >= 1.8e-4 relative)
-    assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(expected["losses"], unmasked["losses"])), \
+    # masking moves the losses by more than 10x the layouts' tolerance (measured up to 4e-4 relative by step 4,
+    # from the first step's 4e-5: the documents are short of the sequence, so few positions attend differently)
+    assert max(abs(a - b) / abs(b) for a, b in zip(expected["losses"], unmasked["losses"])) > 1e-4, \
         (expected["losses"], unmasked["losses"])
     for rank_results in world4:
         for name, got in rank_results.items():
