@@ -217,3 +217,27 @@ def test_without_varlen_attn_cuda_keeps_one_sdpa_call_per_document_and_says_why(
     assert kernel.documents_reason.endswith("has no torch.nn.attention.varlen (torch >= 2.10 has)")
     assert "has no torch.nn.attention.varlen" in pa.active_paths()[
         "packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)"]
+
+
+def test_torch_2_11s_varlen_attn_is_called_without_enable_gqa_and_active_paths_says_so(monkeypatch):
+    """torch 2.11's varlen_attn takes window_size but no enable_gqa (read by signature): grouped k/v heads reach it
+    repeated to the query heads."""
+    import torch.nn.attention.varlen as varlen
+
+    calls = []
+
+    def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1)):
+        calls.append(([tuple(t.shape) for t in (query, key, value)], window_size))
+        return torch.empty_like(query)
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_2_11)
+    layout = DocumentLayout.from_ids(torch.tensor([[0] * 7 + [1] + [2] * 32, [0] * 40]))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        kernel, documents = SdpaAttention("cuda"), dataclasses.replace(layout, cu_seqlens=_on_cuda(layout.cu_seqlens))
+        q, k, v = _fake_cuda(torch.bfloat16, (B, NH, 40, D), (B, NKV, 40, D), (B, NKV, 40, D))
+        out = kernel(q, k, v, None, True, 0.0, documents)
+    assert type(kernel.documents_kernel) is VarlenDocuments and "takes no enable_gqa" in kernel.documents_reason
+    assert calls == [([(B * 40, NH, D)] * 3, (-1, 0))] and out.shape == (B, NH, 40, D)
+    assert "takes no enable_gqa" in pa.active_paths()[
+        "packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)"]

@@ -7,7 +7,7 @@ import torch
 
 from . import causal_chunks
 from .apex_kernels import apex_available
-from .document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments, varlen_missing_reason
+from .document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments, varlen_choice
 
 
 def _cpu_attention() -> str:
@@ -30,14 +30,16 @@ def _ring_pairs(device: str) -> str:
 
 def active_paths() -> dict[str, str]:
     """Which implementation each kernel family uses in this environment, and why."""
-    missing = varlen_missing_reason()  # what a module built on CUDA chooses (without importing varlen_attn)
-    documents = VarlenDocuments.name if missing is None else f"{PER_DOCUMENT_SDPA.name} ({missing})"
+    varlen, why = varlen_choice()  # what a module built on CUDA chooses, read from this torch's signature
+    documents = (VarlenDocuments.name + why.removeprefix("varlen_attn is available") if varlen is not None
+                 else f"{PER_DOCUMENT_SDPA.name} ({why})")
     return {
         "attention on CUDA (attention_kernel='auto'/'sdpa')": "torch SDPA (flash / memory-efficient kernels)"
         if torch.cuda.is_available() else "torch SDPA (no CUDA device here)",
         "attention on CPU (attention_kernel='auto')": _cpu_attention(),
         "packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)": documents
-        + "; one SDPA call per document in float32 or with attention dropout",
+        + "; one SDPA call per document in float32, at a head dim above 256 or not a multiple of 8, or with "
+        "attention dropout",
         "packed documents on CPU (attention_kernel='auto')": "the CPU kernel once per document (causal_chunks)",
         "ring pairs on CUDA (context_parallel_kind='ring')": _ring_pairs("cuda"),
         "ring pairs on CPU (context_parallel_kind='ring')": _ring_pairs("cpu"),
