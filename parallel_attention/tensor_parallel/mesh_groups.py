@@ -40,19 +40,31 @@ def build_mesh(sizes: dict[str, int], timeout) -> tuple[DeviceMesh, dict[str, Pr
     """The mesh of `sizes` (MESH_DIMS order, consecutive ranks along the last) and this rank's group along each
     dimension, made with `timeout` (init_device_mesh would give its groups torch's 30-minute default instead)."""
     ranks = torch.arange(dist.get_world_size()).view(*sizes.values())
-    groups = {name: new_groups(ranks.movedim(dim, -1).reshape(-1, sizes[name]), timeout)
+    groups = {name: new_groups(ranks.movedim(dim, -1).reshape(-1, sizes[name]), timeout, name)
               for dim, name in enumerate(sizes)}
     mesh = DeviceMesh.from_group([groups[n] for n in sizes], device_type(), mesh=ranks, mesh_dim_names=tuple(sizes))
     # at cp = 1 the dp x cp group is the dp group itself (no extra groups, DDP on the group it always had)
-    groups[DP_CP] = groups["dp"] if sizes["cp"] == 1 else new_groups(ranks.flatten(0, 1).movedim(0, -1), timeout)
+    groups[DP_CP] = groups["dp"] if sizes["cp"] == 1 else new_groups(ranks.flatten(0, 1).movedim(0, -1), timeout,
+                                                                      DP_CP)
     return mesh, groups
 
 
-def new_groups(rows: torch.Tensor, timeout) -> ProcessGroup:
-    """One group per row of global ranks (every rank creates each, in the same order); this rank's one."""
+def splits_in_one_call() -> bool:
+    """Whether torch can make every row's group in one `split_group` call (one split of the world's communicator,
+    where a new_group per row is one world-wide split each): NCCL with the world bound to a device (init_distributed
+    binds it); gloo cannot split."""
+    return (hasattr(dist, "split_group") and dist.get_backend() == "nccl"
+            and getattr(dist.group.WORLD, "bound_device_id", None) is not None)
+
+
+def new_groups(rows: torch.Tensor, timeout, desc: str | None = None) -> ProcessGroup:
+    """One group per row of global ranks, every rank taking part in each; this rank's one. `desc` names the groups
+    in torch's own messages (NCCL's watchdog prints it beside a timed-out operation)."""
+    if splits_in_one_call():
+        return dist.split_group(split_ranks=rows.tolist(), timeout=timeout, group_desc=desc)
     mine = None
-    for members in rows.tolist():
-        group = dist.new_group(members, timeout=timeout)
+    for members in rows.tolist():  # every rank creates each, in the same order
+        group = dist.new_group(members, timeout=timeout, group_desc=desc)
         mine = group if dist.get_rank() in members else mine
     return mine
 
@@ -72,7 +84,7 @@ def adopt_mesh(mesh: DeviceMesh) -> tuple[dict[str, ProcessGroup | None], dateti
     timeout = group_timeout(groups["tp"])
     if "cp" not in groups or mesh.size(names.index("cp")) == 1:
         return {"cp": None, **groups, DP_CP: groups["dp"]}, timeout
-    return {**groups, DP_CP: new_groups(mesh.mesh.flatten(0, 1).movedim(0, -1), timeout)}, timeout
+    return {**groups, DP_CP: new_groups(mesh.mesh.flatten(0, 1).movedim(0, -1), timeout, DP_CP)}, timeout
 
 
 def data_context_mesh(mesh: DeviceMesh, groups: dict[str, ProcessGroup | None]) -> DeviceMesh:
