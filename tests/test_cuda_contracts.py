@@ -241,3 +241,25 @@ def test_torch_2_11s_varlen_attn_is_called_without_enable_gqa_and_active_paths_s
     assert calls == [([(B * 40, NH, D)] * 3, (-1, 0))] and out.shape == (B, NH, 40, D)
     assert "takes no enable_gqa" in pa.active_paths()[
         "packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)"]
+
+
+def test_the_cuda_flash_operators_are_read_by_schema_and_another_schema_runs_the_rings_math(monkeypatch):
+    from types import SimpleNamespace
+
+    from parallel_attention.transformer.context_parallel.flash_ops import CUDA_ARGUMENTS, schema_problem
+
+    def namespace(arguments):  # stand-ins for torch.ops.aten's operators, with these argument names
+        return SimpleNamespace(**{name: SimpleNamespace(default=SimpleNamespace(_schema=SimpleNamespace(
+            arguments=[SimpleNamespace(name=a) for a in args]))) for name, args in arguments.items()})
+
+    assert CUDA_FLASH_OPS.problem is None and schema_problem(CUDA_ARGUMENTS, namespace(CUDA_ARGUMENTS)) is None
+    backward = "_scaled_dot_product_flash_attention_backward"
+    renamed = {**CUDA_ARGUMENTS, backward: CUDA_ARGUMENTS[backward][:-1] + ("softmax_scale",)}
+    problem = schema_problem(CUDA_ARGUMENTS, namespace(renamed))
+    assert problem.startswith(f"this torch's aten.{backward} takes (grad_out, ") and "softmax_scale), not (" in problem
+    assert schema_problem(CUDA_ARGUMENTS, SimpleNamespace()) == (
+        "this torch has no aten._scaled_dot_product_flash_attention")
+    q = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert CUDA_FLASH_OPS.takes(q) and not CUDA_FLASH_OPS._replace(problem=problem).takes(q)
+    monkeypatch.setattr(CUDA_FLASH_BLOCKS, "ops", CUDA_FLASH_OPS._replace(problem=problem))
+    assert pa.active_paths()["ring pairs on CUDA (context_parallel_kind='ring')"] == f"explicit-lse math ({problem})"

@@ -23,6 +23,8 @@ def _ring_pairs(device: str) -> str:
     from .context_parallel.ring_blocks import choose_blocks
 
     blocks = choose_blocks(torch.device(device), "auto", dropout=False)
+    if blocks.ops.problem is not None:
+        return f"explicit-lse math ({blocks.ops.problem})"
     dtypes = ", ".join(str(d).removeprefix("torch.") for d in blocks.ops.dtypes)
     return (f"{blocks.name} for {dtypes}, {blocks.ops.head_dims_text}; explicit-lse math otherwise, with attention "
             "dropout or attention_kernel='math'")
