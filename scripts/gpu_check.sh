@@ -30,6 +30,8 @@
 #                    whole sequence, forward and backward (benchmarks/_gpu_check_ring.py)
 #   selfcheck_tp     the cluster self-check at tp = N (python -m parallel_attention.check: float64 references)
 #   selfcheck_cp     the self-check at tp = 1, cp = N (both context-parallel kinds, with and without documents)
+#   hang_named       under the collective guard, an all-reduce one rank never joins ends rank 0 within the 20 s
+#                    timeout with CollectiveTimeoutError naming it and its group (benchmarks/_gpu_check_hang.py)
 # Targets are reported in the summary's "targets", met or not; they do not fail the check.
 # --dry-run checks the plumbing on any machine, CUDA or not: every step's program resolves and the Python files it
 # names import (benchmarks/_gpu_check_plumbing.py, one interpreter for all steps); nothing runs. Exit status: 0 when
@@ -133,6 +135,7 @@ many_gpus() {
     step ring_cp 150 "${torchrun[@]}" benchmarks/_gpu_check_ring.py --kv-mib 64
     step selfcheck_tp 120 "${torchrun[@]}" -m parallel_attention.check --tp "$GPUS" --timeout 90
     step selfcheck_cp 120 "${torchrun[@]}" -m parallel_attention.check --tp 1 --cp "$GPUS" --timeout 90
+    step hang_named 60 "${torchrun[@]}" benchmarks/_gpu_check_hang.py --timeout-s 20
 }
 
 # jq_false KEY: whether versions.json says KEY is false

@@ -106,7 +106,7 @@ def test_the_gpus_mode_checks_its_multi_gpu_steps(bare_python, tmp_path):
     result = _dry_run(ROOT, bare_python, out, "--gpus", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(out.read_text())
-    assert summary["ok"] and list(summary["steps"]) == ["ring_cp", "selfcheck_tp", "selfcheck_cp"]
+    assert summary["ok"] and list(summary["steps"]) == ["ring_cp", "selfcheck_tp", "selfcheck_cp", "hang_named"]
     bad = _dry_run(ROOT, bare_python, tmp_path / "x.json", "--gpus", "1")
     assert bad.returncode == 2 and "--gpus 1: give the number of GPUs of this machine, 2 or more" in bad.stderr
 
@@ -142,3 +142,14 @@ def test_the_summary_reports_each_target_met_or_not(tmp_path):
     targets = json.loads((tmp_path / "out.json").read_text())["targets"]
     assert targets == {"attention_block": {"fraction_of_peak": 0.31, "target": 0.5, "met": False},
                        "train_1b": {"mfu": 0.45, "target": 0.4, "met": True}}
+
+
+def test_the_hang_step_names_the_collective_nobody_joined():
+    """The --gpus hang step's program at world 2 on gloo with a 3 s timeout: rank 0's error names it."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(ROOT / "benchmarks" / "_gpu_check_hang.py"), "--timeout-s", "3"], cwd=ROOT,
+                            env=environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["raised"].startswith(
+        "all_reduce on the tensor-parallel group (global ranks [0, 1]) did not complete within the timeout (0:00:03)")
