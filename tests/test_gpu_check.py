@@ -111,13 +111,18 @@ def test_the_gpus_mode_checks_its_multi_gpu_steps(bare_python, tmp_path):
     assert bad.returncode == 2 and "--gpus 1: give the number of GPUs of this machine, 2 or more" in bad.stderr
 
 
+def _two_ranks(script: str, *args: str) -> dict:
+    """A --gpus step's program at world 2 on gloo: rank 0's JSON line (the step must pass)."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=environment(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def test_the_ring_step_matches_one_sdpa_call_over_the_whole_sequence():
     """The --gpus ring step's program at cp = 2 on gloo, float32, a small block: its comparison passes."""
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(ROOT / "benchmarks" / "_gpu_check_ring.py"), "--kv-mib", "0.05"], cwd=ROOT,
-                            env=environment(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = _two_ranks("_gpu_check_ring.py", "--kv-mib", "0.05")
     assert report["ok"] and report["cp"] == 2 and report["tokens_per_rank"] == 12 and report["worst_error"] <= 1e-5
 
 
@@ -146,10 +151,6 @@ def test_the_summary_reports_each_target_met_or_not(tmp_path):
 
 def test_the_hang_step_names_the_collective_nobody_joined():
     """The --gpus hang step's program at world 2 on gloo with a 3 s timeout: rank 0's error names it."""
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(ROOT / "benchmarks" / "_gpu_check_hang.py"), "--timeout-s", "3"], cwd=ROOT,
-                            env=environment(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = _two_ranks("_gpu_check_hang.py", "--timeout-s", "3")
     assert report["ok"] and report["raised"].startswith(
         "all_reduce on the tensor-parallel group (global ranks [0, 1]) did not complete within the timeout (0:00:03)")
