@@ -51,7 +51,8 @@ def compare(kv_mib: float, device: torch.device) -> dict:
     out = RingCoreAttention(cp_group, NH // NKV, device=device)(*parts, None, True)
     out.backward(split_for_context_parallel(grad, cp_group, dim=2))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    kv = [t.repeat_interleave(NH // NKV, dim=1) for t in leaves[1:]]  # flash-eligible at any torch (no enable_gqa)
+    want = F.scaled_dot_product_attention(leaves[0], *kv, is_causal=True)
     want.backward(grad)
     errors = {name: _error(got, split_for_context_parallel(ref, cp_group, dim=2))
               for name, got, ref in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in parts],

@@ -82,7 +82,7 @@ step() {
     left=$(( BUDGET - RESERVE - GRACE - SECONDS ))
     (( limit > left )) && limit=$left
     if (( limit < 5 )); then
-        printf '%s\tskipped(no time left of the %ss)\t0\n' "$name" "$BUDGET" >> "$LOGS/steps.tsv"
+        printf '%s\ttimeout(no time left of the %ss)\t0\n' "$name" "$BUDGET" >> "$LOGS/steps.tsv"
         return
     fi
     echo "== $name (limit ${limit}s)" >&2
