@@ -239,6 +239,7 @@ def test_torch_2_11s_varlen_attn_is_called_without_enable_gqa_and_active_paths_s
         out = kernel(q, k, v, None, True, 0.0, documents)
     assert type(kernel.documents_kernel) is VarlenDocuments and "takes no enable_gqa" in kernel.documents_reason
     assert calls == [([(B * 40, NH, D)] * 3, (-1, 0))] and out.shape == (B, NH, 40, D)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # active_paths reads the signature where CUDA is
     assert "takes no enable_gqa" in pa.active_paths()[
         "packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)"]
 

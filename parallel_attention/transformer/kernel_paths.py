@@ -7,7 +7,7 @@ import torch
 
 from . import causal_chunks
 from .apex_kernels import apex_available
-from .document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments, varlen_choice
+from .document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments, varlen_choice, varlen_missing_reason
 
 
 def _cpu_attention() -> str:
@@ -30,11 +30,22 @@ def _ring_pairs(device: str) -> str:
             "dropout or attention_kernel='math'")
 
 
+def _documents_on_cuda() -> str:
+    """What a module built on CUDA chooses for packed documents. The signature of varlen_attn is read where CUDA
+    is (importing its module takes a second or two, which a CPU-only process never pays)."""
+    missing = varlen_missing_reason()
+    if missing is not None:
+        return f"{PER_DOCUMENT_SDPA.name} ({missing})"
+    if not torch.cuda.is_available():
+        return f"{VarlenDocuments.name}, as its signature allows (read on a machine with CUDA)"
+    varlen, why = varlen_choice()
+    return (VarlenDocuments.name + why.removeprefix("varlen_attn is available") if varlen is not None
+            else f"{PER_DOCUMENT_SDPA.name} ({why})")
+
+
 def active_paths() -> dict[str, str]:
     """Which implementation each kernel family uses in this environment, and why."""
-    varlen, why = varlen_choice()  # what a module built on CUDA chooses, read from this torch's signature
-    documents = (VarlenDocuments.name + why.removeprefix("varlen_attn is available") if varlen is not None
-                 else f"{PER_DOCUMENT_SDPA.name} ({why})")
+    documents = _documents_on_cuda()
     return {
         "attention on CUDA (attention_kernel='auto'/'sdpa')": "torch SDPA (flash / memory-efficient kernels)"
         if torch.cuda.is_available() else "torch SDPA (no CUDA device here)",
