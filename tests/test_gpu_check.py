@@ -154,3 +154,29 @@ def test_the_hang_step_names_the_collective_nobody_joined():
     report = _two_ranks("_gpu_check_hang.py", "--timeout-s", "3")
     assert report["ok"] and report["raised"].startswith(
         "all_reduce on the tensor-parallel group (global ranks [0, 1]) did not complete within the timeout (0:00:03)")
+
+
+def test_a_run_records_each_steps_outcome_and_interrupts_the_one_past_its_limit(tmp_path):
+    """The non-dry path with a stand-in python3 that claims a GPU: every step's command "passes" at once, except
+    flash_sdpa's, which outlives its 25 s limit and is interrupted (SIGINT); the versions and the summary run on the
+    real interpreter. Steps whose facts are missing fail their check; the run writes its two files."""
+    fake = tmp_path / "python3"
+    fake.write_text(f"""#!/bin/sh
+case "$1" in benchmarks/_gpu_check_versions.py|benchmarks/_gpu_check_summary.py) exec {sys.executable} "$@";; esac
+case "$*" in *_gpu_check_flash.py*) exec sleep 120;; esac
+exit 0
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out" / "gpu_check.json"
+    out.parent.mkdir()
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], cwd=tmp_path,
+                            env={**environment(), "PYTHON": str(fake), "TMPDIR": str(out.parent)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    steps = json.loads(out.read_text())["steps"]
+    assert {name: step["status"] for name, step in steps.items()} == {
+        "cuda_tests": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
+        "flash_sdpa": "timeout(25s)", "kernels": "passed", "attention_block": "passed", "bench_attention": "passed",
+        "train_1b": "passed"}
+    assert 25 <= steps["flash_sdpa"]["seconds"] <= 25 + 15  # the limit, then at most the grace
+    assert _files(out.parent) == {"gpu_check.json", "gpu_check_logs.tar.gz"}
