@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from parallel_attention import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = {"gpt_tiny.yaml": 2, "quickstart.yaml": 2, "gpt2_124m.yaml": 8, "llama_1b_tp8.yaml": 8,
-           "llama_1b_32k_tp2_cp4.yaml": 8}  # config -> world size it is sized for
+           "llama_1b_32k_tp2_cp4.yaml": 8, "llama_70b_pp.yaml": 128}  # config -> world size it is sized for
 
 
 def test_every_shipped_config_is_listed_here():
@@ -141,3 +142,20 @@ def test_validation_errors_are_config_errors():
 
     with pytest.raises(ConfigError, match="tensor_parallel_size=3"):
         load_config(None, ["--parallel.tensor_parallel_size=3"]).validate(4)
+
+
+def test_the_70b_pipeline_config_fits_an_80_gb_gpu_per_stage():
+    """Llama-3-70B's shape at tp 8 x pp 8 x dp 2 (16 nodes of 8): the run summary's stages row, from the config
+    alone, gives every stage its 10 layers (the embedding and the head counted as a layer each: 9 on the end
+    stages) and its weights, gradients and AdamW state per GPU."""
+    from parallel_attention.training.run.pipeline_summary import layer_parameters, pipeline_rows
+
+    cfg = load_config(ROOT / "configs" / "llama_70b_pp.yaml")
+    cfg.validate(128)
+    assert 0.85e9 < layer_parameters(cfg) < 0.87e9  # Llama-3-70B: 856M a layer
+    rows = pipeline_rows(cfg, 128, cfg.gradient_accumulation_steps(128))
+    assert rows["pipeline"].startswith("8 stages, 1f1b, 128 micro-batches: bubble (p-1)/(m+p-1) = 0.052")
+    stages = rows["stages"].split("; ")
+    assert len(stages) == 8 and stages[0].startswith("stage 0: layers 0-8 + embedding")
+    gib = [float(re.search(r"([0-9.]+) GiB/rank", s).group(1)) for s in stages]
+    assert all(8 < g < 20 for g in gib), gib

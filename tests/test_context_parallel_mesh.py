@@ -57,7 +57,7 @@ def test_ranks_are_laid_out_tp_innermost_then_cp_then_dp(tp, cp):
         assert got["members"] == {name: (m, m) for name, m in want.items()}, rank
         assert got["sizes"] == (dp, cp, tp)
         assert got["ranks"] == (rank // (tp * cp), rank // tp % cp, rank % tp)
-        assert got["mesh"] == (("dp", "cp", "tp"), torch.arange(4).view(dp, cp, tp).tolist(), True)
+        assert got["mesh"] == (("pp", "dp", "cp", "tp"), torch.arange(4).view(1, dp, cp, tp).tolist(), True)
 
 
 def _adopt_worker(shape, names):

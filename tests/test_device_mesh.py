@@ -96,6 +96,7 @@ def _built_mesh_worker():
             mesh["dp"].get_group() is pa.get_data_parallel_group(), mesh.mesh.tolist())
 
 
-def test_our_groups_are_a_dp_cp_tp_mesh_with_tp_innermost():
+def test_our_groups_are_a_pp_dp_cp_tp_mesh_with_tp_innermost():
     for names, shape, tp, dp, ranks in run_distributed(_built_mesh_worker, 4, 2):
-        assert (names, shape, tp, dp, ranks) == (("dp", "cp", "tp"), (2, 1, 2), True, True, [[[0, 1]], [[2, 3]]])
+        assert (names, shape, tp, dp, ranks) == (("pp", "dp", "cp", "tp"), (1, 2, 1, 2), True, True,
+                                                 [[[[0, 1]], [[2, 3]]]])

@@ -16,10 +16,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "parallel_attention"
 # docs/architecture.md, "The layer stack": a package imports only from packages of a lower number (or its own);
-# check/ (the self-check tool) sits beside checkpointing/ and hf/, and nothing imports it
-LAYER = {"tensor_parallel": 1, "launch": 2, "transformer": 2, "checkpointing": 3, "hf": 3, "check": 3, "training": 4}
+# check/ (the self-check tool) sits beside training/ (it drives the pipeline), and nothing imports it
+LAYER = {"tensor_parallel": 1, "launch": 2, "transformer": 2, "checkpointing": 3, "hf": 3, "pipeline": 3, "check": 4,
+         "training": 4}
 # Files allowed past the 300-line budget because their one concept needs it (split by concept, never by count):
-LONGER = {"tensor_parallel/collectives.py": 350}  # every collective, its timeout hook, the ring: one module to follow
+# every collective, its timeout hook, the ring and the pipeline's batched exchanges: one module to follow
+LONGER = {"tensor_parallel/collectives.py": 375}
 FLAGS_NOT_IN_FORWARD = {"sequence_parallel", "kv_cache", "gated", "rotary", "recompute_activations"}
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 

@@ -294,6 +294,7 @@ def _split_group_worker():
 def test_each_mesh_dimension_is_one_split_group_call_where_torch_can_split():
     seventy_seven = datetime.timedelta(seconds=77)
     for calls, tp_members, timeout in run_distributed(_split_group_worker, 2, 2, timeout=SPAWN_TIMEOUT_S):
-        assert calls == [("dp", [[0], [1]], seventy_seven), ("cp", [[0], [1]], seventy_seven),
+        assert calls == [("pp", [[0], [1]], seventy_seven), ("dp", [[0], [1]], seventy_seven),
+                         ("cp", [[0], [1]], seventy_seven),
                          ("tp", [[0, 1]], seventy_seven)]
         assert tp_members == (0, 1) and timeout == seventy_seven

@@ -23,15 +23,17 @@ import pytest
 from launch import ROOT
 from parallel_attention.training import train_bpe
 from test_check import DOCUMENTED as CHECK_COMMANDS
+from test_pipeline import DOCUMENTED_CHECK as PIPELINE_CHECK
 
 README = ROOT / "README.md"
-DOC_PAGES = ("embedding", "configuration", "training", "checkpoints-and-hf", "failure-modes", "architecture",
-             "performance", "development")
+DOC_PAGES = ("embedding", "configuration", "training", "pipeline", "checkpoints-and-hf", "failure-modes",
+             "architecture", "performance", "development")
 PAGES = (README, *(ROOT / "docs" / f"{name}.md" for name in DOC_PAGES))
 # pages whose commands a test of their own runs, in their own scratch directory with their own fixtures
 OWN_TESTS = {"data.md": "tests/test_data_docs.py"}
 # commands that another test runs as written and asserts more of: not launched a second time here
 RUN_ELSEWHERE = {command: "tests/test_check.py" for command in CHECK_COMMANDS}
+RUN_ELSEWHERE[PIPELINE_CHECK] = "tests/test_pipeline.py"
 FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 BENCHMARK = re.compile(r"\bbenchmarks/")
 
@@ -43,6 +45,7 @@ EXEMPT = {
     r"HOST:PORT|NODE_RANK|<[a-z_]+>": "multi-node placeholders no fixture can fill: test_pretrain.py runs two local agents",
     r"tiktoken\.get_encoding": "downloads the GPT-2 BPE files: needs the network",
     r"llama_1b_tp8\.yaml": "a 1.1B model on 8 GPUs: tests/test_config.py loads and validates the config",
+    r"llama_70b_pp\.yaml": "a 70B model on 128 GPUs: tests/test_config.py validates it and reads its stages' memory",
     r"gpu_check\.sh": "needs an NVIDIA GPU (it exits 2 without CUDA)",
 }
 # the benchmark model shrunk to a few seconds a launch (later overrides win; byte tokens: no BPE to train)
@@ -63,6 +66,7 @@ SHORTEN = {
     r"benchmarks/benchmark_training\.py": [*TINY_BENCH_MODEL, "--no-baselines", "--iters", "1", "--warmup", "0"],
     r"benchmarks/benchmark_scaling\.py": [*TINY_BENCH_MODEL, "--rounds", "1", "--iters", "1", "--warmup", "0"],
     r"benchmarks/benchmark_preparation\.py": ["--sizes-mb", "0.2", "0.4", "--bpe-mb", "0.3", "--repeats", "1"],
+    r"benchmarks/pipeline_bubble\.py": ["--stages", "2", "--micro-batches", "2", "--step-ms", "5", "--repeats", "1"],
     r"benchmarks/activation_memory\.py": ["--seq", "32", "--batch", "1", "--hidden", "64", "--heads", "4",
                                           "--kv-heads", "2"],
 }

@@ -30,6 +30,7 @@ from .context import CheckContext
 from .context_parallel_check import check_context_parallel
 from .counts import check_collective_count
 from .equivalence import check_attention, check_model
+from .pipeline_check import check_pipeline
 from .replicas import check_init, check_replicas
 from .report import Result, agree, report_lines, run_guarded
 
@@ -41,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the world size)")
     parser.add_argument("--cp", type=int, default=1,
                         help="context-parallel size: also check CP attention of both kinds on (dp, cp, tp) groups")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline-parallel size: also check every pipeline schedule on (pp, dp) groups")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="parameter dtype of the checked modules (the reference is always float64 on CPU)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -77,6 +80,7 @@ def run_checks(ctx: CheckContext, bandwidth_bytes: int) -> list[Result]:
 
 def _header(ctx: CheckContext, args: argparse.Namespace) -> list[str]:
     cp = f", cp {args.cp} (its own check, last)" if args.cp > 1 else ""
+    cp += f", pp {args.pp} (its own check, last)" if args.pp > 1 else ""
     lines = [f"# parallel_attention {__version__} self-check: world {ctx.world_size}, tp {ctx.tp_size}, "
              f"dp {ctx.world_size // ctx.tp_size}{cp}, backend {dist.get_backend()}, device {ctx.device.type}, "
              f"dtype {args.dtype}, torch {torch.__version__}"]
@@ -119,6 +123,10 @@ def _check(args: argparse.Namespace, tp: int, start: float) -> int:
         destroy_model_parallel()
         initialize_model_parallel(tp, timeout=args.timeout, context_parallel_size=args.cp)
         results.append(run_guarded("context-parallel", check_context_parallel, build_context(args, device)))
+    if args.pp > 1:  # its own (pp, dp) groups, tp 1: each stage against the whole model on its rank
+        destroy_model_parallel()
+        initialize_model_parallel(1, timeout=args.timeout, pipeline_model_parallel_size=args.pp)
+        results.append(run_guarded("pipeline", check_pipeline, build_context(args, device)))
     results = agree(results)
     if ctx.global_rank == 0:
         lines = _header(ctx, args) + [f"# done in {time.perf_counter() - start:.1f} s"] + report_lines(results)

@@ -35,12 +35,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..tensor_parallel.collectives import all_gather_objects, broadcast_object
-from ..tensor_parallel.parallel_state import (ProcessGroup, get_data_parallel_group, get_global_rank, group_rank,
-                                              group_size, is_distributed, resolve_tp_group)
+from ..tensor_parallel.parallel_state import (ProcessGroup, get_data_parallel_group, get_global_rank,
+                                              get_pipeline_parallel_group, group_rank, group_size, is_distributed,
+                                              model_parallel_is_initialized, resolve_tp_group)
 from .compatibility import check_config, check_layout
 from .format import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointCorruptError, CheckpointError, check_shard_shapes,
                      commit, latest_checkpoint, list_checkpoints, list_incomplete, model_file, optim_file, prune,
-                     read_manifest, read_shard, rng_file, step_dir_name, verify_file, write_manifest)
+                     read_manifest, read_shard, rng_file, shard_name, step_dir_name, verify_file, write_manifest)
 from .state_encoding import (full_optimizer_state, gathered, optim_state_dict, optim_tensors, placed_like,
                              rng_tensors, set_rng)
 from .tensor_io import cpu_tensors, read_safetensors, write_safetensors
@@ -56,17 +57,22 @@ class _Placement:
     tp_rank: int
     tp_size: int
     dp_rank: int
+    stage: int | None = None  # the pipeline stage (None at pp = 1: file names without one)
+    pp_size: int = 1
 
     @staticmethod
     def of(tp_group: ProcessGroup | None, dp_group: ProcessGroup | None) -> "_Placement":
         tp_group = resolve_tp_group(tp_group)
         dp_group = dp_group if dp_group is not None else get_data_parallel_group()
+        pp_group = get_pipeline_parallel_group() if model_parallel_is_initialized() else None
         rank, world = get_global_rank(), dist.get_world_size() if is_distributed() else 1
-        tp_size, dp_size = group_size(tp_group), group_size(dp_group)
-        if tp_size * dp_size != world:
-            raise ValueError(f"tensor-parallel size {tp_size} x data-parallel size {dp_size} != world size {world}: "
-                             "pass the tp_group/dp_group the model was built with.")
-        return _Placement(rank, world, group_rank(tp_group), tp_size, group_rank(dp_group))
+        tp_size, dp_size, pp_size = group_size(tp_group), group_size(dp_group), group_size(pp_group)
+        if tp_size * dp_size * pp_size != world:
+            raise ValueError(f"tensor-parallel size {tp_size} x data-parallel size {dp_size} x pipeline-parallel "
+                             f"size {pp_size} != world size {world}: pass the tp_group/dp_group the model was "
+                             "built with.")
+        stage = group_rank(pp_group) if pp_size > 1 else None
+        return _Placement(rank, world, group_rank(tp_group), tp_size, group_rank(dp_group), stage, pp_size)
 
 
 # ---------------------------------------------------------------- save
@@ -80,24 +86,27 @@ def _write_shards(tmp: Path, at: _Placement, model: nn.Module, weights: dict, op
     files, shapes = {}, None
     if at.dp_rank == 0:  # model and (consolidated) optimizer are the same on every data-parallel rank
         tensors = cpu_tensors(weights)
-        files.update(_write(tmp, model_file(at.tp_rank), tensors))
+        files.update(_write(tmp, model_file(at.tp_rank, at.stage), tensors))
         shapes = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in tensors.items()}
         if optimizer is not None:
-            files.update(_write(tmp, optim_file(at.tp_rank), *optim_tensors(model, optimizer, packed)))
+            files.update(_write(tmp, optim_file(at.tp_rank, at.stage), *optim_tensors(model, optimizer, packed)))
     files.update(_write(tmp, rng_file(at.rank), *rng_tensors()))
-    return {"files": files, "tp_rank": at.tp_rank, "shapes": shapes}
+    return {"files": files, "shard": shard_name(at.tp_rank, at.stage), "shapes": shapes}
 
 
 def _manifest(step: int, at: _Placement, config: dict, extra: dict, reports: list[dict]) -> dict:
-    writers = sorted(r["tp_rank"] for r in reports if r["shapes"] is not None)
-    if writers != list(range(at.tp_size)):
-        raise RuntimeError(f"expected one writer per tensor-parallel rank 0..{at.tp_size - 1}, got {writers}: "
-                           "are tp_group and dp_group the groups the run uses?")
+    writers = sorted(r["shard"] for r in reports if r["shapes"] is not None)
+    stages = [None] if at.pp_size == 1 else list(range(at.pp_size))
+    expected = sorted(shard_name(r, s) for r in range(at.tp_size) for s in stages)
+    if writers != expected:
+        raise RuntimeError(f"expected one writer per tensor-parallel rank and pipeline stage {expected}, got "
+                           f"{writers}: are tp_group and dp_group the groups the run uses?")
+    pipeline = {"pipeline_parallel_size": at.pp_size} if at.pp_size > 1 else {}
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-        "world_size": at.world, "tensor_parallel_size": at.tp_size, "data_parallel_size": at.world // at.tp_size,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "world_size": at.world,
+        "tensor_parallel_size": at.tp_size, "data_parallel_size": at.world // (at.tp_size * at.pp_size), **pipeline,
         "torch_version": torch.__version__, "config": config, "extra": extra,
-        "model_shapes": {f"tp{r['tp_rank']:02d}": r["shapes"] for r in reports if r["shapes"] is not None},
+        "model_shapes": {r["shard"]: r["shapes"] for r in reports if r["shapes"] is not None},
         "files": {name: record for r in reports for name, record in r["files"].items()},
     }
 
@@ -172,27 +181,27 @@ def _commit(step, at, config, extra, reports, tmp: Path, final: Path, nonce: str
 def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, expected_config) -> dict:
     """Everything that can fail, done before anything is modified: verified, checked, ready to apply."""
     manifest = read_manifest(path, config_sections=tuple(expected_config or ()))
-    check_layout(manifest, at.world, at.tp_size)
+    check_layout(manifest, at.world, at.tp_size, at.pp_size)
     check_config(manifest, expected_config)
-    weights, _ = read_shard(path, manifest, model_file(at.tp_rank))
-    check_shard_shapes(manifest, at.tp_rank, weights)
+    weights, _ = read_shard(path, manifest, model_file(at.tp_rank, at.stage))
+    check_shard_shapes(manifest, at.tp_rank, weights, at.stage)
     current = model.state_dict()
     missing, unexpected = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
     if missing or unexpected:
-        raise CheckpointError(f"{model_file(at.tp_rank)}: parameters in the model but not in the checkpoint "
+        raise CheckpointError(f"{model_file(at.tp_rank, at.stage)}: parameters in the model but not in the checkpoint "
                               f"{missing}; in the checkpoint but not in the model {unexpected}.")
     differ = [f"parameter {name!r}: checkpoint shape {tuple(saved.shape)} {saved.dtype}, "
               f"model shape {tuple(current[name].shape)} {current[name].dtype}"
               for name, saved in weights.items()
               if saved.shape != current[name].shape or saved.dtype != current[name].dtype]
     if differ:
-        raise CheckpointError(f"{model_file(at.tp_rank)}: " + "; ".join(differ) + ".")
+        raise CheckpointError(f"{model_file(at.tp_rank, at.stage)}: " + "; ".join(differ) + ".")
     loaded = {"manifest": manifest, "weights": weights, "optim": None}
     if optimizer is not None:
-        if optim_file(at.tp_rank) not in manifest["files"]:
+        if optim_file(at.tp_rank, at.stage) not in manifest["files"]:
             raise CheckpointError(f"{path} holds no optimizer state (saved with optimizer=None): "
                                   "load it with optimizer=None.")
-        tensors, meta = read_shard(path, manifest, optim_file(at.tp_rank))
+        tensors, meta = read_shard(path, manifest, optim_file(at.tp_rank, at.stage))
         loaded["optim"] = optim_state_dict(model, optimizer, tensors, meta)
     loaded["rng"] = read_safetensors(verify_file(path, manifest, rng_file(at.rank)))
     return loaded

@@ -136,14 +136,23 @@ def check_same_model(manifest: dict, model: ModelConfig, where) -> None:
         raise CheckpointError(f"{where} holds another model: " + "; ".join(differs))
 
 
-def same_layout(manifest: dict, tensor_parallel_size: int, world_size: int) -> bool:
-    """Whether an exact resume is possible (else the checkpoint is resharded on load)."""
+def same_layout(manifest: dict, tensor_parallel_size: int, world_size: int, pipeline: dict | None = None) -> bool:
+    """Whether an exact resume is possible (else the checkpoint is resharded on load). `pipeline`: this run's
+    parallel.pipeline_* settings, which must equal the checkpoint's (the same layers on each stage)."""
+    pipeline = pipeline or {"pipeline_parallel_size": 1}
+    saved = manifest.get("config", {}).get("parallel", {})
+    saved_pipeline = {k: saved.get(k, 1 if k != "pipeline_layers" else None) for k in pipeline}
     return (manifest["tensor_parallel_size"], manifest["world_size"]) == (tensor_parallel_size, world_size) \
-        and not manifest.get("resharded")
+        and saved_pipeline == pipeline and not manifest.get("resharded")
 
 
-def check_layout(manifest: dict, world_size: int, tp_size: int) -> None:
+def check_layout(manifest: dict, world_size: int, tp_size: int, pp_size: int = 1) -> None:
     """Refuse an exact load at another layout, saying why and what to do."""
+    if manifest.get("pipeline_parallel_size", 1) != pp_size:
+        raise CheckpointError(
+            f"this checkpoint was written at pipeline_parallel_size={manifest.get('pipeline_parallel_size', 1)}, "
+            f"this run uses {pp_size} (an exact load needs the same stages): resume through load_resharded "
+            "(pretrain.py does).")
     if manifest["tensor_parallel_size"] != tp_size:
         raise CheckpointError(
             f"this checkpoint was written at tensor_parallel_size={manifest['tensor_parallel_size']}, "
@@ -153,7 +162,7 @@ def check_layout(manifest: dict, world_size: int, tp_size: int) -> None:
         raise CheckpointError(
             f"this checkpoint was written by world_size={manifest['world_size']} "
             f"(data_parallel_size={manifest['data_parallel_size']}), this run has world_size={world_size} "
-            f"(data_parallel_size={world_size // tp_size}): every rank's RNG state and data position are "
+            f"(data_parallel_size={world_size // (tp_size * pp_size)}): every rank's RNG state and data position are "
             "saved per rank, so resume with the same number of ranks.")
 
 

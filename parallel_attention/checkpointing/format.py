@@ -54,12 +54,23 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def model_file(tp_rank: int) -> str:
-    return f"model_tp{tp_rank:02d}.safetensors"
+def shard_name(tp_rank: int, stage: int | None = None) -> str:
+    """"tp01", or "tp01_pp02" for pipeline stage 2 of a checkpoint written at pipeline_parallel_size > 1."""
+    return f"tp{tp_rank:02d}" + (f"_pp{stage:02d}" if stage is not None else "")
 
 
-def optim_file(tp_rank: int) -> str:
-    return f"optim_tp{tp_rank:02d}.safetensors"
+def model_file(tp_rank: int, stage: int | None = None) -> str:
+    return f"model_{shard_name(tp_rank, stage)}.safetensors"
+
+
+def optim_file(tp_rank: int, stage: int | None = None) -> str:
+    return f"optim_{shard_name(tp_rank, stage)}.safetensors"
+
+
+def pipeline_stages(manifest: dict) -> list[int | None]:
+    """The pipeline stages whose shards a checkpoint holds: [None] (file names without a stage) at pp = 1."""
+    pp = manifest.get("pipeline_parallel_size", 1)
+    return [None] if pp == 1 else list(range(pp))
 
 
 def rng_file(rank: int) -> str:
@@ -151,31 +162,37 @@ def _manifest_problems(m: dict, directory: Path, config_sections: tuple[str, ...
     if named and int(named.group(1)) != m["step"]:
         problems.append(f"step is {m['step']} but the directory is {directory.name}")
     p, dp, world = m["tensor_parallel_size"], m["data_parallel_size"], m["world_size"]
-    if min(p, dp) < 1 or p * dp != world:
-        problems.append(f"tensor_parallel_size={p} x data_parallel_size={dp} != world_size={world}")
+    pp = m.get("pipeline_parallel_size", 1)
+    if not _is(pp, int) or min(p, dp, pp) < 1 or p * dp * pp != world:
+        problems.append(f"tensor_parallel_size={p} x data_parallel_size={dp} x pipeline_parallel_size={pp} != "
+                        f"world_size={world}")
+        return problems
     problems += [f"config has no {s!r} section" for s in config_sections if not isinstance(m["config"].get(s), dict)]
     problems += [f"files[{name!r}] is {record!r}, not {{size, sha256}}" for name, record in m["files"].items()
                  if not (isinstance(record, dict) and _is(record.get("size"), int)
                          and isinstance(record.get("sha256"), str))]
-    problems += [f"{model_file(r)} of tensor-parallel rank {r} is not in files" for r in range(max(p, 0))
-                 if model_file(r) not in m["files"]]
+    stages = pipeline_stages(m)
+    problems += [f"{model_file(r, s)} of tensor-parallel rank {r} is not in files" for r in range(p) for s in stages
+                 if model_file(r, s) not in m["files"]]
     if "model_shapes" in m:
         shards = m["model_shapes"] if isinstance(m["model_shapes"], dict) else {}
-        if sorted(shards) != [f"tp{r:02d}" for r in range(max(p, 0))]:
-            problems.append(f"model_shapes has shards {sorted(shards)} for tensor_parallel_size={p}")
+        if sorted(shards) != sorted(shard_name(r, s) for r in range(p) for s in stages):
+            problems.append(f"model_shapes has shards {sorted(shards)} for tensor_parallel_size={p}"
+                            + (f", pipeline_parallel_size={pp}" if pp > 1 else ""))
     return problems
 
 
-def check_shard_shapes(manifest: dict, tp_rank: int, tensors: dict) -> None:
-    """CheckpointCorruptError unless the tensors read from model shard `tp_rank` are those `model_shapes` lists."""
-    listed = manifest.get("model_shapes", {}).get(f"tp{tp_rank:02d}")
+def check_shard_shapes(manifest: dict, tp_rank: int, tensors: dict, stage: int | None = None) -> None:
+    """CheckpointCorruptError unless the tensors read from model shard `tp_rank` (of pipeline `stage`) are those
+    `model_shapes` lists."""
+    listed = manifest.get("model_shapes", {}).get(shard_name(tp_rank, stage))
     if listed is None:  # written without shapes (an import): nothing to compare
         return
     found = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for n, t in tensors.items()}
     differ = [f"{n!r}: file {found.get(n, '<absent>')}, manifest {listed.get(n, '<absent>')}"
               for n in sorted(set(found) | set(listed)) if found.get(n) != listed.get(n)]
     if differ:
-        raise CheckpointCorruptError(f"{model_file(tp_rank)} disagrees with the manifest's model_shapes: "
+        raise CheckpointCorruptError(f"{model_file(tp_rank, stage)} disagrees with the manifest's model_shapes: "
                                      + "; ".join(differ[:5]) + (" ..." if len(differ) > 5 else "") + ".")
 
 

@@ -26,8 +26,8 @@ from ..transformer.model_config import ModelConfig
 from ..transformer.model_layout import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
 from .checkpoint import raise_unless_all_passed
 from .format import (FORMAT, FORMAT_VERSION, CheckpointError, check_shard_shapes, commit, model_file, optim_file,
-                     read_manifest, read_shard, step_dir_name, write_manifest)
-from .state_encoding import optim_state_dict, placed_like
+                     pipeline_stages, read_manifest, read_shard, step_dir_name, write_manifest)
+from .state_encoding import merged_optimizer_meta, optim_state_dict, optimizer_meta_for, placed_like
 from .tensor_io import write_safetensors
 
 _SCALAR_STATE = ("step",)  # per-parameter optimizer scalars: the same on every shard
@@ -38,12 +38,22 @@ def _source(step_dir: Path) -> tuple[dict, ModelConfig, int]:
     return manifest, ModelConfig.from_dict(manifest["config"]["model"]), manifest["tensor_parallel_size"]
 
 
+def _tp_shard(step_dir: Path, manifest: dict, file_of, r: int, check: bool) -> tuple[dict, dict]:
+    """Tensor-parallel rank r's tensors over every pipeline stage (their names are global: the stages' files hold
+    disjoint layers, and the tied embedding's two copies are equal), with the first stage's metadata."""
+    tensors, metas = {}, []
+    for stage in pipeline_stages(manifest):
+        part, meta = read_shard(step_dir, manifest, file_of(r, stage))
+        if check:
+            check_shard_shapes(manifest, r, part, stage)
+        tensors.update({k: v for k, v in part.items() if k not in tensors})
+        metas.append(meta)
+    return tensors, merged_optimizer_meta(metas)
+
+
 def _canonical_weights(step_dir: Path, manifest: dict, cfg: ModelConfig, p: int) -> dict[str, torch.Tensor]:
-    """Every model shard of the checkpoint, verified, joined into the canonical state dict."""
-    shards = [read_shard(step_dir, manifest, model_file(r))[0] for r in range(p)]
-    for r, shard in enumerate(shards):
-        check_shard_shapes(manifest, r, shard)
-    return unshard_state_dict(cfg, shards)
+    """Every model shard of the checkpoint (every stage's), verified, joined into the canonical state dict."""
+    return unshard_state_dict(cfg, [_tp_shard(step_dir, manifest, model_file, r, True)[0] for r in range(p)])
 
 
 def read_canonical_checkpoint(step_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -55,9 +65,9 @@ def read_canonical_checkpoint(step_dir: str | Path) -> tuple[dict, dict[str, tor
 
 def _canonical_optimizer(step_dir: Path, manifest: dict, cfg: ModelConfig, p: int):
     """Optimizer state per state key as canonical dicts, plus rank 0's metadata (names, hyper-parameters)."""
-    if optim_file(0) not in manifest["files"]:
+    if optim_file(0, pipeline_stages(manifest)[0]) not in manifest["files"]:
         return None, None
-    per_rank = [read_shard(step_dir, manifest, optim_file(r)) for r in range(p)]
+    per_rank = [_tp_shard(step_dir, manifest, optim_file, r, False) for r in range(p)]
     by_key: dict[str, list[dict]] = {}
     for tensors, _ in per_rank:
         grouped: dict[str, dict] = {}
@@ -135,7 +145,9 @@ def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parall
     canonical = _canonical_weights(step_dir, manifest, cfg, p)
     optimizer = _canonical_optimizer(step_dir, manifest, cfg, p)
     saved = manifest["config"]
-    target = {**saved, "parallel": {**saved["parallel"], "tensor_parallel_size": tensor_parallel_size}}
+    target = {**saved, "parallel": {**saved["parallel"], "tensor_parallel_size": tensor_parallel_size,
+                                     "pipeline_parallel_size": 1, "virtual_pipeline_stages": 1,
+                                     "pipeline_layers": None, "pipeline_schedule": "1f1b"}}
     return write_canonical_checkpoint(out_root, target, canonical, manifest["step"],
                                       optimizer=optimizer if optimizer[0] is not None else None,
                                       extra=manifest.get("extra"))
@@ -183,5 +195,7 @@ def _read_resharded(step_dir: Path, model: nn.Module, optimizer, tp_group) -> tu
     if optimizer is not None:
         state, meta = _canonical_optimizer(step_dir, manifest, cfg, p_source)
         if state is not None:
-            optim = optim_state_dict(model, optimizer, _optimizer_shard(cfg, state, keys, p, rank), meta)
+            live = {name for name, _ in model.named_parameters()}
+            optim = optim_state_dict(model, optimizer, _optimizer_shard(cfg, state, keys, p, rank),
+                                     optimizer_meta_for(meta, live))
     return manifest, weights, optim

@@ -186,3 +186,23 @@ def set_rng(tensors: dict, meta: dict) -> None:
         import numpy as np
         name, pos, has_gauss, cached = json.loads(meta["numpy"])
         np.random.set_state((name, tensors["numpy/keys"].numpy().view("<u4").astype(np.uint32), pos, has_gauss, cached))
+
+
+def merged_optimizer_meta(metas: list[dict]) -> dict:
+    """The optimizer metadata of several pipeline stages' files as one: each param group's names in stage order,
+    every parameter's scalars (a file without metadata, a model file, gives {})."""
+    metas = [m for m in metas if m and "param_groups" in m]
+    if len(metas) <= 1:
+        return metas[0] if metas else {}
+    groups = [json.loads(m["param_groups"]) for m in metas]
+    merged = [{**first, "params": [n for stage in stages for n in stage["params"]]}
+              for first, stages in zip(groups[0], zip(*groups))]
+    scalars = {k: v for m in metas for k, v in json.loads(m["scalar_state"]).items()}
+    return {"param_groups": json.dumps(merged), "scalar_state": json.dumps(scalars)}
+
+
+def optimizer_meta_for(meta: dict, live: set[str]) -> dict:
+    """`meta` narrowed to the parameters this rank holds (a pipeline stage's, when resharding across stages)."""
+    groups = [{**g, "params": [n for n in g["params"] if n in live]} for g in json.loads(meta["param_groups"])]
+    scalars = {k: v for k, v in json.loads(meta["scalar_state"]).items() if k in live}
+    return {"param_groups": json.dumps(groups), "scalar_state": json.dumps(scalars)}

@@ -242,15 +242,32 @@ def all_to_all_along_dims(x: torch.Tensor, split_dim: int, cat_dim: int, group: 
 
 
 class PendingExchange:
-    """A posted batch of sends and receives: wait() returns the received tensors, in the order asked for."""
+    """A posted batch of sends and receives: wait() returns the received tensors, in the order asked for;
+    wait_received() waits for the receives only where the backend returns one work per operation (gloo), and
+    leaves the sends to a later wait() (the sent tensors are held until then)."""
 
-    def __init__(self, op: str, works, group: ProcessGroup | None, received: list[torch.Tensor]) -> None:
-        self.op, self.works, self.group, self.received = op, works, group, received
+    def __init__(self, op: str, works, group: ProcessGroup | None, sent: list, received: list[torch.Tensor]) -> None:
+        self.op, self.works, self.group, self.sent, self.received = op, works, group, sent, received
 
     def wait(self) -> list[torch.Tensor]:
         with _await(self.op, self.group):
             for work in self.works:
                 work.wait()
+        self.works = []
+        return self.received
+
+    def received_yet(self) -> bool:
+        """Whether every receive has completed (without waiting; False where the backend cannot tell)."""
+        works = self.works[len(self.sent):] if len(self.works) == len(self.sent) + len(self.received) else self.works
+        return all(work.is_completed() for work in works)
+
+    def wait_received(self) -> list[torch.Tensor]:
+        if len(self.works) != len(self.sent) + len(self.received):  # one coalesced work (NCCL): wait for it all
+            return self.wait()
+        with _await(self.op, self.group):
+            for work in self.works[len(self.sent):]:
+                work.wait()
+        self.works = self.works[:len(self.sent)]
         return self.received
 
 
@@ -268,7 +285,7 @@ def exchange(sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.T
             for t, src in receives]
     with _issue(op, sends[0][0] if sends else None, group):
         works = dist.batch_isend_irecv(ops) if ops else []
-    return PendingExchange(op, works, group, [t for t, _ in receives])
+    return PendingExchange(op, works, group, [op_.tensor for op_ in ops[:len(sends)]], [t for t, _ in receives])
 
 
 @torch.no_grad()

@@ -70,13 +70,18 @@ def _combine(a: torch.Tensor | None, b: torch.Tensor, q: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def global_grad_norm(model: nn.Module, tp_group: ProcessGroup | None, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients as if the model were on one rank (see the module docstring), on every rank."""
+def global_grad_norm(model: nn.Module, tp_group: ProcessGroup | None, norm_type: float = 2.0,
+                     pp_group: ProcessGroup | None = None, counted_elsewhere=()) -> torch.Tensor:
+    """The norm of all gradients as if the model were on one rank (see the module docstring), on every rank.
+
+    Pipeline stages: `model` is this stage's part; the partial sums add up over `pp_group` too, and the
+    parameters in `counted_elsewhere` (a copy whose original another stage holds: tied embeddings) are left out."""
     q = float(norm_type)
     tp_rank, tp_size = group_rank(tp_group), group_size(tp_group)
+    skip = {id(p) for p in counted_elsewhere}
     by_shards: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # per set of FSDP2 shard groups: its partial sum
     for param, kind in parameter_kinds(model).values():
-        if param.grad is None:
+        if param.grad is None or id(param) in skip:
             continue
         groups = _shard_groups(param.grad)
         key = tuple(id(g) for g in groups)
@@ -90,7 +95,7 @@ def global_grad_norm(model: nn.Module, tp_group: ProcessGroup | None, norm_type:
         total = _combine(total, partial, q)
     if total is None:  # no gradient on this rank: a zero on the model's device (NCCL reduces no CPU tensor)
         total = torch.zeros((), dtype=torch.float32, device=next((p.device for p in model.parameters()), None))
-    total = all_reduce_(total, tp_group, op)
+    total = all_reduce_(all_reduce_(total, tp_group, op), pp_group, op)
     return total if math.isinf(q) else total.sqrt() if q == 2.0 else total.pow(1.0 / q)
 
 

@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from .collectives import PendingCollective, all_gather_first_dim, all_reduce, reduce_scatter_first_dim
 from .parallel_state import ProcessGroup
+from .weight_grads import weight_grad
 
 OVERLAP_COMM = True  # the default of every layer that takes overlap_comm (and of GPTModel, parallel.overlap_comm)
 
@@ -52,11 +53,13 @@ def _input_grad(grad: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) ->
 
 
 def _weight_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, with_bias: bool):
-    """dW = dY^T X over every token, db = sum of dY, in the parameters' dtypes; None where not needed."""
+    """dW = dY^T X over every token, db = sum of dY, in the parameters' dtypes; None where not needed (dW also
+    where `weight_grads` defers it)."""
     if not (ctx.needs_input_grad[1] or (with_bias and ctx.needs_input_grad[2])):
         return None, None
     flat = grad.reshape(-1, grad.shape[-1])
-    grad_weight = flat.t().mm(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype)
+    grad_weight = weight_grad(lambda: flat.t().mm(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype),
+                              weight) if ctx.needs_input_grad[1] else None  # now, or deferred (zero bubble)
     return grad_weight, flat.sum(0).to(weight.dtype) if with_bias else None
 
 

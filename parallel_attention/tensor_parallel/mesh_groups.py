@@ -1,8 +1,11 @@
 """How the job's mesh and its groups are made: built from sizes, or adopted from the caller's DeviceMesh.
 
-Pure construction, no state: parallel_state keeps what these return. Shapes: the rank grid is [dp, cp, tp]
-(tp innermost, consecutive ranks); besides one group per mesh dimension, each rank gets the dp x cp group of
-its tp index (DP_CP), over which the gradients of parameters replicated across cp are reduced.
+Pure construction, no state: parallel_state keeps what these return. Shapes: the rank grid is [pp, dp, cp, tp]
+(tp innermost, consecutive ranks; pp outermost, so that a stage's tensor-parallel group stays inside a node and
+only one activation per micro-batch crosses to the next stage); besides one group per mesh dimension, each rank
+gets the dp x cp group of its (pp, tp) index (DP_CP), over which the gradients of parameters replicated across cp
+are reduced, and at pp > 1 the group of the first and last stage at its (dp, cp, tp) index (EMBEDDING), over which
+the two copies of tied embeddings sum their gradients.
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 ProcessGroup = dist.ProcessGroup
 
-# outermost first (world = dp x cp x tp); a caller's ("dp", "tp") mesh is adopted as cp = 1
-MESH_DIMS = ("dp", "cp", "tp")
+# outermost first (world = pp x dp x cp x tp); a caller's mesh may leave out pp and cp (size 1)
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+ADOPTABLE = (MESH_DIMS, ("dp", "cp", "tp"), ("pp", "dp", "tp"), ("dp", "tp"))
 DP_CP = "dp_cp"  # the flattened dp x cp group of gradient reduction (not a mesh dimension)
+EMBEDDING = "embedding"  # the first and the last pipeline stage (tied embeddings; None at pp = 1)
+PP_GRADIENTS = "pp_gradients"  # the pipeline group's twin, for the gradients going back (None at pp = 1)
 
 
 def group_timeout(group: ProcessGroup | None) -> datetime.timedelta | None:
@@ -43,10 +49,23 @@ def build_mesh(sizes: dict[str, int], timeout) -> tuple[DeviceMesh, dict[str, Pr
     groups = {name: new_groups(ranks.movedim(dim, -1).reshape(-1, sizes[name]), timeout, name)
               for dim, name in enumerate(sizes)}
     mesh = DeviceMesh.from_group([groups[n] for n in sizes], device_type(), mesh=ranks, mesh_dim_names=tuple(sizes))
-    # at cp = 1 the dp x cp group is the dp group itself (no extra groups, DDP on the group it always had)
-    groups[DP_CP] = groups["dp"] if sizes["cp"] == 1 else new_groups(ranks.flatten(0, 1).movedim(0, -1), timeout,
-                                                                      DP_CP)
+    groups.update(derived_groups(ranks, sizes["cp"] == 1, groups["dp"], timeout))
     return mesh, groups
+
+
+def derived_groups(ranks: torch.Tensor, cp_is_one: bool, dp_group, timeout) -> dict[str, ProcessGroup | None]:
+    """DP_CP, EMBEDDING and PP_GRADIENTS of the [pp, dp, cp, tp] rank grid. At cp = 1 the dp x cp group is the dp
+    group itself (no extra groups, DDP on the group it always had); at pp = 1 there is no embedding group and no
+    twin of the pipeline group (activations go forward on the pipeline group, gradients back on the twin: at pp 2
+    both directions join the same two ranks, and NCCL matches messages by order within a communicator)."""
+    pp, dp, cp, tp = ranks.shape
+    dp_cp = dp_group if cp_is_one else new_groups(ranks.flatten(1, 2).movedim(1, -1).reshape(-1, dp * cp),
+                                                  timeout, DP_CP)
+    if pp == 1:
+        return {DP_CP: dp_cp, EMBEDDING: None, PP_GRADIENTS: None}
+    ends = torch.stack([ranks[0], ranks[-1]], dim=-1).reshape(-1, 2)
+    return {DP_CP: dp_cp, EMBEDDING: new_groups(ends, timeout, EMBEDDING),
+            PP_GRADIENTS: new_groups(ranks.movedim(0, -1).reshape(-1, pp), timeout, PP_GRADIENTS)}
 
 
 def splits_in_one_call() -> bool:
@@ -70,21 +89,26 @@ def new_groups(rows: torch.Tensor, timeout, desc: str | None = None) -> ProcessG
 
 
 def adopt_mesh(mesh: DeviceMesh) -> tuple[dict[str, ProcessGroup | None], datetime.timedelta | None]:
-    """The caller's mesh's groups and their timeout; a ("dp", "tp") mesh has cp = 1 (cp group None) and
-    dp x cp = dp."""
+    """The caller's mesh's groups and their timeout. Its dimensions are MESH_DIMS or leave out pp and/or cp (each
+    then has size 1: its group is None); dp x cp and the embedding group are made from the mesh's ranks."""
     names = tuple(mesh.mesh_dim_names or ())
-    if names not in (MESH_DIMS, ("dp", "tp")):
+    if names not in ADOPTABLE:
         raise ValueError(f"initialize_model_parallel(mesh=...): the mesh's dimensions are {names}; it needs exactly "
-                         f"{MESH_DIMS} (outermost first), or ('dp', 'tp') without context parallelism: build it "
-                         f"with init_device_mesh(device, shape, mesh_dim_names={MESH_DIMS}).")
+                         f"{MESH_DIMS} (outermost first), or that without 'pp' and/or 'cp' (e.g. ('dp', 'tp')): "
+                         f"build it with init_device_mesh(device, shape, mesh_dim_names={MESH_DIMS}).")
     if mesh.size() != dist.get_world_size():
         raise ValueError(f"initialize_model_parallel(mesh=...): the mesh holds {mesh.size()} ranks but the world has "
                          f"{dist.get_world_size()}: make the mesh over every rank.")
     groups = {name: mesh.get_group(name) for name in names}
     timeout = group_timeout(groups["tp"])
-    if "cp" not in groups or mesh.size(names.index("cp")) == 1:
-        return {"cp": None, **groups, DP_CP: groups["dp"]}, timeout
-    return {**groups, DP_CP: new_groups(mesh.mesh.flatten(0, 1).movedim(0, -1), timeout, DP_CP)}, timeout
+    ranks = mesh.mesh
+    for dim, name in enumerate(MESH_DIMS):  # the grid as [pp, dp, cp, tp]
+        if name not in names:
+            ranks = ranks.unsqueeze(dim)
+    cp_is_one = "cp" not in names or mesh.size(names.index("cp")) == 1
+    groups = {"pp": None, "cp": None, **groups}
+    groups.update(derived_groups(ranks, cp_is_one, groups["dp"], timeout))
+    return groups, timeout
 
 
 def data_context_mesh(mesh: DeviceMesh, groups: dict[str, ProcessGroup | None]) -> DeviceMesh:
@@ -96,14 +120,16 @@ def data_context_mesh(mesh: DeviceMesh, groups: dict[str, ProcessGroup | None]) 
     return DeviceMesh.from_group(groups[DP_CP], mesh.device_type, mesh_dim_names=(DP_CP,))
 
 
-def data_parallel_size(p: int, c: int) -> int:
+def data_parallel_size(p: int, c: int, pp: int = 1) -> int:
     world = dist.get_world_size()
-    for name, size in (("tensor_model_parallel_size", p), ("context_parallel_size", c)):
+    for name, size in (("tensor_model_parallel_size", p), ("context_parallel_size", c),
+                       ("pipeline_model_parallel_size", pp)):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name}={size!r} must be a positive integer.")
-    if world % (p * c) != 0:
+    if world % (p * c * pp) != 0:
+        stages = f" x pipeline_model_parallel_size={pp}" if pp > 1 else ""
         raise ValueError(
-            f"world size {world} is not a multiple of tensor_model_parallel_size={p} x context_parallel_size={c} "
-            f"= {p * c}: launch a multiple of {p * c} processes or choose sizes whose product divides {world}."
-        )
-    return world // (p * c)
+            f"world size {world} is not a multiple of tensor_model_parallel_size={p} x context_parallel_size={c}"
+            f"{stages} = {p * c * pp}: launch a multiple of {p * c * pp} processes or choose sizes whose product "
+            f"divides {world}.")
+    return world // (p * c * pp)

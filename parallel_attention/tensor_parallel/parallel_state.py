@@ -1,13 +1,13 @@
 """The device mesh of the job and its process groups: the one owner of both.
 
-World = dp x cp x tp, described by one `torch.distributed.device_mesh.DeviceMesh` with named dimensions
-`MESH_DIMS` (tp innermost, then cp, then dp). With tensor-parallel size p and context-parallel size c, ranks
-[0..p-1], [p..2p-1], ... form the tensor-parallel groups (consecutive ranks share a node, so the chatty TP
-collectives stay on NVLink); ranks {i, i+p, ..., i+(c-1)p} (same dp index) the context-parallel groups; ranks
-with the same (cp, tp) index the data-parallel groups; and ranks with the same tp index the data x context
-group over which gradients are reduced (parameters are replicated across cp). A caller with its own mesh
-hands it to `initialize_model_parallel(mesh=...)`; `init_distributed` builds one otherwise. Without
-torch.distributed initialised everything is a single rank: sizes are 1, ranks are 0 and groups are None.
+World = pp x dp x cp x tp, one `torch.distributed.device_mesh.DeviceMesh` with dimensions `MESH_DIMS` (tp
+innermost, then cp, dp, pp outermost). With tensor-parallel size p and context-parallel size c, ranks [0..p-1],
+[p..2p-1], ... form the tensor-parallel groups (consecutive ranks share a node: TP's collectives stay on NVLink);
+ranks {i, i+p, ..., i+(c-1)p} the context-parallel groups; the same (pp, cp, tp) index the data-parallel groups;
+the same (pp, tp) index the dp x cp group of gradient reduction (parameters are replicated across cp); the same
+(dp, cp, tp) index the pipeline groups, whose first and last members form the embedding group (pp > 1). A caller
+with its own mesh hands it to `initialize_model_parallel(mesh=...)`; `init_distributed` builds one otherwise.
+Without torch.distributed everything is a single rank: sizes are 1, ranks are 0 and groups are None.
 
 Every `tp_group=` argument of the package takes a ProcessGroup or a 1-D DeviceMesh (`as_group`).
 """
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh_groups import DP_CP, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size, group_timeout
+from .mesh_groups import DP_CP, EMBEDDING, PP_GRADIENTS, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size, group_timeout
 
 ProcessGroup = dist.ProcessGroup
 
@@ -62,13 +62,15 @@ def as_group(group: ProcessGroup | DeviceMesh | None) -> ProcessGroup | None:
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               timeout: datetime.timedelta | float | None = None, *,
-                              context_parallel_size: int = 1, mesh: DeviceMesh | None = None) -> None:
+                              context_parallel_size: int = 1, mesh: DeviceMesh | None = None,
+                              pipeline_model_parallel_size: int = 1) -> None:
     """Set up the job's mesh; call once after `init_process_group`, on every rank (group creation is collective).
 
-    mesh=None: build a ("dp", "cp", "tp") mesh with tp = tensor_model_parallel_size and cp =
-    context_parallel_size, whose groups get `timeout` (default: the world group's). mesh=...: adopt the caller's
-    DeviceMesh, whose dimensions are named ("dp", "cp", "tp") or ("dp", "tp") (cp = 1); its groups are used as
-    they are (the dp x cp group of gradient reduction is made from the mesh's ranks, with the tp group's timeout).
+    mesh=None: build a ("pp", "dp", "cp", "tp") mesh with tp = tensor_model_parallel_size, cp =
+    context_parallel_size and pp = pipeline_model_parallel_size, whose groups get `timeout` (default: the world
+    group's). mesh=...: adopt the caller's DeviceMesh, whose dimensions are named ("pp", "dp", "cp", "tp") or that
+    without "pp" and/or "cp" (size 1); its groups are used as they are (the dp x cp group of gradient reduction and
+    the embedding group are made from the mesh's ranks, with the tp group's timeout).
     """
     global _STATE, _EXIT_HANDLER_REGISTERED
     if not is_distributed():
@@ -81,8 +83,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     if mesh is not None:
         state = _State(mesh, *adopt_mesh(mesh))
     else:
-        cp, tp = context_parallel_size, tensor_model_parallel_size
-        sizes = {"dp": data_parallel_size(tp, cp), "cp": cp, "tp": tp}
+        cp, tp, pp = context_parallel_size, tensor_model_parallel_size, pipeline_model_parallel_size
+        sizes = {"pp": pp, "dp": data_parallel_size(tp, cp, pp), "cp": cp, "tp": tp}
         timeout = _as_timedelta(timeout) or group_timeout(None)
         state = _State(*build_mesh(sizes, timeout), timeout)
     _STATE = replace(state, dp_cp_mesh=data_context_mesh(state.mesh, state.groups))
@@ -96,8 +98,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
 
 def describe_group(group: ProcessGroup | None) -> str:
     """"tensor-parallel group (global ranks [0, 1])", for error messages."""
-    words = {"tp": "tensor-parallel", "dp": "data-parallel", "cp": "context-parallel",
-             "dp_cp": "data x context-parallel"}
+    words = {"tp": "tensor-parallel", "dp": "data-parallel", "cp": "context-parallel", "pp": "pipeline-parallel",
+             DP_CP: "data x context-parallel", EMBEDDING: "tied-embedding (first and last stage)",
+             PP_GRADIENTS: "pipeline-parallel (gradients)"}
     if _STATE is not None:
         for name, mine in _STATE.groups.items():
             if group is mine:
@@ -122,7 +125,7 @@ def destroy_model_parallel() -> None:
 
 
 def get_device_mesh() -> DeviceMesh | None:
-    """The job's ("dp", "cp", "tp") DeviceMesh (the caller's, where it brought one); None before initialize_model_parallel."""
+    """The job's ("pp", "dp", "cp", "tp") DeviceMesh (the caller's, where it brought one); None before initialize_model_parallel."""
     return None if _STATE is None else _STATE.mesh
 
 
@@ -160,6 +163,27 @@ def get_context_parallel_group() -> ProcessGroup | None:
 def get_data_context_parallel_group() -> ProcessGroup | None:
     """The dp x cp group (same tp rank) over which gradients of replicated-over-cp parameters are reduced."""
     return _group(DP_CP)
+
+
+def get_pipeline_parallel_group() -> ProcessGroup | None:
+    """The pipeline-parallel group: this rank's counterparts at the same (dp, cp, tp) index in every stage."""
+    return _group("pp")
+
+
+def get_pipeline_parallel_rank() -> int:
+    """This rank's pipeline stage (0: the first; its size: group_size(get_pipeline_parallel_group()))."""
+    return group_rank(get_pipeline_parallel_group())
+
+
+def get_pipeline_gradient_group() -> ProcessGroup | None:
+    """The pipeline group's twin (same ranks), on which gradients travel back between stages (None at pp = 1)."""
+    return _group(PP_GRADIENTS)
+
+
+def get_embedding_group() -> ProcessGroup | None:
+    """The first and last stage at this rank's (dp, cp, tp) index (tied embeddings); None at pp = 1 and on a
+    middle stage."""
+    return _group(EMBEDDING)
 
 
 def get_context_parallel_world_size() -> int:
@@ -218,13 +242,10 @@ def resolve_cp_group(cp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup
     return get_context_parallel_group() if _STATE is not None else None
 
 
-def init_distributed(
-    tensor_model_parallel_size: int = 1,
-    backend: str | None = None,
-    timeout: datetime.timedelta | float = datetime.timedelta(minutes=10),
-    context_parallel_size: int = 1,
-) -> torch.device:
-    """Initialise torch.distributed from the torchrun environment, then the job's ("dp", "cp", "tp") mesh.
+def init_distributed(tensor_model_parallel_size: int = 1, backend: str | None = None,
+                     timeout: datetime.timedelta | float = datetime.timedelta(minutes=10),
+                     context_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> torch.device:
+    """Initialise torch.distributed from the torchrun environment, then the job's ("pp", "dp", "cp", "tp") mesh.
 
     Picks NCCL when CUDA is available and gloo otherwise (`backend=` overrides), binds this
     process to cuda:LOCAL_RANK, and returns the device the caller should put tensors on.
@@ -253,7 +274,8 @@ def init_distributed(
         else:
             store = dist.HashStore()
             dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
-    initialize_model_parallel(tensor_model_parallel_size, timeout=timeout, context_parallel_size=context_parallel_size)
+    initialize_model_parallel(tensor_model_parallel_size, timeout=timeout, context_parallel_size=context_parallel_size,
+                              pipeline_model_parallel_size=pipeline_model_parallel_size)
     return device
 
 

@@ -25,7 +25,7 @@ from ..tensor_parallel.collective_log import enable_collective_log
 from ..tensor_parallel.collectives import all_reduce_, any_rank
 from ..tensor_parallel.param_kinds import finalize_grads
 from ..tensor_parallel.rng import dropout_coordinates, manual_seed
-from ..transformer.cross_entropy import IGNORE_INDEX
+from ..pipeline.runner import PipelineRunner, StepRecord
 from ..transformer.model import GPTModel
 from .config.schema import PretrainConfig
 from .config.checks import check_resume
@@ -42,7 +42,10 @@ from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
+from .evaluation import evaluate
+from .micro_batches import first_sample, model_inputs
 from .optim import build_optimizer, learning_rate, set_learning_rate
+from .pipeline_step import build_runners, model_stage, pipeline_forward_backward, pipeline_metrics
 from .precision import Precision
 from .run.resume import keep_previous_sampling, resume_from_checkpoint
 from .run.run_start import say_start
@@ -75,6 +78,9 @@ class Run:
     loader: BatchPrefetcher | None = None  # this rank's micro-batches of each step, read a step ahead
     data_identity: dict | None = None  # the tokenizer and data it trains on (data/identity.py): in every checkpoint
     data_parallel_model: torch.nn.Module | None = None  # the training forward: DDP over the dp group, or `model`
+    pipeline: PipelineRunner | None = None  # pp > 1: this stage's schedule (training), and evaluation's
+    pipeline_eval: PipelineRunner | None = None
+    pipeline_record: StepRecord | None = None  # the last step's events on this stage (bubble, timeline)
     step: int = 0
     logger: MetricsLogger | None = None
     losses: dict[int, float] = field(default_factory=dict)
@@ -106,7 +112,8 @@ def build(cfg: PretrainConfig) -> Run:
         enable_collective_log()
     backend = None if cfg.parallel.distributed_backend == "auto" else cfg.parallel.distributed_backend
     device = ps.init_distributed(cfg.parallel.tensor_parallel_size, backend=backend, timeout=cfg.parallel.timeout_s,
-                                 context_parallel_size=cfg.parallel.context_parallel_size)
+                                 context_parallel_size=cfg.parallel.context_parallel_size,
+                                 pipeline_model_parallel_size=cfg.parallel.pipeline_parallel_size)
     check_config_agreement(cfg)  # before anything is written or drawn: every rank must run this same config
     lock_run_dir(cfg)  # one run per directory: refused before anything is written if another run holds it
     prepare_run_dir(cfg)  # rank 0 makes it and clears a dead run's leftovers; every rank refuses an unwritable one
@@ -116,7 +123,7 @@ def build(cfg: PretrainConfig) -> Run:
     manual_seed(cfg.training.seed)
     model = GPTModel(cfg.model, cfg.parallel.sequence_parallel, tp_group=ps.get_tensor_model_parallel_group(),
                      device=device, overlap_comm=cfg.parallel.overlap_comm,
-                     context_parallel_kind=cfg.parallel.context_parallel_kind)
+                     context_parallel_kind=cfg.parallel.context_parallel_kind, stage=model_stage(cfg))
     if cfg.model.compile:
         compile_layers(model)
     val_batches = validation_batches(sources, sampler.weights, cfg.data.seq_len, cfg.training.micro_batch_size,
@@ -126,9 +133,15 @@ def build(cfg: PretrainConfig) -> Run:
     scaler = DynamicLossScaler(enabled=precision.loss_scaling)
     # parameters are replicated over dp x cp: their gradients are averaged (and ZeRO-1 shards) over both
     dp_group, zero_stage = ps.get_data_context_parallel_group(), cfg.parallel.zero_stage
-    forward = wrap_data_parallel(model, dp_group, cfg.parallel.debug_collectives, zero_stage=zero_stage)
+    pipeline, pipeline_eval = build_runners(cfg, model, cfg.gradient_accumulation_steps(ps.get_world_size()),
+                                            val_batches)
+    # a pipeline averages over dp after its schedule (pipeline_step), except under FSDP2, which reduce-scatters
+    forward = model if pipeline and zero_stage != 3 else wrap_data_parallel(model, dp_group,
+                                                                            cfg.parallel.debug_collectives,
+                                                                            zero_stage=zero_stage)
     optimizer = build_optimizer(model, cfg.optimizer, dp_group, zero_stage)  # over FSDP2's shards at stage 3
-    return Run(cfg, device, model, optimizer, scaler, precision, sampler, val_batches, data_parallel_model=forward)
+    return Run(cfg, device, model, optimizer, scaler, precision, sampler, val_batches, data_parallel_model=forward,
+               pipeline=pipeline, pipeline_eval=pipeline_eval)
 
 
 def resume_run(run: Run, where: str) -> None:
@@ -152,42 +165,22 @@ def resume_run(run: Run, where: str) -> None:
                                    log.tensorboard)
 
 
-def _model_inputs(batch: tuple, device: torch.device) -> dict:
-    """A micro-batch (tokens, labels[, document_ids]) as the model's keyword arguments, on `device`."""
-    return {name: t.to(device) for name, t in zip(("tokens", "labels", "document_ids"), batch)}
-
-
-@torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean validation loss per token over the fixed validation windows (the same for every layout):
-    token-loss sums and token counts are summed over the data-parallel ranks, then divided."""
-    run.model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=run.device)  # [sum of token losses, tokens]
-    for batch in run.val_batches:
-        with run.precision.autocast():
-            mean = run.model(**_model_inputs(batch, run.device)).double()
-        count = float((batch[1] != IGNORE_INDEX).sum())
-        sums += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
-    run.model.train()
-    all_reduce_(sums, ps.get_data_parallel_group())
-    return (sums[0] / sums[1]).item()
-
-
 def _forward_backward(run: Run, micro_batches: list) -> torch.Tensor:
     """Every micro-batch of this rank's share of the step's global batch; returns the summed loss.
 
     Each runs inside its dropout coordinates (seed, step, index of its first row in the global batch):
     layout-invariant dropout hashes its masks from them. Only the last one reduces gradients across the
     data-parallel group (during its backward); the others accumulate locally."""
+    if run.pipeline is not None:
+        return pipeline_forward_backward(run, micro_batches)
     t = run.cfg.training
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     loss_sum, forward = torch.zeros((), device=run.device), run.data_parallel_model
     for i, batch in enumerate(micro_batches):
-        first_sample = dp_rank * (t.global_batch_size // dp_size) + i * t.micro_batch_size
-        with dropout_coordinates(t.seed, run.step, first_sample), \
+        with dropout_coordinates(t.seed, run.step, first_sample(t, dp_rank, dp_size, i)), \
                 reduce_gradients(forward, reduce=i == len(micro_batches) - 1):
             with run.precision.autocast():
-                loss = forward(**_model_inputs(batch, run.device)) / len(micro_batches)
+                loss = forward(**model_inputs(batch, run.device)) / len(micro_batches)
             run.scaler.scale_loss(loss).backward()
         loss_sum += loss.detach().float()
     return loss_sum
@@ -203,7 +196,8 @@ def train_step(run: Run) -> dict:
     loss_sum = _forward_backward(run, micro_batches)
     finalize_grads(run.model)  # after the data-parallel average of the backward: the two commute
     run.scaler.unscale(run.model.parameters())
-    grad_norm = global_grad_norm(run.model, ps.get_tensor_model_parallel_group())
+    grad_norm = global_grad_norm(run.model, ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_parallel_group(),
+                                 counted_elsewhere=run.model.pipeline_copies())
     dp_group = ps.get_data_parallel_group()
     loss = (all_reduce_(loss_sum, dp_group) / ps.group_size(dp_group)).item()  # the mean over data-parallel ranks
     if run.guard.update(run.step + 1, loss, grad_norm.item()):
@@ -215,7 +209,7 @@ def train_step(run: Run) -> dict:
             "skipped_steps": run.guard.skipped_steps, "data_wait_s": round(data_wait_s, 6),
             "epochs": run.sampler.epochs(run.step),
             **step_rates(run.cfg, run.device, run.tokens_per_step, time.perf_counter() - started),
-            **run.scaler.record()}  # fp16: the loss scale after this step
+            **run.scaler.record(), **pipeline_metrics(run)}  # fp16: the loss scale after this step
 
 
 def checkpoint(run: Run) -> None:

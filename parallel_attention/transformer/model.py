@@ -35,6 +35,7 @@ from .mlp import ParallelMLP
 from .model_config import ModelConfig
 from .model_layout import shard_state_dict, unshard
 from .norms import build_norm
+from .pipeline_stage import PartSeeds, PipelineStage, StageLayers
 
 
 class TransformerLayer(nn.Module):
@@ -90,49 +91,75 @@ def _run_layer_recomputed(layer: nn.Module, x: torch.Tensor, documents: Document
 class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, sequence_parallel: bool = False, tp_group: ProcessGroup | None = None,
                  device=None, dtype: torch.dtype = torch.float32, overlap_comm: bool = OVERLAP_COMM, *,
-                 cp_group: ProcessGroup | None = None, context_parallel_kind: str = "all_to_all") -> None:
+                 cp_group: ProcessGroup | None = None, context_parallel_kind: str = "all_to_all",
+                 stage: PipelineStage = PipelineStage()) -> None:
         """tp_group, cp_group: a ProcessGroup or a 1-D DeviceMesh (None: the default group). sequence_parallel,
         overlap_comm: the layout of the parallel linears (parallel.* of a run config). At cp > 1 forward takes
         the full [b, s] on every rank of the cp group and keeps its zigzag part (context_parallel_kind: "ring" or
-        "all_to_all")."""
+        "all_to_all"). stage: the part of the model this module holds (a pipeline stage; default the whole)."""
         super().__init__()
         self.context = ContextParallelPart(resolve_cp_group(cp_group))
-        self.config, self.sequence_parallel = cfg, sequence_parallel
+        self.config, self.sequence_parallel, self.stage = cfg, sequence_parallel, stage
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
         self.vocab_size = cfg.vocab_size
         self.padded_vocab_size = sharding.padded_vocab_size(cfg.vocab_size, self.tp_size)
-        h, std = cfg.hidden_size, cfg.init_std
-        # Construction order is the order the seeded generator is drawn in: it must not depend on p.
-        self.embed_tokens = VocabParallelEmbedding(self.padded_vocab_size, h, init_std=None,
-                                                   sequence_parallel=sequence_parallel, tp_group=self.tp_group,
-                                                   device=device, dtype=dtype)
-        self._load_vocab_rows(self.embed_tokens.weight, self._normal((cfg.vocab_size, h), std, device, dtype))
-        self.embed_positions = None
-        if cfg.position_embedding == "learned":
-            self.embed_positions = nn.Parameter(self._normal((cfg.max_seq_len, h), std, device, dtype))
+        h, std, seeds = cfg.hidden_size, cfg.init_std, PartSeeds(device)  # the same weights at any p, pp, split
+        self.embed_tokens = self.embed_positions = None  # the last stage holds a copy of a tied table
+        if stage.has_embedding or (stage.has_head and cfg.tie_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(self.padded_vocab_size, h, init_std=None,
+                                                       sequence_parallel=sequence_parallel, tp_group=self.tp_group,
+                                                       device=device, dtype=dtype)
+            with seeds.seeded(PartSeeds.TOKEN_TABLE):
+                self._load_vocab_rows(self.embed_tokens.weight, self._normal((cfg.vocab_size, h), std, device, dtype))
+        if cfg.position_embedding == "learned" and stage.has_embedding:
+            with seeds.seeded(PartSeeds.POSITIONS):
+                self.embed_positions = nn.Parameter(self._normal((cfg.max_seq_len, h), std, device, dtype))
         self.embedding_dropout = build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng, sequence_parallel,
                                                       self.tp_group, 0, DropoutSite.EMBEDDING, self.context.group)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, sequence_parallel, self.tp_group, device, dtype, i,
-                                                     overlap_comm=overlap_comm, cp_group=self.context.group,
-                                                     context_parallel_kind=context_parallel_kind)
-                                    for i in range(cfg.num_layers))
-        self.final_norm = build_norm(cfg.norm, h, cfg.norm_eps, sequence_parallel, self.tp_group, device, dtype)
-        if cfg.tie_embeddings:  # no parameter of its own: nothing of it in the state dict
-            self.lm_head = TiedOutputLayer(self.embed_tokens, sequence_parallel, overlap_comm)
-        else:
-            self.lm_head = ColumnParallelLinear(h, self.padded_vocab_size, bias=False, init_std=None,
-                                                sequence_parallel=sequence_parallel, tp_group=self.tp_group,
-                                                device=device, dtype=dtype, overlap_comm=overlap_comm)
-            self._load_vocab_rows(self.lm_head.weight, self._normal((cfg.vocab_size, h), std, device, dtype))
+        layers, ranges = {}, stage.layer_ranges(cfg.num_layers)
+        for i in (i for r in ranges for i in r):
+            with seeds.seeded(PartSeeds.FIRST_LAYER + i):
+                layers[i] = TransformerLayer(cfg, sequence_parallel, self.tp_group, device, dtype, i,
+                                             overlap_comm=overlap_comm, cp_group=self.context.group,
+                                             context_parallel_kind=context_parallel_kind)
+        self.layers = StageLayers(layers)
+        self._build_head(cfg, overlap_comm, device, dtype, seeds)
+        # per model chunk, chosen once: where its input comes from, its layers, where its output goes
+        last = len(ranges) - 1
+        self._enters = [self._embed_tokens if c == 0 and stage.has_embedding else self._take_hidden
+                        for c in range(len(ranges))]
+        self._chunk_layers = [[layers[i] for i in r] for r in ranges]
+        self._exits = [self._loss_or_logits if c == last and stage.has_head else self._hidden_out
+                       for c in range(len(ranges))]
         self._positions = self._my_positions if sequence_parallel else self._all_positions
         full = cfg.recompute_activations and cfg.recompute_granularity == "full"  # selective: TransformerLayer
         self._run_layer = _run_layer_recomputed if full else _run_layer
 
+    def _build_head(self, cfg: ModelConfig, overlap_comm: bool, device, dtype, seeds: PartSeeds) -> None:
+        """The final norm and the output layer (tied: reading the embedding table, or the last stage's copy)."""
+        self.final_norm = self.lm_head = None
+        if not self.stage.has_head:
+            return
+        h = cfg.hidden_size
+        self.final_norm = build_norm(cfg.norm, h, cfg.norm_eps, self.sequence_parallel, self.tp_group, device, dtype)
+        if cfg.tie_embeddings:
+            self.lm_head = TiedOutputLayer(self.embed_tokens, self.sequence_parallel, overlap_comm)
+            return
+        self.lm_head = ColumnParallelLinear(h, self.padded_vocab_size, bias=False, init_std=None,
+                                            sequence_parallel=self.sequence_parallel, tp_group=self.tp_group,
+                                            device=device, dtype=dtype, overlap_comm=overlap_comm)
+        with seeds.seeded(PartSeeds.OUTPUT_LAYER):
+            self._load_vocab_rows(self.lm_head.weight, self._normal((cfg.vocab_size, h), cfg.init_std, device, dtype))
+
+    def pipeline_copies(self) -> list[nn.Parameter]:
+        """This stage's copies of another stage's parameters (tied embeddings), which the norm counts there."""
+        tied_copy = self.stage.has_head and not self.stage.has_embedding and self.config.tie_embeddings
+        return [self.embed_tokens.weight] if tied_copy else []
+
     @staticmethod
     def _normal(shape, std, device, dtype) -> torch.Tensor:
         return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std)
-
     @torch.no_grad()
     def _load_vocab_rows(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """Copy this rank's rows of a full [V, h] table, padding rows past V with zeros."""
@@ -144,7 +171,6 @@ class GPTModel(nn.Module):
             return {}
         return {"embed_positions": PartialGrad(self.tp_group) if self.sequence_parallel else Replicated(self.tp_group)}
 
-    # ------------------------------------------------------------------------------ forward
     def _all_positions(self, table: torch.Tensor) -> torch.Tensor:
         return table
 
@@ -163,20 +189,38 @@ class GPTModel(nn.Module):
         return self.embedding_dropout(x)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                ignore_index: int = IGNORE_INDEX, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                ignore_index: int = IGNORE_INDEX, document_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
         """tokens [b, s] -> mean loss over the labels [b, s] that are not `ignore_index`, or local logits
         [s, b, V_padded/p] without labels.
 
         document_ids [b, s]: packed documents (tokens of a row with equal ids form one, contiguous): attention
         never crosses a document and positions restart at 0 in each; the layout is built here once per batch
         and shared by every layer. The labels stay the caller's: ignore those that predict the next document's
-        first token (documents.mask_cross_document_labels) for the loss of each document alone."""
+        first token (documents.mask_cross_document_labels) for the loss of each document alone.
+
+        Pipeline stage: one model `chunk` at a time; a chunk after another stage's takes its output as `hidden`
+        [s, b, h] (SP: [s/p, b, h]), and one before another stage's returns its own."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [b, s], got shape {tuple(tokens.shape)}.")
         documents = None if document_ids is None else DocumentLayout.from_ids(document_ids, tuple(tokens.shape))
-        x = self._embed(self.context.keep_part(tokens, 1), 0, documents)
-        for layer in self.layers:
+        x = self._enters[chunk](tokens, documents, hidden)
+        for layer in self._chunk_layers[chunk]:
             x = self._run_layer(layer, x, documents)
+        return self._exits[chunk](x, labels, ignore_index)
+
+    def _embed_tokens(self, tokens: torch.Tensor, documents: DocumentLayout | None, hidden) -> torch.Tensor:
+        return self._embed(self.context.keep_part(tokens, 1), 0, documents)
+
+    def _take_hidden(self, tokens: torch.Tensor, documents: DocumentLayout | None, hidden) -> torch.Tensor:
+        if hidden is None:
+            raise ValueError(f"this chunk ({self.stage.describe()}) starts from the previous stage's: pass hidden=.")
+        return hidden
+
+    def _hidden_out(self, x: torch.Tensor, labels, ignore_index: int) -> torch.Tensor:
+        return x  # the next stage's input
+
+    def _loss_or_logits(self, x: torch.Tensor, labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
         logits = self.lm_head(self.final_norm(x))
         if labels is None:
             return logits
@@ -185,7 +229,6 @@ class GPTModel(nn.Module):
         losses = vocab_parallel_cross_entropy_(logits, labels.t(), self.vocab_size, self.tp_group, ignore_index)
         return self.context.mean_loss(losses.sum(), (labels != ignore_index).sum())  # == mean() if nothing ignored
 
-    # ------------------------------------------------------------------------------ decoding
     def new_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         attn = self.layers[0].attention
         return KVCache(len(self.layers), batch_size, attn.num_kv_heads_per_rank, attn.config.head_dim, max_len,
@@ -215,7 +258,6 @@ class GPTModel(nn.Module):
         """[b, V_padded/p] on each rank -> [b, V] on every rank (gathered across the group), float32."""
         return collectives.gather_from_tensor_parallel_region(local, self.tp_group)[:, :self.vocab_size].float()
 
-    # ------------------------------------------------------------------------------ weights
     @torch.no_grad()
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:
         """Full, p-independent weights on every rank (a collective over the tensor-parallel group)."""
@@ -241,15 +283,17 @@ class GPTModel(nn.Module):
     def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         """Names and shapes of the canonical state dict (no communication)."""
         h = self.config.hidden_size
-        shapes = {"embed_tokens.weight": (self.vocab_size, h)}
+        shapes = {"embed_tokens.weight": (self.vocab_size, h)} if self.embed_tokens is not None else {}
         if self.embed_positions is not None:
             shapes["embed_positions.weight"] = tuple(self.embed_positions.shape)
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layers.global_indices(), self.layers):
             for part in ("input_norm", "post_attention_norm"):
                 shapes.update({f"layers.{i}.{part}.{k}": tuple(v.shape)
                                for k, v in getattr(layer, part).state_dict().items()})
             shapes.update({f"layers.{i}.attention.{k}": v for k, v in layer.attention.canonical_shapes().items()})
             shapes.update({f"layers.{i}.mlp.{k}": v for k, v in layer.mlp.canonical_shapes().items()})
+        if self.final_norm is None:
+            return shapes
         shapes.update({f"final_norm.{k}": tuple(v.shape) for k, v in self.final_norm.state_dict().items()})
         if not self.config.tie_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)

@@ -84,6 +84,8 @@ RANGES: dict[str, Range] = {
     "model.init_std": Range(0, low_open=True, meaning="the standard deviation of the initial weights"),
     "parallel.tensor_parallel_size": COUNT,
     "parallel.context_parallel_size": COUNT,
+    "parallel.pipeline_parallel_size": COUNT,
+    "parallel.virtual_pipeline_stages": COUNT,
     "parallel.timeout_s": Range(0, MAX_TIMEOUT_S, low_open=True, meaning="seconds a collective may wait"),
     "parallel.zero_stage": Range(0, 3, meaning="0: every data-parallel rank holds the whole optimizer state; "
                                                "1: it is sharded across them (ZeRO-1); 3: parameters, gradients "

@@ -99,6 +99,8 @@ def check_type(path: str, value: Any, annotation: Any) -> Any:
         if value not in typing.get_args(annotation):
             raise ValueError(f"{path}={value!r} is not one of {list(typing.get_args(annotation))}.")
         return value
+    if origin is list and isinstance(value, list):  # list[int] (a list of dataclasses is built by build_dataclass)
+        return [check_type(f"{path}[{i}]", item, typing.get_args(annotation)[0]) for i, item in enumerate(value)]
     if annotation is type(None):
         if value is None:
             return None
@@ -123,6 +125,8 @@ def type_name(annotation: Any) -> str:
         return " or ".join(type_name(a) for a in typing.get_args(annotation))
     if typing.get_origin(annotation) is Literal:
         return "one of " + str(list(typing.get_args(annotation)))
+    if typing.get_origin(annotation) is list:
+        return f"a list of {type_name(typing.get_args(annotation)[0])}"
     return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
 
 

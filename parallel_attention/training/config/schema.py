@@ -21,6 +21,7 @@ from ...tensor_parallel.linear_functions import OVERLAP_COMM
 from ...transformer.model_config import ModelConfig
 from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_names,
                      check_ranges, check_resume)
+from .pipeline_checks import check_pipeline
 from .loading import apply_override, build_dataclass, read_yaml_file
 from ..data.preparation import DEFAULT_SHARD_TOKENS
 from ..data.tokenizer import tokenizer_vocab_size
@@ -42,6 +43,11 @@ class ParallelConfig:
     context_parallel_size: int = 1  # cp: the sequence split inside attention (world = dp x cp x tp)
     # all_to_all (Ulysses; measured 3.3x faster than ring at cp 2, s 4096 on CPU) or ring (k/v blocks pass around)
     context_parallel_kind: Literal["ring", "all_to_all"] = "all_to_all"
+    # pp: the layers split into stages (world = pp x dp x cp x tp, pp outermost); docs/pipeline.md
+    pipeline_parallel_size: int = 1
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    virtual_pipeline_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
+    pipeline_layers: list[int] | None = None  # layers per (virtual) stage, e.g. [3, 2]; null: balanced
 
 
 @dataclass
@@ -152,26 +158,28 @@ class PretrainConfig:
         check_resume(self.checkpoint.resume)
         check_compile(self.model)
         p, m, t = self.parallel.tensor_parallel_size, self.model, self.training
-        cp = self.parallel.context_parallel_size
+        cp, pp = self.parallel.context_parallel_size, self.parallel.pipeline_parallel_size
         if world_size < 1:
             raise ValueError(f"the world size {world_size} (WORLD_SIZE) must be >= 1: launch with torchrun.")
-        if world_size % (p * cp) != 0:
+        if world_size % (p * cp * pp) != 0:
+            stages = f" x pipeline_parallel_size={pp}" if pp > 1 else ""
             raise ValueError(
-                f"parallel.tensor_parallel_size={p} x context_parallel_size={cp} does not divide the world size "
-                f"{world_size}: launch a multiple of {p * cp} processes (--nproc-per-node x --nnodes) or change them."
-            )
+                f"parallel.tensor_parallel_size={p} x context_parallel_size={cp}{stages} does not divide the world "
+                f"size {world_size}: launch a multiple of {p * cp * pp} processes (--nproc-per-node x --nnodes) or "
+                "change them.")
         check_context_parallel(self)
         m.attention_config().per_rank_heads(p)  # heads / kv heads vs p, with its own messages
         ffn = m.resolved_ffn_hidden_size()
         if ffn % p != 0:
             raise ValueError(f"model.ffn_hidden_size={ffn} is not divisible by tensor_parallel_size={p}.")
-        dp = world_size // (p * cp)
+        dp = world_size // (p * cp * pp)
         if t.global_batch_size % (t.micro_batch_size * dp) != 0:
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size="
-                f"{t.micro_batch_size} x data-parallel size {dp} (world {world_size} / tp {p} / cp {cp}): "
+                f"{t.micro_batch_size} x data-parallel size {dp} (world {world_size} / tp {p} / cp {cp} / pp {pp}): "
                 f"choose a global batch that is a multiple of {t.micro_batch_size * dp}."
             )
+        check_pipeline(self, self.gradient_accumulation_steps(world_size))
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}.")
         if self.parallel.sequence_parallel and self.data.seq_len % p != 0:
@@ -184,7 +192,9 @@ class PretrainConfig:
             raise ValueError(f"optimizer.min_lr={self.optimizer.min_lr} exceeds optimizer.lr={self.optimizer.lr}.")
 
     def gradient_accumulation_steps(self, world_size: int) -> int:
-        dp = world_size // (self.parallel.tensor_parallel_size * self.parallel.context_parallel_size)
+        """The step's micro-batches per data-parallel rank: the pipeline's micro-batches at pp > 1."""
+        par = self.parallel
+        dp = world_size // (par.tensor_parallel_size * par.context_parallel_size * par.pipeline_parallel_size)
         return self.training.global_batch_size // (self.training.micro_batch_size * dp)
 
     def to_dict(self) -> dict[str, Any]:

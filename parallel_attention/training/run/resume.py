@@ -42,7 +42,10 @@ def _load(cfg: PretrainConfig, path: Path, model: nn.Module, optimizer) -> dict:
     """`path` exactly at the same layout, else resharded (after which the RNG is reseeded from (seed, step))."""
     groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_context_parallel_group())
     saved = _agreed_manifest(path)
-    if same_layout(saved, cfg.parallel.tensor_parallel_size, ps.get_world_size()):
+    par = cfg.parallel
+    pipeline = {"pipeline_parallel_size": par.pipeline_parallel_size,
+                "virtual_pipeline_stages": par.virtual_pipeline_stages, "pipeline_layers": par.pipeline_layers}
+    if same_layout(saved, par.tensor_parallel_size, ps.get_world_size(), pipeline):
         return load_checkpoint(path, model, optimizer, expected_config={"model": model_shape_config(cfg.model)},
                                **groups)
     check_same_model(saved, cfg.model, path)

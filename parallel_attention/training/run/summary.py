@@ -25,6 +25,7 @@ import torch
 from ..config.schema import PretrainConfig
 from ..flops import peak_source, peak_tflops
 from ..precision import Precision
+from .pipeline_summary import pipeline_rows
 
 
 def _millions(n: int) -> str:
@@ -34,6 +35,8 @@ def _millions(n: int) -> str:
 def _size_line(model: torch.nn.Module) -> str:
     total = sum(math.prod(shape) for shape in model.canonical_shapes().values())
     local = sum(p.numel() for p in model.parameters())
+    if model.stage.chunks is not None:  # a pipeline stage's: the stages row gives every stage's
+        return f"{_millions(total)} parameters on pipeline stage 0, {_millions(local)} on each of its ranks"
     return f"{_millions(total)} parameters, {_millions(local)} on each rank"
 
 
@@ -44,17 +47,24 @@ def _shape_line(cfg: PretrainConfig) -> str:
             f"{m.position_embedding} positions, vocab {m.vocab_size}")
 
 
+def _data_parallel(cfg: PretrainConfig, world_size: int) -> int:
+    par = cfg.parallel
+    return world_size // (par.tensor_parallel_size * par.context_parallel_size * par.pipeline_parallel_size)
+
+
 def _layout_line(cfg: PretrainConfig, world_size: int) -> str:
-    p, cp = cfg.parallel.tensor_parallel_size, cfg.parallel.context_parallel_size
+    p, cp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.context_parallel_size, cfg.parallel.pipeline_parallel_size
     context = f" x context parallel {cp} ({cfg.parallel.context_parallel_kind})" if cp > 1 else ""
-    text = f"world {world_size} = tensor parallel {p}{context} x data parallel {world_size // (p * cp)}"
+    stages = f"pipeline parallel {pp} x " if pp > 1 else ""
+    text = f"world {world_size} = {stages}tensor parallel {p}{context} x data parallel {_data_parallel(cfg, world_size)}"
     return text + (" + sequence parallel" if cfg.parallel.sequence_parallel else "")
 
 
 def _batch_line(cfg: PretrainConfig, world_size: int) -> str:
-    t, dp = cfg.training, world_size // (cfg.parallel.tensor_parallel_size * cfg.parallel.context_parallel_size)
+    t, dp = cfg.training, _data_parallel(cfg, world_size)
     return (f"global {t.global_batch_size} sequences = micro {t.micro_batch_size} x data parallel {dp} x "
-            f"{cfg.gradient_accumulation_steps(world_size)} accumulation step(s)")
+            f"{cfg.gradient_accumulation_steps(world_size)} "
+            f"{'micro-batches through the pipeline' if cfg.parallel.pipeline_parallel_size > 1 else 'accumulation step(s)'}")
 
 
 def _tokens_line(cfg: PretrainConfig) -> str:
@@ -85,6 +95,7 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
         "model": _size_line(model),
         "shape": _shape_line(cfg),
         "layout": _layout_line(cfg, world_size),
+        **pipeline_rows(cfg, world_size, cfg.gradient_accumulation_steps(world_size)),
         "batch": _batch_line(cfg, world_size),
         "tokens": _tokens_line(cfg),
         "optimizer": f"AdamW lr {o.lr:g} -> {o.min_lr:g}, {cfg.schedule.warmup_steps} warm-up steps then "

@@ -1,0 +1,92 @@
+"""(g) Pipeline parallelism (`--pp P`): a 4-layer, tied-embedding GPTModel cut into P stages trains one step under
+every schedule and gives what the whole model gives on one rank: the loss, every stage's gradients and the global
+gradient norm; and each stage exchanges exactly the activations and gradients its neighbours expect (counted).
+
+Both models are built from the same seed: each part of the model draws its initial weights from its own seeded
+generator (`transformer.pipeline_stage`), so the stages hold exactly the whole model's weights without loading any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..pipeline.layout import rank_stage
+from ..pipeline.runner import PipelineRunner
+from ..pipeline.schedules import SCHEDULES
+from ..tensor_parallel import parallel_state as ps
+from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.grad_clip import global_grad_norm
+from ..tensor_parallel.rng import manual_seed
+from ..transformer import GPTModel
+from ..transformer.model_config import ModelConfig
+from ..transformer.pipeline_stage import PipelineStage
+from .collective_counter import count_collectives
+from .compare import relative_error, verdict
+from .context import CheckContext
+
+LAYERS, SEQ, VOCAB = 4, 16, 96
+
+
+def _config(ctx: CheckContext) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=LAYERS, num_heads=4, max_seq_len=SEQ,
+                       tie_embeddings=True)
+
+
+def _model(ctx: CheckContext, stage, group) -> GPTModel:
+    manual_seed(ctx.seed)
+    return GPTModel(_config(ctx), tp_group=group, device=ctx.device, dtype=ctx.dtype, stage=stage)
+
+
+def _micro_batches(ctx: CheckContext, m: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(ctx.seed + 11)
+    return [{"tokens": torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(ctx.device),
+             "labels": torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(ctx.device)} for _ in range(m)]
+
+
+def _reference(ctx: CheckContext, batches: list[dict]) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """The whole model on this rank alone: mean loss over the micro-batches, gradients by name, their norm."""
+    model = _model(ctx, PipelineStage(), ctx.solo_group)
+    loss = sum(model(**b) for b in batches) / len(batches)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, global_grad_norm(model, None)
+
+
+def _case(ctx: CheckContext, schedule: str, batches, reference) -> tuple[dict[str, float], list[str]]:
+    pp_group, p, rank = ps.get_pipeline_parallel_group(), ps.group_size(ps.get_pipeline_parallel_group()), \
+        ps.get_pipeline_parallel_rank()
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    model = _model(ctx, rank_stage(LAYERS, p, v, None, rank), ctx.solo_group)
+    runner = PipelineRunner(model, schedule, len(batches), pp_group, ps.get_pipeline_gradient_group(), v)
+    runner.agree_shapes((SEQ, 2, 32), ctx.dtype)
+    with count_collectives() as counts:
+        record = runner.run(lambda i: batches[i], lambda i: contextlib.nullcontext(),
+                            lambda i: contextlib.nullcontext(), lambda loss: loss.backward())
+    loss = all_reduce_(record.losses, pp_group).sum() / len(batches)
+    tied = ps.get_embedding_group()
+    if tied is not None and model.embed_tokens is not None:
+        all_reduce_(model.embed_tokens.weight.grad, tied)
+    norm = global_grad_norm(model, None, pp_group=pp_group, counted_elsewhere=model.pipeline_copies())
+    ref_loss, ref_grads, ref_norm = reference
+    errors = {f"{schedule} loss": relative_error(loss, ref_loss.cpu().double()),
+              f"{schedule} grad norm": relative_error(norm, ref_norm.cpu().double())}
+    errors.update({f"{schedule} {n}": relative_error(q.grad, ref_grads[n].cpu().double())
+                   for n, q in model.named_parameters()})
+    sends = len(batches) * v * 2 - (len(batches) if rank == p - 1 else 0) - (len(batches) if rank == 0 else 0)
+    wrong = [f"{schedule}: stage {rank} posted {counts['isend']} sends and {counts['irecv']} receives, "
+             f"expected {sends} each"] if (counts["isend"], counts["irecv"]) != (sends, sends) else []
+    return errors, wrong
+
+
+def check_pipeline(ctx: CheckContext) -> tuple[bool, str]:
+    p = ps.group_size(ps.get_pipeline_parallel_group())
+    batches = _micro_batches(ctx, 2 * p)
+    reference = _reference(ctx, batches)
+    errors, wrong = {}, []
+    for schedule in SCHEDULES:
+        case_errors, counts = _case(ctx, schedule, batches, reference)
+        errors.update(case_errors)
+        wrong += counts
+    ok, text = verdict(errors, ctx.dtype, f"pp {p}, {', '.join(SCHEDULES)}, sends and receives counted")
+    return ok and not wrong, "; ".join([text, *wrong])
