@@ -17,6 +17,11 @@ def read_version() -> str:
     return match.group(1)
 
 
+# torch: the oldest release anything here is tested or checked against (2.11's varlen_attn, read by signature;
+# the CPU suite runs 2.13)
+TORCH = "torch>=2.11"
+
+
 setup(
     name="parallel_attention",
     version=read_version(),
@@ -25,7 +30,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["parallel_attention", "parallel_attention.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.5", "numpy", "pyyaml", "safetensors", "matplotlib", "tqdm", "tokenizers"],
+    install_requires=[TORCH, "numpy", "pyyaml", "safetensors", "matplotlib", "tqdm", "tokenizers"],
     extras_require={
         "hf": [TRANSFORMERS],
         "tb": ["tensorboard"],

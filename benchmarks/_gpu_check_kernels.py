@@ -86,8 +86,14 @@ def varlen_checks(device) -> dict:
 
 def main() -> int:
     device = torch.device("cuda")
-    report = {"device": torch.cuda.get_device_name(), "ring": ring_checks(device), "varlen": varlen_checks(device)}
-    report["ok"] = all(c["ok"] for c in report["ring"].values()) and report["varlen"]["ok"]
+    report = {"device": torch.cuda.get_device_name()}
+    try:
+        report["ring"] = ring_checks(device)
+        report["varlen"] = varlen_checks(device)
+    except KeyboardInterrupt:  # gpu_check.sh's limit (SIGINT): report what finished
+        report["interrupted"] = True
+    report["ok"] = ("interrupted" not in report and all(c["ok"] for c in report["ring"].values())
+                    and report["varlen"]["ok"])
     print(json.dumps(report))
     return 0 if report["ok"] else 1
 

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# GPU readiness in one command, at most 8 minutes on one GPU; writes a JSON summary.
+# GPU readiness in one command, at most 8 minutes; runs from a fresh clone with the machine's python3 (this checkout
+# is put on PYTHONPATH here: nothing needs installing but torch, numpy, pyyaml, safetensors, tokenizers and tqdm).
 #
-#   scripts/gpu_check.sh [--dry-run] [OUT.json]   (default gpu_check.json; logs and run directories in OUT_logs/)
+#   scripts/gpu_check.sh [--dry-run] [--gpus N] [OUT.json]
 #
-# Steps, each under its own time limit (the limits add up to 7.5 minutes) and recorded with its status,
-# seconds, log and figures:
-#   cuda_tests       the tests that run only where CUDA is present (the files that mention cuda, -k cuda)
+# Writes two files, nothing in the checkout: OUT.json (default ${TMPDIR:-/tmp}/gpu_check.json), the summary, and
+# OUT_logs.tar.gz, every step's log and run directory (worked on in a temporary directory, removed at exit).
+# PYTHON=... picks the interpreter (default python3). The first lines name torch, CUDA, NCCL, the driver and the GPU.
+#
+# One GPU (the default), each step under its own limit and all of them under the 8 minutes (a step that would
+# overrun them gets less; every step is interrupted with SIGINT first and given GRACE s to write its own report):
+#   cuda_tests       the tests that run only where CUDA is present (the files that mention cuda, -k cuda); skipped,
+#                    saying so, where pytest is not installed (the only step that needs it)
 #   pretrain_bf16    NCCL pretraining at p = 1 under bf16 autocast: finite losses that fall
 #   pretrain_fp16    the same in fp16 with the dynamic loss scaler: the checkpoint's scale is > 1 (losses were
 #                    scaled) and the first finite gradient norm is within 2x of bf16's (gradients were unscaled)
@@ -19,72 +25,130 @@
 #   bench_attention  benchmarks/benchmark_attention.py on its CUDA preset (p = 1)
 #   train_1b         a training step of configs/llama_1b_tp8.yaml's shape at p = 1, 8 of its 22 layers, s 2048,
 #                    b 4, bf16, no recomputation, with its MFU (target >= 40 %)
+# --gpus N (N >= 2 GPUs of one machine), instead:
+#   ring_cp          a cp = N ring (NCCL, bf16) with k/v blocks of 64 MiB each against one flash SDPA call over the
+#                    whole sequence, forward and backward (benchmarks/_gpu_check_ring.py)
+#   selfcheck_tp     the cluster self-check at tp = N (python -m parallel_attention.check: float64 references)
+#   selfcheck_cp     the self-check at tp = 1, cp = N (both context-parallel kinds, with and without documents)
+#   hang_named       under the collective guard, an all-reduce one rank never joins ends rank 0 within the 20 s
+#                    timeout with CollectiveTimeoutError naming it and its group (benchmarks/_gpu_check_hang.py)
 # Targets are reported in the summary's "targets", met or not; they do not fail the check.
 # --dry-run checks the plumbing on any machine, CUDA or not: every step's program resolves and the Python files it
-# names import (benchmarks/_gpu_check_plumbing.py, one interpreter for all steps); nothing runs. Exit status: 0 when every step passed, 1
-# otherwise, 2 without CUDA (outside --dry-run).
+# names import (benchmarks/_gpu_check_plumbing.py, one interpreter for all steps); nothing runs. Exit status: 0 when
+# no step failed (a skipped step says why), 1 otherwise, 2 without CUDA (outside --dry-run) or without torch.
 set -uo pipefail
 
-cd "$(dirname "$0")/.." || exit 2
-DRY_RUN=0
-if [[ "${1:-}" == "--dry-run" ]]; then DRY_RUN=1; shift; fi
-OUT="${1:-gpu_check.json}"
-LOGS="${OUT%.json}_logs"
-PYTHON="${PYTHON:-python}"
-export OMP_NUM_THREADS=4
-
-if (( ! DRY_RUN )) && ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    echo "gpu_check.sh: no CUDA device is visible to torch ($("$PYTHON" -c 'import torch; print(torch.__version__)' 2>&1)):" \
-         "run it on a machine with an NVIDIA GPU and a CUDA build of torch." >&2
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT" || exit 2
+DRY_RUN=0 GPUS=0
+while (( $# )); do
+    case "$1" in
+        --dry-run) DRY_RUN=1; shift ;;
+        --gpus) GPUS="${2:-}"; shift 2 || { echo "gpu_check.sh: --gpus needs a number" >&2; exit 2; } ;;
+        *) break ;;
+    esac
+done
+if [[ "$GPUS" != 0 ]] && ! [[ "$GPUS" =~ ^[0-9]+$ && "$GPUS" -ge 2 ]]; then
+    echo "gpu_check.sh: --gpus $GPUS: give the number of GPUs of this machine, 2 or more" >&2
     exit 2
 fi
-rm -rf "$LOGS"
-mkdir -p "$LOGS"
+OUT="${1:-${TMPDIR:-/tmp}/gpu_check.json}"
+[[ "$OUT" == *.json ]] || { echo "gpu_check.sh: OUT must end in .json, got $OUT" >&2; exit 2; }
+mkdir -p "$(dirname "$OUT")" && OUT="$(cd "$(dirname "$OUT")" && pwd)/$(basename "$OUT")"
+PYTHON="${PYTHON:-python3}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=4
+BUDGET=480 RESERVE=20 GRACE=15  # seconds: all of it; kept for the summary and tarball; a step's report after SIGINT
+
+LOGS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")" || exit 2
+trap 'rm -rf "$LOGS"' EXIT
+"$PYTHON" benchmarks/_gpu_check_versions.py --json "$LOGS/versions.json" || exit 2
+if (( ! DRY_RUN )) && ! "$PYTHON" -c "import sys, torch; sys.exit(torch.cuda.device_count() < max(1, $GPUS))"; then
+    echo "gpu_check.sh: torch sees fewer than $(( GPUS > 1 ? GPUS : 1 )) CUDA device(s): run it on a machine with" \
+         "NVIDIA GPUs and a CUDA build of torch." >&2
+    exit 2
+fi
 : > "$LOGS/steps.tsv"
 
 # step NAME LIMIT_S COMMAND...: run COMMAND under `timeout` (--dry-run: check that it would start), log to
-# $LOGS/NAME.log, record the outcome
+# $LOGS/NAME.log, record the outcome; the limit shrinks to what the budget has left
 step() {
-    local name="$1" limit="$2" started=$SECONDS status
+    local name="$1" limit="$2" started=$SECONDS status left rc
     shift 2
     if (( DRY_RUN )); then  # checked all at once at the end, in one interpreter
         printf '%s\n' "$@" > "$LOGS/$name.cmd"
         echo "$name" >> "$LOGS/steps.order"
         return
     fi
+    left=$(( BUDGET - RESERVE - GRACE - SECONDS ))
+    (( limit > left )) && limit=$left
+    if (( limit < 5 )); then
+        printf '%s\ttimeout(no time left of the %ss)\t0\n' "$name" "$BUDGET" >> "$LOGS/steps.tsv"
+        return
+    fi
     echo "== $name (limit ${limit}s)" >&2
-    if timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1; then status=passed; else status="failed($?)"; fi
+    timeout --signal=INT --kill-after="$GRACE" "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    rc=$?
+    case $rc in 0) status=passed ;; 124|137) status="timeout(${limit}s)" ;; *) status="failed($rc)" ;; esac
     printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - started))" >> "$LOGS/steps.tsv"
     echo "   $status" >&2
 }
 
-TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1)
-TINY=(--config configs/gpt_tiny.yaml --parallel.tensor_parallel_size=1 --parallel.distributed_backend=nccl
-      --training.max_steps=60 --training.eval_interval=60 --checkpoint.interval=60 --logging.log_interval=1
-      --logging.progress_bar=false --logging.tensorboard=false --checkpoint.resume=none)
-# the 1B step: configs/llama_1b_tp8.yaml's shape at p = 1 (8 of 22 layers; its vocabulary, on byte tokens)
-ONE_B=(--config configs/llama_1b_tp8.yaml --parallel.tensor_parallel_size=1 --parallel.sequence_parallel=false
-      --model.num_layers=8 --model.recompute_activations=false --data.tokenizer=byte --data.data_dir="$LOGS/data_1b"
-      --data.max_bytes=2000000 --training.global_batch_size=4 --training.micro_batch_size=4)
+# skip NAME WHY: a step that cannot run here, recorded with the reason
+skip() {
+    printf '%s\tskipped(%s)\t0\n' "$1" "$2" >> "$LOGS/steps.tsv"
+    echo "== $1: skipped: $2" >&2
+}
 
-mapfile -t CUDA_TEST_FILES < <(grep -l -i cuda tests/test_*.py)
-step cuda_tests 80 "$PYTHON" -m pytest -q -n 0 -p no:cacheprovider -k cuda --junitxml="$LOGS/cuda_tests.xml" \
-    "${CUDA_TEST_FILES[@]}"
-step pretrain_bf16 40 "${TORCHRUN[@]}" scripts/pretrain.py "${TINY[@]}" \
-    --training.dtype=bfloat16 --logging.run_dir="$LOGS/run_bf16"
-step pretrain_fp16 40 "${TORCHRUN[@]}" scripts/pretrain.py "${TINY[@]}" \
-    --training.dtype=float16 --logging.run_dir="$LOGS/run_fp16"
-step flash_sdpa 30 "$PYTHON" benchmarks/_gpu_check_flash.py
-step kernels 75 "$PYTHON" benchmarks/_gpu_check_kernels.py
-step attention_block 45 "$PYTHON" benchmarks/_gpu_check_attention.py --iters 10 --warmup 3
-step bench_attention 50 "${TORCHRUN[@]}" benchmarks/benchmark_attention.py --sizes cuda \
-    --iters 3 --warmup 1 --out "$LOGS/bench_attention.json"
-step train_1b 90 "${TORCHRUN[@]}" benchmarks/benchmark_training.py "${ONE_B[@]}" --no-baselines --no-variants \
-    --iters 5 --warmup 2 --out "$LOGS/train_1b.json"
+one_gpu() {
+    local torchrun=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1)
+    local tiny=(--config configs/gpt_tiny.yaml --parallel.tensor_parallel_size=1 --parallel.distributed_backend=nccl
+        --data.data_dir="$LOGS/data_tiny" --training.max_steps=60 --training.eval_interval=60
+        --checkpoint.interval=60 --logging.log_interval=1 --logging.progress_bar=false --logging.tensorboard=false
+        --checkpoint.resume=none)
+    # the 1B step: configs/llama_1b_tp8.yaml's shape at p = 1 (8 of 22 layers; its vocabulary, on byte tokens)
+    local one_b=(--config configs/llama_1b_tp8.yaml --parallel.tensor_parallel_size=1 --parallel.sequence_parallel=false
+        --model.num_layers=8 --model.recompute_activations=false --data.tokenizer=byte --data.data_dir="$LOGS/data_1b"
+        --data.max_bytes=2000000 --training.global_batch_size=4 --training.micro_batch_size=4)
+    local cuda_test_files
+    mapfile -t cuda_test_files < <(grep -l -i cuda tests/test_*.py)
+    if jq_false pytest; then
+        skip cuda_tests "pytest is not installed for $PYTHON: pip install pytest"
+    else  # pytest.ini's addopts without -n: pytest-xdist (and pytest-timeout) need not be installed
+        step cuda_tests 120 "$PYTHON" -m pytest -q -o "addopts=-m 'not slow and not bench'" -p no:cacheprovider \
+            -k cuda --junitxml="$LOGS/cuda_tests.xml" "${cuda_test_files[@]}"
+    fi
+    step pretrain_bf16 40 "${torchrun[@]}" scripts/pretrain.py "${tiny[@]}" \
+        --training.dtype=bfloat16 --logging.run_dir="$LOGS/run_bf16"
+    step pretrain_fp16 35 "${torchrun[@]}" scripts/pretrain.py "${tiny[@]}" \
+        --training.dtype=float16 --logging.run_dir="$LOGS/run_fp16"
+    step flash_sdpa 25 "$PYTHON" benchmarks/_gpu_check_flash.py
+    step kernels 60 "$PYTHON" benchmarks/_gpu_check_kernels.py
+    step attention_block 40 "$PYTHON" benchmarks/_gpu_check_attention.py --iters 10 --warmup 3
+    step bench_attention 45 "${torchrun[@]}" benchmarks/benchmark_attention.py --sizes cuda \
+        --iters 3 --warmup 1 --out "$LOGS/bench_attention.json"
+    step train_1b 80 "${torchrun[@]}" benchmarks/benchmark_training.py "${one_b[@]}" --no-baselines --no-variants \
+        --iters 5 --warmup 2 --out "$LOGS/train_1b.json"
+}
+
+many_gpus() {
+    local torchrun=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$GPUS")
+    step ring_cp 150 "${torchrun[@]}" benchmarks/_gpu_check_ring.py --kv-mib 64
+    step selfcheck_tp 120 "${torchrun[@]}" -m parallel_attention.check --tp "$GPUS" --timeout 90
+    step selfcheck_cp 120 "${torchrun[@]}" -m parallel_attention.check --tp 1 --cp "$GPUS" --timeout 90
+    step hang_named 60 "${torchrun[@]}" benchmarks/_gpu_check_hang.py --timeout-s 20
+}
+
+# jq_false KEY: whether versions.json says KEY is false
+jq_false() { grep -q "\"$1\": false" "$LOGS/versions.json"; }
+
+if (( GPUS )); then many_gpus; else one_gpu; fi
 
 DRY=()
 if (( DRY_RUN )); then
     DRY=(--dry-run)
-    "$PYTHON" benchmarks/_gpu_check_plumbing.py --logs "$LOGS"
+    [[ -f "$LOGS/steps.order" ]] && "$PYTHON" benchmarks/_gpu_check_plumbing.py --logs "$LOGS"
 fi
 "$PYTHON" benchmarks/_gpu_check_summary.py "${DRY[@]}" "$LOGS" "$OUT"
+status=$?
+tar -czf "${OUT%.json}_logs.tar.gz" -C "$LOGS" . && echo "gpu_check: logs in ${OUT%.json}_logs.tar.gz" >&2
+exit $status

@@ -217,3 +217,50 @@ def test_without_varlen_attn_cuda_keeps_one_sdpa_call_per_document_and_says_why(
     assert kernel.documents_reason.endswith("has no torch.nn.attention.varlen (torch >= 2.10 has)")
     assert "has no torch.nn.attention.varlen" in pa.active_paths()[
         "packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)"]
+
+
+def test_torch_2_11s_varlen_attn_is_called_without_enable_gqa_and_active_paths_says_so(monkeypatch):
+    """torch 2.11's varlen_attn takes window_size but no enable_gqa (read by signature): grouped k/v heads reach it
+    repeated to the query heads."""
+    import torch.nn.attention.varlen as varlen
+
+    calls = []
+
+    def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1)):
+        calls.append(([tuple(t.shape) for t in (query, key, value)], window_size))
+        return torch.empty_like(query)
+
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_2_11)
+    layout = DocumentLayout.from_ids(torch.tensor([[0] * 7 + [1] + [2] * 32, [0] * 40]))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        kernel, documents = SdpaAttention("cuda"), dataclasses.replace(layout, cu_seqlens=_on_cuda(layout.cu_seqlens))
+        q, k, v = _fake_cuda(torch.bfloat16, (B, NH, 40, D), (B, NKV, 40, D), (B, NKV, 40, D))
+        out = kernel(q, k, v, None, True, 0.0, documents)
+    assert type(kernel.documents_kernel) is VarlenDocuments and "takes no enable_gqa" in kernel.documents_reason
+    assert calls == [([(B * 40, NH, D)] * 3, (-1, 0))] and out.shape == (B, NH, 40, D)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # active_paths reads the signature where CUDA is
+    assert "takes no enable_gqa" in pa.active_paths()[
+        "packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)"]
+
+
+def test_the_cuda_flash_operators_are_read_by_schema_and_another_schema_runs_the_rings_math(monkeypatch):
+    from types import SimpleNamespace
+
+    from parallel_attention.transformer.context_parallel.flash_ops import CUDA_ARGUMENTS, schema_problem
+
+    def namespace(arguments):  # stand-ins for torch.ops.aten's operators, with these argument names
+        return SimpleNamespace(**{name: SimpleNamespace(default=SimpleNamespace(_schema=SimpleNamespace(
+            arguments=[SimpleNamespace(name=a) for a in args]))) for name, args in arguments.items()})
+
+    assert CUDA_FLASH_OPS.problem is None and schema_problem(CUDA_ARGUMENTS, namespace(CUDA_ARGUMENTS)) is None
+    backward = "_scaled_dot_product_flash_attention_backward"
+    renamed = {**CUDA_ARGUMENTS, backward: CUDA_ARGUMENTS[backward][:-1] + ("softmax_scale",)}
+    problem = schema_problem(CUDA_ARGUMENTS, namespace(renamed))
+    assert problem.startswith(f"this torch's aten.{backward} takes (grad_out, ") and "softmax_scale), not (" in problem
+    assert schema_problem(CUDA_ARGUMENTS, SimpleNamespace()) == (
+        "this torch has no aten._scaled_dot_product_flash_attention")
+    q = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert CUDA_FLASH_OPS.takes(q) and not CUDA_FLASH_OPS._replace(problem=problem).takes(q)
+    monkeypatch.setattr(CUDA_FLASH_BLOCKS, "ops", CUDA_FLASH_OPS._replace(problem=problem))
+    assert pa.active_paths()["ring pairs on CUDA (context_parallel_kind='ring')"] == f"explicit-lse math ({problem})"

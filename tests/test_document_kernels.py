@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from parallel_attention.transformer.document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments
+from parallel_attention.transformer.document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments, varlen_kernel
 from parallel_attention.transformer.documents import DocumentLayout
 
 B, NH, NKV, S, D = 2, 4, 2, 40, 8
@@ -62,5 +62,61 @@ def test_a_float32_call_takes_one_sdpa_call_per_document():
     q, k, v = torch.randn(B, NH, S, D), torch.randn(B, NKV, S, D), torch.randn(B, NKV, S, D)
     layout = DocumentLayout.from_ids(torch.tensor(ROWS))
     kernel = VarlenDocuments(lambda *args, **kwargs: pytest.fail("varlen_attn called in float32"))
+    torch.testing.assert_close(kernel(q, k, v, layout, True, 0.0), PER_DOCUMENT_SDPA(q, k, v, layout, True, 0.0),
+                               rtol=0, atol=0)
+
+
+# Stand-ins with the signatures of torch's varlen_attn (public torch/nn/attention/varlen.py): 2.13 takes window_size
+# and enable_gqa; 2.11 window_size only (equal head counts); an older one is_causal only. Each computes the contract.
+def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    return _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size,
+                             enable_gqa=enable_gqa)
+
+
+def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1)):
+    assert query.shape[1] == key.shape[1] == value.shape[1], "no enable_gqa: the heads must match"
+    return _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size,
+                             enable_gqa=False)
+
+
+def varlen_is_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    assert query.shape[1] == key.shape[1]
+    return _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                             window_size=(-1, 0) if is_causal else (-1, -1), enable_gqa=False)
+
+
+@pytest.mark.parametrize("varlen", [varlen_2_13, varlen_2_11, varlen_is_causal])
+@pytest.mark.parametrize("causal", [True, False])
+def test_each_varlen_signature_is_called_as_it_asks_and_matches_one_sdpa_call_per_document(varlen, causal):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, NH, S, D, generator=g).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(B, NKV, S, D, generator=g).to(torch.bfloat16).requires_grad_() for _ in "kv")
+    layout = DocumentLayout.from_ids(torch.tensor(ROWS))
+    kernel, reason = varlen_kernel(varlen)
+    assert isinstance(kernel, VarlenDocuments)
+    assert reason.endswith("grouped k/v heads are repeated to the query heads before the call)") == (
+        varlen is not varlen_2_13)
+    got = kernel(q, k, v, layout, causal, 0.0)
+    got.float().sum().backward()  # the repeated k/v heads' gradients reach k and v (no NaN, their shapes)
+    assert k.grad.shape == k.shape and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+    want = PER_DOCUMENT_SDPA(q.detach().float(), k.detach().float(), v.detach().float(), layout, causal, 0.0)
+    torch.testing.assert_close(got.detach().float(), want, rtol=0,
+                               atol=torch.finfo(torch.bfloat16).eps * want.abs().max().item())
+
+
+def test_a_varlen_attn_of_unknown_signature_is_refused_with_its_signature():
+    kernel, reason = varlen_kernel(lambda query, key, value, cu, cu_k, max_q, max_k, causal_window=None: None)
+    assert kernel is None and "takes neither window_size nor is_causal" in reason and "causal_window" in reason
+
+
+@pytest.mark.parametrize("head_dim", [12, 264])
+def test_a_head_dim_flash_attention_2_refuses_takes_one_sdpa_call_per_document(head_dim):
+    """FlashAttention-2 needs a head dim <= 256 and a multiple of 8."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(B, h, S, head_dim, generator=g).to(torch.bfloat16) for h in (NH, NKV, NKV))
+    layout = DocumentLayout.from_ids(torch.tensor(ROWS))
+    kernel = VarlenDocuments(lambda *args, **kwargs: pytest.fail(f"varlen_attn called at head dim {head_dim}"))
     torch.testing.assert_close(kernel(q, k, v, layout, True, 0.0), PER_DOCUMENT_SDPA(q, k, v, layout, True, 0.0),
                                rtol=0, atol=0)

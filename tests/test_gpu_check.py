@@ -1,15 +1,20 @@
-"""scripts/gpu_check.sh on a machine without CUDA: --dry-run runs to its end, every step's command resolving and
-its Python files importing; the plumbing check names what would not start; the summary reports the targets
-whether met or not."""
+"""scripts/gpu_check.sh on a machine without CUDA: --dry-run runs to its end from a fresh copy of the checkout with
+an interpreter that lacks this package (and pytest), every step's command resolving and its Python files importing,
+and writes its two files and nothing else; the plumbing check names what would not start; the summary reports the
+targets whether met or not; the --gpus ring step's comparison holds on gloo."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import site
 import subprocess
 import sys
+from pathlib import Path
 
-from launch import ROOT
+import pytest
+from launch import ROOT, environment
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _gpu_check_plumbing import problems  # noqa: E402
@@ -17,16 +22,108 @@ from _gpu_check_summary import main as summarize  # noqa: E402
 
 STEPS = ["cuda_tests", "pretrain_bf16", "pretrain_fp16", "flash_sdpa", "kernels", "attention_block",
          "bench_attention", "train_1b"]
+HIDDEN = ("parallel_attention", "__editable__", "pytest", "_pytest", "xdist", "pytest_timeout")
 
 
-def test_the_dry_run_checks_every_step_and_writes_its_summary(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(out)], cwd=ROOT,
-                            env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> str:
+    """An interpreter like a bare GPU image's python3: this environment's packages, but neither this project (no
+    editable install: `-S` reads no .pth file) nor pytest."""
+    root = tmp_path_factory.mktemp("bare")
+    packages = root / "site-packages"
+    packages.mkdir()
+    for source in map(Path, site.getsitepackages()):
+        for entry in source.iterdir():
+            if not entry.name.startswith(HIDDEN) and not (packages / entry.name).exists():
+                (packages / entry.name).symlink_to(entry)
+    python = root / "python3"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{packages}" exec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    return str(python)
+
+
+def _fresh_clone(tmp_path):
+    """The checkout's files as a fresh clone has them (tracked and not ignored), in a new directory."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.split()
+    clone = tmp_path / "clone"
+    for name in listed:
+        if (ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, clone / name)
+    return clone
+
+
+def _files(directory) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*")}
+
+
+def _dry_run(clone, python, out, *args):
+    env = {k: v for k, v in environment().items() if k != "PYTHONPATH"}
+    return subprocess.run(["bash", str(clone / "scripts" / "gpu_check.sh"), "--dry-run", *args, str(out)],
+                          cwd=out.parent, env={**env, "PYTHON": python, "TMPDIR": str(out.parent)},
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_bare_interpreter_lacks_the_package_and_pytest(bare_python, tmp_path):
+    for module in ("parallel_attention", "pytest"):
+        found = subprocess.run([bare_python, "-c", f"import {module}"], cwd=tmp_path, capture_output=True, text=True,
+                               env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=120)
+        assert f"No module named '{module}'" in found.stderr
+    assert subprocess.run([bare_python, "-c", "import torch, numpy, yaml"], cwd=tmp_path, timeout=120).returncode == 0
+
+
+def test_the_dry_run_from_a_fresh_clone_with_a_bare_python3_checks_every_step(bare_python, tmp_path):
+    clone, out = _fresh_clone(tmp_path), tmp_path / "out" / "gpu_check.json"
+    out.parent.mkdir()
+    before = _files(clone)
+    result = _dry_run(clone, bare_python, out)
     assert result.returncode == 0, result.stderr[-3000:]
+    first = result.stderr.splitlines()[:2]
+    assert first[0].startswith("torch ") and all(f" {w} " in first[0] for w in ("CUDA", "NCCL", "driver"))
+    assert first[1] == "GPU: none visible to torch"
+    assert "pytest: not installed for this interpreter: the cuda_tests step is skipped" in result.stderr
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["dry_run"] and list(summary["steps"]) == STEPS
-    assert all(step["status"] == "passed" for step in summary["steps"].values()), summary
+    assert summary["skipped"] == ["cuda_tests"] and "pip install pytest" in summary["steps"]["cuda_tests"]["status"]
+    assert all(step["status"] == "passed" for name, step in summary["steps"].items() if name != "cuda_tests")
+    assert _files(out.parent) == {"gpu_check.json", "gpu_check_logs.tar.gz"}  # the scratch directory is gone
+    assert summary["logs"] == str(out.parent / "gpu_check_logs.tar.gz") and summary["steps"]["kernels"]["log"] == (
+        "kernels.log")
+    assert _files(clone) == before  # nothing written into the checkout
+
+
+def test_the_dry_run_with_pytest_checks_the_cuda_tests_too(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    result = _dry_run(ROOT, sys.executable, out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and not summary["skipped"] and list(summary["steps"]) == STEPS
+
+
+def test_the_gpus_mode_checks_its_multi_gpu_steps(bare_python, tmp_path):
+    out = tmp_path / "gpu_check.json"
+    result = _dry_run(ROOT, bare_python, out, "--gpus", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and list(summary["steps"]) == ["ring_cp", "selfcheck_tp", "selfcheck_cp", "hang_named"]
+    bad = _dry_run(ROOT, bare_python, tmp_path / "x.json", "--gpus", "1")
+    assert bad.returncode == 2 and "--gpus 1: give the number of GPUs of this machine, 2 or more" in bad.stderr
+
+
+def _two_ranks(script: str, *args: str) -> dict:
+    """A --gpus step's program at world 2 on gloo: rank 0's JSON line (the step must pass)."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=environment(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_the_ring_step_matches_one_sdpa_call_over_the_whole_sequence():
+    """The --gpus ring step's program at cp = 2 on gloo, float32, a small block: its comparison passes."""
+    report = _two_ranks("_gpu_check_ring.py", "--kv-mib", "0.05")
+    assert report["ok"] and report["cp"] == 2 and report["tokens_per_rank"] == 12 and report["worst_error"] <= 1e-5
 
 
 def test_the_plumbing_check_names_what_would_not_start(tmp_path):
@@ -50,3 +147,36 @@ def test_the_summary_reports_each_target_met_or_not(tmp_path):
     targets = json.loads((tmp_path / "out.json").read_text())["targets"]
     assert targets == {"attention_block": {"fraction_of_peak": 0.31, "target": 0.5, "met": False},
                        "train_1b": {"mfu": 0.45, "target": 0.4, "met": True}}
+
+
+def test_the_hang_step_names_the_collective_nobody_joined():
+    """The --gpus hang step's program at world 2 on gloo with a 3 s timeout: rank 0's error names it."""
+    report = _two_ranks("_gpu_check_hang.py", "--timeout-s", "3")
+    assert report["ok"] and report["raised"].startswith(
+        "all_reduce on the tensor-parallel group (global ranks [0, 1]) did not complete within the timeout (0:00:03)")
+
+
+def test_a_run_records_each_steps_outcome_and_interrupts_the_one_past_its_limit(tmp_path):
+    """The non-dry path with a stand-in python3 that claims a GPU: every step's command "passes" at once, except
+    flash_sdpa's, which outlives its 25 s limit and is interrupted (SIGINT); the versions and the summary run on the
+    real interpreter. Steps whose facts are missing fail their check; the run writes its two files."""
+    fake = tmp_path / "python3"
+    fake.write_text(f"""#!/bin/sh
+case "$1" in benchmarks/_gpu_check_versions.py|benchmarks/_gpu_check_summary.py) exec {sys.executable} "$@";; esac
+case "$*" in *_gpu_check_flash.py*) exec sleep 120;; esac
+exit 0
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out" / "gpu_check.json"
+    out.parent.mkdir()
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], cwd=tmp_path,
+                            env={**environment(), "PYTHON": str(fake), "TMPDIR": str(out.parent)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    steps = json.loads(out.read_text())["steps"]
+    assert {name: step["status"] for name, step in steps.items()} == {
+        "cuda_tests": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
+        "flash_sdpa": "timeout(25s)", "kernels": "passed", "attention_block": "passed", "bench_attention": "passed",
+        "train_1b": "passed"}
+    assert 25 <= steps["flash_sdpa"]["seconds"] <= 25 + 15  # the limit, then at most the grace
+    assert _files(out.parent) == {"gpu_check.json", "gpu_check_logs.tar.gz"}

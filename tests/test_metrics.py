@@ -12,7 +12,7 @@ import pytest
 
 from launch import ROOT, train_losses
 from parallel_attention import load_config
-from parallel_attention.training.metrics import MetricsLogger, PlainLines, TqdmBar
+from parallel_attention.training.metrics import MetricsLogger, PlainLines, TqdmBar, plot_loss
 from parallel_attention.training.run.summary import run_summary
 from parallel_attention.transformer.model import GPTModel
 
@@ -128,3 +128,11 @@ def test_pretraining_writes_tensorboard_scalars_equal_to_metrics_jsonl(reference
     assert sorted(logged) == sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step, loss in losses.items():  # TensorBoard stores float32: equal to the JSON float rounded once
         assert logged[step] == pytest.approx(loss, rel=1e-6), f"step {step}"
+
+
+def test_without_matplotlib_the_run_keeps_its_outputs_and_says_why_there_is_no_plot(tmp_path, monkeypatch, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert plot_loss(tmp_path) is None and not (tmp_path / "loss.png").exists()
+    assert capsys.readouterr().err == (f"no loss.png in {tmp_path}: matplotlib is not installed "
+                                       "(pip install matplotlib)\n")

@@ -263,3 +263,38 @@ def test_groups_left_held_are_released_at_exit():
     lines = done.stdout.splitlines()
     assert int(lines[0].split(":")[1]) > 0, "the groups' threads were expected alive after destroy_process_group"
     assert lines[1] == "at exit: False []", done.stdout
+
+
+def _split_group_worker():
+    """The mesh's groups through one split_group call per dimension where torch can split (NCCL with a bound
+    device; gloo cannot, so split_group is stood in for here by one new_group per row, as torch's would split)."""
+    from parallel_attention.tensor_parallel import mesh_groups
+
+    assert not mesh_groups.splits_in_one_call()  # gloo: one new_group per row
+    calls, real_new_group, real_splits, real_split_group = [], dist.new_group, mesh_groups.splits_in_one_call, \
+        dist.split_group
+
+    def split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None, group_desc=None):
+        calls.append((group_desc, split_ranks, timeout))
+        groups = [real_new_group(members, timeout=timeout, group_desc=group_desc) for members in split_ranks]
+        return next(g for g, members in zip(groups, split_ranks) if dist.get_rank() in members)
+
+    pa.destroy_model_parallel()
+    mesh_groups.splits_in_one_call, dist.split_group = (lambda: True), split_group
+    try:
+        pa.initialize_model_parallel(2, timeout=datetime.timedelta(seconds=77))
+        tp = pa.get_tensor_model_parallel_group()
+        return calls, _members_by_all_reduce(tp, 2, "cpu"), mesh_groups.group_timeout(tp)
+    finally:
+        mesh_groups.splits_in_one_call, dist.split_group = real_splits, real_split_group
+        pa.destroy_model_parallel()
+        pa.initialize_model_parallel(2)
+
+
+def test_each_mesh_dimension_is_one_split_group_call_where_torch_can_split():
+    seventy_seven = datetime.timedelta(seconds=77)
+    for calls, tp_members, timeout in run_distributed(_split_group_worker, 2, 2, timeout=SPAWN_TIMEOUT_S):
+        assert calls == [("pp", [[0], [1]], seventy_seven), ("dp", [[0], [1]], seventy_seven),
+                         ("cp", [[0], [1]], seventy_seven),
+                         ("tp", [[0, 1]], seventy_seven)]
+        assert tp_members == (0, 1) and timeout == seventy_seven

@@ -107,3 +107,11 @@ def test_the_old_partial_name_warns_and_builds_the_new_kinds():
     replica = Partial(None, rows=slice(2, 4), slot=1, num_slots=2, sharded_dim=0, reduced_in_backward=True)
     assert replica == KvReplica(None, slice(2, 4), 1, 2, 0, True)
     assert isinstance(replica, Partial) and isinstance(PartialGrad(), Partial) and not isinstance(Replicated(), Partial)
+
+
+def test_with_no_gradient_the_norm_is_a_zero_on_the_models_device():
+    """NCCL reduces no CPU tensor: a rank without gradients reduces a zero on the model's device (meta here stands
+    for CUDA: any device but the CPU shows the choice)."""
+    model = pa.ColumnParallelLinear(6, 4, tp_group=None, device="meta")
+    norm = global_grad_norm(model, None)
+    assert (norm.device.type, norm.dtype, norm.shape) == ("meta", torch.float32, ())

@@ -135,3 +135,49 @@ def test_a_silent_rank_under_fsdp2_times_out_naming_the_operation_and_group(phas
     if guard:  # debug_collectives records FSDP2's collectives: the timeout lists them among the rank's last calls
         assert "collective guard: the last" in message and f"{op} of float32" in message, message
     assert waited < GROUP_TIMEOUT_S + 3
+
+
+def test_under_the_guard_nccl_is_initialised_with_blocking_wait_so_a_hang_raises_in_the_caller(monkeypatch):
+    """No NCCL here: torch's CUDA calls and init_process_group are stood in for, to see the environment NCCL would
+    read when the world group is created."""
+    import os
+
+    import torch.distributed as dist
+
+    from parallel_attention.tensor_parallel.collective_log import disable_collective_log, enable_collective_log
+
+    class Created(Exception):
+        """init_process_group was reached; nothing further is needed."""
+
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        seen.update(backend=backend, blocking_wait=os.environ.get("TORCH_NCCL_BLOCKING_WAIT"),
+                    device_id=kwargs.get("device_id"))
+        raise Created
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NCCL")}
+    monkeypatch.setattr(os, "environ", {**clean, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    for name, value in (("is_available", lambda: True), ("device_count", lambda: 1), ("set_device", lambda d: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    enable_collective_log()
+    try:
+        with pytest.raises(Created):
+            pa.init_distributed(backend="nccl")
+    finally:
+        disable_collective_log()
+    assert seen == {"backend": "nccl", "blocking_wait": "1", "device_id": torch.device("cuda", 0)}
+
+
+def test_nccls_blocking_wait_timeout_is_named_with_the_operation_and_group():
+    """What a blocking wait raises on NCCL (a DistBackendError; its words as ProcessGroupNCCL.cpp writes them)."""
+    from parallel_attention.tensor_parallel.collectives import named_timeouts
+
+    nccl = torch.distributed.DistBackendError(
+        "[PG ID 2 PG GUID 3(tp) Rank 0] Work WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=4, NumelOut=4, "
+        "Timeout(ms)=4000) timed out in blocking wait (TORCH_NCCL_BLOCKING_WAIT=1).")
+    with pytest.raises(CollectiveTimeoutError, match=r"^all_reduce on the world group did not complete within"):
+        with named_timeouts("all_reduce", None):
+            raise nccl

@@ -20,6 +20,7 @@ from ..launch.agreement import disagreements
 from ..launch.launcher_watch import stop_with_launcher
 from ..launch.warning_lines import one_line_warnings
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
+from ..tensor_parallel.mesh_groups import new_groups
 from ..tensor_parallel.parallel_state import (destroy_model_parallel, group_rank, initialize_model_parallel,
                                               shutdown_distributed)
 from ..transformer import active_paths
@@ -55,13 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _solo_group():
-    """A group of this rank alone, for the p = 1 reference models (new_group is collective: every rank
-    creates every rank's group, in the same order). No collective ever runs on it."""
-    mine = None
-    for rank in range(dist.get_world_size()):
-        group = dist.new_group([rank])
-        mine = group if rank == dist.get_rank() else mine
-    return mine
+    """A group of this rank alone, for the p = 1 reference models (group creation is collective: every rank takes
+    part in every rank's group; one split where torch can, `new_groups`). No collective ever runs on it."""
+    return new_groups(torch.arange(dist.get_world_size()).view(-1, 1), None, "solo")
 
 
 def build_context(args: argparse.Namespace, device: torch.device) -> CheckContext:

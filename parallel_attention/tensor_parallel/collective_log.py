@@ -18,7 +18,11 @@ What each layer catches (the README's "Failure modes" lists them for users):
 - TORCH_DISTRIBUTED_DEBUG=DETAIL (set when the guard is enabled before the groups exist): torch's own
   per-collective check on every group, also for collectives issued outside this package;
 - TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DUMP_ON_TIMEOUT (NCCL): the flight recorder, which dumps every
-  rank's in-flight NCCL operations when the watchdog times out.
+  rank's in-flight NCCL operations when the watchdog times out;
+- TORCH_NCCL_BLOCKING_WAIT=1 (NCCL): each collective's wait() blocks its CPU thread until the operation is done
+  and raises in the caller at the group's timeout (torch then leaves its watchdog's abort off), so a hang on NCCL
+  becomes the same CollectiveTimeoutError as on gloo, naming the operation and the group. It serializes the CPU
+  with the GPU's communication: one more reason the guard is a debugging tool.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ RECENT_CALLS = 64  # calls kept per rank
 SHOWN_CALLS = 8  # calls printed with an error
 # torch's own layers, switched on with the guard (an explicit setting in the environment wins)
 TORCH_DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 _SKIPPED_FILES = {os.path.join(os.path.dirname(__file__), "collectives.py"), __file__, contextlib.__file__}
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -129,8 +133,9 @@ def enable_collective_log(size: int = RECENT_CALLS) -> None:
     """The collective guard, for this process: from now on each collective is recorded (op, shape, dtype, group,
     call site) and its signature all-gathered across its group before it runs, so that diverging ranks raise
     CollectiveMismatchError naming each rank's first diverging call, and a timeout lists the recent calls. Also
-    turns on torch's TORCH_DISTRIBUTED_DEBUG=DETAIL and the NCCL flight recorder for the groups created afterwards:
-    call it before init_distributed. Costs a small all-gather per collective."""
+    turns on torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, the NCCL flight recorder and NCCL's blocking wait (a hang
+    raises in the caller, named) for the groups created afterwards: call it before init_distributed. Costs a small
+    all-gather per collective."""
     for name, value in TORCH_DEBUG_ENV.items():
         os.environ.setdefault(name, value)
     dist.set_debug_level_from_env()  # torch read the variable at import

@@ -93,8 +93,8 @@ def global_grad_norm(model: nn.Module, tp_group: ProcessGroup | None, norm_type:
         for group in groups:
             all_reduce_(partial, group, op)
         total = _combine(total, partial, q)
-    if total is None:
-        total = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
+    if total is None:  # no gradient on this rank: a zero on the model's device (NCCL reduces no CPU tensor)
+        total = torch.zeros((), dtype=torch.float32, device=next((p.device for p in model.parameters()), None))
     total = all_reduce_(all_reduce_(total, tp_group, op), pp_group, op)
     return total if math.isinf(q) else total.sqrt() if q == 2.0 else total.pow(1.0 / q)
 

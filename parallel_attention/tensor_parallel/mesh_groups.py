@@ -46,7 +46,7 @@ def build_mesh(sizes: dict[str, int], timeout) -> tuple[DeviceMesh, dict[str, Pr
     """The mesh of `sizes` (MESH_DIMS order, consecutive ranks along the last) and this rank's group along each
     dimension, made with `timeout` (init_device_mesh would give its groups torch's 30-minute default instead)."""
     ranks = torch.arange(dist.get_world_size()).view(*sizes.values())
-    groups = {name: new_groups(ranks.movedim(dim, -1).reshape(-1, sizes[name]), timeout)
+    groups = {name: new_groups(ranks.movedim(dim, -1).reshape(-1, sizes[name]), timeout, name)
               for dim, name in enumerate(sizes)}
     mesh = DeviceMesh.from_group([groups[n] for n in sizes], device_type(), mesh=ranks, mesh_dim_names=tuple(sizes))
     groups.update(derived_groups(ranks, sizes["cp"] == 1, groups["dp"], timeout))
@@ -59,19 +59,31 @@ def derived_groups(ranks: torch.Tensor, cp_is_one: bool, dp_group, timeout) -> d
     twin of the pipeline group (activations go forward on the pipeline group, gradients back on the twin: at pp 2
     both directions join the same two ranks, and NCCL matches messages by order within a communicator)."""
     pp, dp, cp, tp = ranks.shape
-    dp_cp = dp_group if cp_is_one else new_groups(ranks.flatten(1, 2).movedim(1, -1).reshape(-1, dp * cp), timeout)
+    dp_cp = dp_group if cp_is_one else new_groups(ranks.flatten(1, 2).movedim(1, -1).reshape(-1, dp * cp),
+                                                  timeout, DP_CP)
     if pp == 1:
         return {DP_CP: dp_cp, EMBEDDING: None, PP_GRADIENTS: None}
     ends = torch.stack([ranks[0], ranks[-1]], dim=-1).reshape(-1, 2)
-    return {DP_CP: dp_cp, EMBEDDING: new_groups(ends, timeout),
-            PP_GRADIENTS: new_groups(ranks.movedim(0, -1).reshape(-1, pp), timeout)}
+    return {DP_CP: dp_cp, EMBEDDING: new_groups(ends, timeout, EMBEDDING),
+            PP_GRADIENTS: new_groups(ranks.movedim(0, -1).reshape(-1, pp), timeout, PP_GRADIENTS)}
 
 
-def new_groups(rows: torch.Tensor, timeout) -> ProcessGroup:
-    """One group per row of global ranks (every rank creates each, in the same order); this rank's one."""
+def splits_in_one_call() -> bool:
+    """Whether torch can make every row's group in one `split_group` call (one split of the world's communicator,
+    where a new_group per row is one world-wide split each): NCCL with the world bound to a device (init_distributed
+    binds it); gloo cannot split."""
+    return (hasattr(dist, "split_group") and dist.get_backend() == "nccl"
+            and getattr(dist.group.WORLD, "bound_device_id", None) is not None)
+
+
+def new_groups(rows: torch.Tensor, timeout, desc: str | None = None) -> ProcessGroup:
+    """One group per row of global ranks, every rank taking part in each; this rank's one. `desc` names the groups
+    in torch's own messages (NCCL's watchdog prints it beside a timed-out operation)."""
+    if splits_in_one_call():
+        return dist.split_group(split_ranks=rows.tolist(), timeout=timeout, group_desc=desc)
     mine = None
-    for members in rows.tolist():
-        group = dist.new_group(members, timeout=timeout)
+    for members in rows.tolist():  # every rank creates each, in the same order
+        group = dist.new_group(members, timeout=timeout, group_desc=desc)
         mine = group if dist.get_rank() in members else mine
     return mine
 

@@ -168,9 +168,14 @@ def read_metrics(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_loss(run_dir: Path) -> Path:
-    """loss.png of train and validation loss against step, from metrics.jsonl."""
-    import matplotlib
+def plot_loss(run_dir: Path) -> Path | None:
+    """loss.png of train and validation loss against step, from metrics.jsonl; None, saying so, without matplotlib
+    (a bare GPU image may lack it: the run's outputs stand without the picture)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no loss.png in {run_dir}: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

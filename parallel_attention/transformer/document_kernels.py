@@ -4,8 +4,8 @@ from the device (at construction and when the module moves) by `choose_document_
     VarlenDocuments     CUDA: torch.nn.attention.varlen.varlen_attn, one FlashAttention-2 call per layer for the
                         whole micro-batch. The batch is packed token-major, [b s, nh, d]; the documents' cumulative
                         lengths (int32) and longest length come from the DocumentLayout, built once per batch on the
-                        device; causal is window_size (-1, 0), grouped k/v heads are native. It runs bf16 / fp16
-                        (FlashAttention-2's dtypes); a float32 call goes to the per-document loop.
+                        device. It runs what FlashAttention-2 takes, bf16 / fp16 at a head dim <= 256 and a multiple
+                        of 8; any other call goes to the per-document loop.
     PerDocumentSdpa     everywhere else (and where varlen_attn is missing, or attention dropout is on: varlen_attn
                         has none): one SDPA call per document, all rows at once when they hold the same documents.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -46,38 +47,85 @@ def _pack(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(b * s, n, d)
 
 
+def _window(causal: bool) -> dict:
+    return {"window_size": (-1, 0) if causal else (-1, -1)}
+
+
+def _is_causal(causal: bool) -> dict:
+    return {"is_causal": causal}
+
+
+def _native_groups(q, k, v) -> tuple:
+    return k, v, {"enable_gqa": q.shape[1] != k.shape[1]}
+
+
+def _expanded_groups(q, k, v) -> tuple:
+    """k/v heads repeated to the query heads (query head i reads k/v head i // (nh / nkv)): for a varlen_attn
+    without enable_gqa; autograd sums each group's gradients back onto its k/v head."""
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+
+
+def varlen_takes(q: torch.Tensor) -> bool:
+    """Whether FlashAttention-2 (varlen_attn) runs q's dtype and head dim."""
+    return q.dtype in _VARLEN_DTYPES and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
 class VarlenDocuments:
-    """The whole micro-batch in one varlen_attn call (see the module docstring)."""
+    """The whole micro-batch in one varlen_attn call (see the module docstring). How causal and grouped heads are
+    passed is this torch's signature (`varlen_kernel`): window_size (2.11 on) or is_causal; enable_gqa (2.13 on)
+    or k/v heads expanded first."""
 
-    name = "torch varlen_attn, one call per layer for the micro-batch (bf16/fp16)"
+    name = "torch varlen_attn, one call per layer for the micro-batch (bf16/fp16, head dim <= 256 and % 8)"
 
-    def __init__(self, varlen_attn) -> None:
+    def __init__(self, varlen_attn, window_size: bool = True, enable_gqa: bool = True) -> None:
         self.varlen_attn = varlen_attn
+        self._causal = _window if window_size else _is_causal
+        self._groups = _native_groups if enable_gqa else _expanded_groups
 
     def __call__(self, q, k, v, documents, causal: bool, dropout_p: float) -> torch.Tensor:
-        if q.dtype not in _VARLEN_DTYPES:
+        if not varlen_takes(q):
             return PER_DOCUMENT_SDPA(q, k, v, documents, causal, dropout_p)
         b, nh, s, d = q.shape
         cu, longest = documents.cu_seqlens, documents.max_length
-        out = self.varlen_attn(_pack(q), _pack(k), _pack(v), cu, cu, longest, longest,
-                               window_size=(-1, 0) if causal else (-1, -1), enable_gqa=nh != k.shape[1])
+        k, v, groups = self._groups(q, k, v)
+        out = self.varlen_attn(_pack(q), _pack(k), _pack(v), cu, cu, longest, longest, **self._causal(causal),
+                               **groups)
         return out.view(b, s, nh, d).transpose(1, 2)
+
+
+def varlen_kernel(varlen_attn) -> tuple[VarlenDocuments | None, str]:
+    """(the kernel calling `varlen_attn` as its signature asks, why), or (None, why not): read by signature, never
+    by torch's version string, so a backport or a nightly is called as it is."""
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" not in params and "is_causal" not in params:
+        return None, f"this torch's varlen_attn{inspect.signature(varlen_attn)} takes neither window_size nor is_causal"
+    gqa = "enable_gqa" in params
+    kernel = VarlenDocuments(varlen_attn, window_size="window_size" in params, enable_gqa=gqa)
+    return kernel, "varlen_attn is available" + ("" if gqa else (
+        " (it takes no enable_gqa: grouped k/v heads are repeated to the query heads before the call)"))
 
 
 VARLEN_MODULE = "torch.nn.attention.varlen"
 
 
 def varlen_missing_reason() -> str | None:
-    """Why this torch has no varlen_attn, or None; looks for the module without importing it (its import registers
-    custom operators: seconds, paid only by a module built on CUDA)."""
+    """Why this torch has no varlen_attn, or None; looks for the module without importing it."""
     if importlib.util.find_spec(VARLEN_MODULE) is None:
         return f"torch {torch.__version__} has no {VARLEN_MODULE} (torch >= 2.10 has)"
     return None
 
 
 @functools.cache
-def _varlen_attn():
-    return importlib.import_module(VARLEN_MODULE).varlen_attn
+def _varlen_module():
+    return importlib.import_module(VARLEN_MODULE)
+
+
+def varlen_choice() -> tuple[VarlenDocuments | None, str]:
+    """What this torch offers packed documents on CUDA, whatever the device here: (kernel, why) or (None, why not).
+    Imports the module when it exists (about a second: its custom operators register)."""
+    missing = varlen_missing_reason()
+    return (None, missing) if missing is not None else varlen_kernel(_varlen_module().varlen_attn)
 
 
 def choose_document_kernel(device, dropout: bool):
@@ -86,9 +134,7 @@ def choose_document_kernel(device, dropout: bool):
         return PER_DOCUMENT_SDPA, "varlen_attn runs on CUDA only"
     if dropout:
         return PER_DOCUMENT_SDPA, "attention dropout is on and varlen_attn has none"
-    missing = varlen_missing_reason()
-    if missing is not None:
-        return PER_DOCUMENT_SDPA, missing
     if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):  # none under fake tensors
         return PER_DOCUMENT_SDPA, f"FlashAttention-2 needs compute capability 8.0, {device} has less"
-    return VarlenDocuments(_varlen_attn()), "varlen_attn is available"
+    kernel, reason = varlen_choice()
+    return (PER_DOCUMENT_SDPA if kernel is None else kernel), reason

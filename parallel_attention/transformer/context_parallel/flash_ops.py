@@ -54,8 +54,32 @@ def _cuda_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
         grad_out, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
 
 
+# the CUDA operators' arguments as _cuda_forward / _cuda_backward pass them (their schemas in torch 2.11-2.13)
+CUDA_ARGUMENTS = {
+    "_scaled_dot_product_flash_attention": ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask",
+                                            "scale"),
+    "_scaled_dot_product_flash_attention_backward": (
+        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+        "dropout_p", "is_causal", "philox_seed", "philox_offset", "scale"),
+}
+
+
+def schema_problem(arguments: dict[str, tuple[str, ...]], ops=torch.ops.aten) -> str | None:
+    """Why this torch's operators cannot be called as written here (missing, or other arguments), or None: read
+    from the operators' schemas, never from torch's version string."""
+    for name, expected in arguments.items():
+        op = getattr(ops, name, None)
+        if op is None:
+            return f"this torch has no aten.{name}"
+        found = tuple(argument.name for argument in op.default._schema.arguments)
+        if found != expected:
+            return f"this torch's aten.{name} takes ({', '.join(found)}), not ({', '.join(expected)})"
+    return None
+
+
 class FlashOps(NamedTuple):
-    """One device's fused flash operators (see the module docstring) and what they take."""
+    """One device's fused flash operators (see the module docstring) and what they take; `problem`: why this
+    torch's operators cannot be called (then every pair runs the ring's math), or None."""
 
     name: str
     dtypes: tuple[torch.dtype, ...]
@@ -63,10 +87,11 @@ class FlashOps(NamedTuple):
     head_dims_text: str
     raw_forward: Callable
     raw_backward: Callable
+    problem: str | None = None
 
     def takes(self, q: torch.Tensor) -> bool:
         """Whether the operators run q's dtype and head dim (else the ring's math runs the pair)."""
-        return q.dtype in self.dtypes and self.head_dims(q.shape[-1])
+        return self.problem is None and q.dtype in self.dtypes and self.head_dims(q.shape[-1])
 
     def forward(self, q, k, v, causal: bool, scale: float):
         """(out [b, nh, sq, d] in q's dtype, lse: `normalized_lse`) of softmax attention, causal on a square only."""
@@ -83,4 +108,5 @@ class FlashOps(NamedTuple):
 CPU_FLASH_OPS = FlashOps("aten._scaled_dot_product_flash_attention_for_cpu", (torch.float32, torch.float64, *_HALF),
                          lambda d: True, "any head dim", _cpu_forward, _cpu_backward)
 CUDA_FLASH_OPS = FlashOps("aten._scaled_dot_product_flash_attention", _HALF, lambda d: d <= 256 and d % 8 == 0,
-                          "head dim <= 256 and a multiple of 8", _cuda_forward, _cuda_backward)
+                          "head dim <= 256 and a multiple of 8", _cuda_forward, _cuda_backward,
+                          schema_problem(CUDA_ARGUMENTS))
