@@ -30,6 +30,8 @@
 #                    whole sequence, forward and backward (benchmarks/_gpu_check_ring.py)
 #   selfcheck_tp     the cluster self-check at tp = N (python -m parallel_attention.check: float64 references)
 #   selfcheck_cp     the self-check at tp = 1, cp = N (both context-parallel kinds, with and without documents)
+#   selfcheck_pp     the self-check at tp = 1, pp = N (every pipeline schedule against the whole model on one rank,
+#                    the batched exchanges between stages counted)
 #   hang_named       under the collective guard, an all-reduce one rank never joins ends rank 0 within the 20 s
 #                    timeout with CollectiveTimeoutError naming it and its group (benchmarks/_gpu_check_hang.py)
 # Targets are reported in the summary's "targets", met or not; they do not fail the check.
@@ -135,6 +137,7 @@ many_gpus() {
     step ring_cp 150 "${torchrun[@]}" benchmarks/_gpu_check_ring.py --kv-mib 64
     step selfcheck_tp 120 "${torchrun[@]}" -m parallel_attention.check --tp "$GPUS" --timeout 90
     step selfcheck_cp 120 "${torchrun[@]}" -m parallel_attention.check --tp 1 --cp "$GPUS" --timeout 90
+    step selfcheck_pp 90 "${torchrun[@]}" -m parallel_attention.check --tp 1 --pp "$GPUS" --timeout 60
     step hang_named 60 "${torchrun[@]}" benchmarks/_gpu_check_hang.py --timeout-s 20
 }
 

@@ -106,7 +106,8 @@ def test_the_gpus_mode_checks_its_multi_gpu_steps(bare_python, tmp_path):
     result = _dry_run(ROOT, bare_python, out, "--gpus", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(out.read_text())
-    assert summary["ok"] and list(summary["steps"]) == ["ring_cp", "selfcheck_tp", "selfcheck_cp", "hang_named"]
+    assert summary["ok"] and list(summary["steps"]) == ["ring_cp", "selfcheck_tp", "selfcheck_cp", "selfcheck_pp",
+                                                        "hang_named"]
     bad = _dry_run(ROOT, bare_python, tmp_path / "x.json", "--gpus", "1")
     assert bad.returncode == 2 and "--gpus 1: give the number of GPUs of this machine, 2 or more" in bad.stderr
 

@@ -1,4 +1,4 @@
-"""(g) Pipeline parallelism (`--pp P`): a 4-layer, tied-embedding GPTModel cut into P stages trains one step under
+"""(g) Pipeline parallelism (`--pp P`): a tied-embedding GPTModel of max(4, 2P) layers cut into P stages trains one step under
 every schedule and gives what the whole model gives on one rank: the loss, every stage's gradients and the global
 gradient norm; and each stage exchanges exactly the activations and gradients its neighbours expect (counted).
 
@@ -26,17 +26,19 @@ from .collective_counter import count_collectives
 from .compare import relative_error, verdict
 from .context import CheckContext
 
-LAYERS, SEQ, VOCAB = 4, 16, 96
+SEQ, VOCAB = 16, 96
 
 
-def _config(ctx: CheckContext) -> ModelConfig:
-    return ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=LAYERS, num_heads=4, max_seq_len=SEQ,
-                       tie_embeddings=True)
+def _layers(p: int) -> int:
+    """Two layers a stage at least (the interleaved schedule gives each rank two chunks), four in all."""
+    return max(4, 2 * p)
 
 
-def _model(ctx: CheckContext, stage, group) -> GPTModel:
+def _model(ctx: CheckContext, stage, group, layers: int) -> GPTModel:
     manual_seed(ctx.seed)
-    return GPTModel(_config(ctx), tp_group=group, device=ctx.device, dtype=ctx.dtype, stage=stage)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=layers, num_heads=4, max_seq_len=SEQ,
+                      tie_embeddings=True)
+    return GPTModel(cfg, tp_group=group, device=ctx.device, dtype=ctx.dtype, stage=stage)
 
 
 def _micro_batches(ctx: CheckContext, m: int) -> list[dict]:
@@ -47,7 +49,8 @@ def _micro_batches(ctx: CheckContext, m: int) -> list[dict]:
 
 def _reference(ctx: CheckContext, batches: list[dict]) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The whole model on this rank alone: mean loss over the micro-batches, gradients by name, their norm."""
-    model = _model(ctx, PipelineStage(), ctx.solo_group)
+    p = ps.group_size(ps.get_pipeline_parallel_group())
+    model = _model(ctx, PipelineStage(), ctx.solo_group, _layers(p))
     loss = sum(model(**b) for b in batches) / len(batches)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, global_grad_norm(model, None)
@@ -57,7 +60,7 @@ def _case(ctx: CheckContext, schedule: str, batches, reference) -> tuple[dict[st
     pp_group, p, rank = ps.get_pipeline_parallel_group(), ps.group_size(ps.get_pipeline_parallel_group()), \
         ps.get_pipeline_parallel_rank()
     v = 2 if schedule == "interleaved_1f1b" else 1
-    model = _model(ctx, rank_stage(LAYERS, p, v, None, rank), ctx.solo_group)
+    model = _model(ctx, rank_stage(_layers(p), p, v, None, rank), ctx.solo_group, _layers(p))
     runner = PipelineRunner(model, schedule, len(batches), pp_group, ps.get_pipeline_gradient_group(), v)
     runner.agree_shapes((SEQ, 2, 32), ctx.dtype)
     with count_collectives() as counts:
