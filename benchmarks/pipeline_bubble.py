@@ -96,7 +96,8 @@ def _run(rank: int, stages: int, micro: int, seconds: float, repeats: int, init:
         results[name] = {"measured": round(statistics.median(bubbles), 4),
                          "formula": round(bubble_formula(name, stages, micro, v), 4)}
     for name in ("gpipe", "1f1b"):
-        memory[name] = {f"m={n}": _stage_peak_bytes(name, stages, n, activations, grads, rank) for n in (micro, 2 * micro)}
+        memory[name] = {f"m={n}": _stage_peak_bytes(name, stages, n, activations, grads, rank)
+                        for n in (micro, 2 * micro)}
     if rank == 0:
         out.put((results, memory))
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
-"""(g) Pipeline parallelism (`--pp P`): a tied-embedding GPTModel of max(4, 2P) layers cut into P stages trains one step under
-every schedule and gives what the whole model gives on one rank: the loss, every stage's gradients and the global
-gradient norm; and each stage exchanges exactly the activations and gradients its neighbours expect (counted).
+"""(g) Pipeline parallelism (`--pp P`): a tied-embedding GPTModel of max(4, 2P) layers cut into P stages trains one
+step under every schedule and gives what the whole model gives on one rank: the loss, every stage's gradients and
+the global gradient norm; and each stage exchanges exactly the activations and gradients its neighbours expect
+(counted).
 
 Both models are built from the same seed: each part of the model draws its initial weights from its own seeded
 generator (`transformer.pipeline_stage`), so the stages hold exactly the whole model's weights without loading any.

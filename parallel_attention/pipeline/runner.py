@@ -2,10 +2,11 @@
 sends and receives between neighbouring stages that the action lists imply.
 
 Communication, all through `collectives.exchange` (one batch_isend_irecv per group and direction of a moment):
-after each action, the sends it produced go out together with the receive the next action needs, and the rank
-waits for them (Megatron's send_forward_recv_backward and friends, derived from the lists instead of written per
-schedule). Activations travel on the pipeline group, gradients on its twin (`grad_group`): at pp = 2 both
-directions join the same two ranks, and NCCL matches messages by order, not by tag, per communicator.
+after each action, the sends it produced go out together with the receive the next action needs (Megatron's
+send_forward_recv_backward and friends, derived from the lists instead of written per schedule). The rank waits
+for the receive at once and for its sends at the end of the step. Activations travel on the pipeline group,
+gradients on its twin (`grad_group`): at pp = 2 both directions join the same two ranks, and NCCL matches messages
+by order, not by tag, per communicator.
 
 Shapes are agreed once, before the first step (`agree_shapes`): every stage states what it sends and expects, and
 a disagreement raises on every rank, naming both stages, instead of a receive that waits for a message that
@@ -101,16 +102,16 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ the messages an action implies
     def _receive(self, action: Action):
-        """(kind, group rank of the peer, buffer) that `action` needs before it runs, or None."""
+        """(kind, group rank of the peer) of what `action` needs to receive before it runs, or None."""
         if action.kind == "F" and not self._first(action.chunk):
             return "activation", (self.rank - 1) % self.p
         if action.kind == "B" and not self._last(action.chunk):
             return "gradient", (self.rank + 1) % self.p
         return None
 
-    def _send(self, action: Action, state: dict):
+    def _send(self, action: Action):
         """(kind, peer, tensor) that `action` produced for a neighbour, or None."""
-        key = (action.chunk, action.micro)
+        key, state = (action.chunk, action.micro), self.state
         if action.kind == "F" and not self._last(action.chunk):
             out = state["outputs"][key] if torch.is_grad_enabled() else state["outputs"].pop(key)
             return "activation", (self.rank + 1) % self.p, out.detach()
@@ -165,25 +166,24 @@ class PipelineRunner:
         `forward_context(i)` / `backward_context(i)` what its forward / backward run inside (autocast, dropout
         coordinates), `backward_loss(loss)` runs the backward of the step's share of a loss (loss / m: the fp16
         scaler scales it). Returns each micro-batch's loss (the last stage's) and the step's events."""
-        state = {"inputs": {}, "outputs": {}, "weights": {}}
-        self.contexts, self.in_flight, self.state, self.ready_weights = (forward_context, backward_context,
-                                                                         backward_loss), [], state, []
+        self.contexts, self.in_flight, self.ready_weights = (forward_context, backward_context, backward_loss), [], []
+        self.state = {"inputs": {}, "outputs": {}, "weights": {}}  # by (chunk, micro-batch), until their backward
         record = StepRecord(torch.zeros(self.m, device=self._device()))
         received = self._communicate(None, self._receive(self.actions[0]), record.events)
         for k, action in enumerate(self.actions):
             started = time.perf_counter()
-            if getattr(self, f"_{action.kind.lower()}")(action, received, state, inputs, record) is not False:
+            if getattr(self, f"_{action.kind.lower()}")(action, received, inputs, record) is not False:
                 record.events.append(Event(str(action), started, time.perf_counter()))
             following = self.actions[k + 1] if k + 1 < len(self.actions) else None
-            received = self._communicate(self._send(action, state),
+            received = self._communicate(self._send(action),
                                          self._receive(following) if following else None, record.events)
         for pending in self.in_flight:  # the last sends, received by now or soon: nothing is left posted
             pending.wait()
         self.in_flight = []
         return record
 
-    def _f(self, action, received, state, inputs, record) -> None:
-        key, kwargs = (action.chunk, action.micro), dict(inputs(action.micro))
+    def _f(self, action, received, inputs, record) -> None:
+        key, kwargs, state = (action.chunk, action.micro), dict(inputs(action.micro)), self.state
         if not self._last(action.chunk):
             kwargs.pop("labels", None)
         if received is not None:
@@ -195,11 +195,11 @@ class PipelineRunner:
             out = out / self.m
         state["outputs"][key] = out
 
-    def _b(self, action, received, state, inputs, record) -> None:
+    def _b(self, action, received, inputs, record) -> None:
         key = (action.chunk, action.micro)
-        out = state["outputs"].pop(key)
-        queue = state["weights"].setdefault(key, [])
-        deferring = deferred_weight_grads(queue) if self.defers_weight_grads else contextlib.nullcontext()
+        out = self.state["outputs"].pop(key)
+        deferring = (deferred_weight_grads(self.state["weights"].setdefault(key, [])) if self.defers_weight_grads
+                     else contextlib.nullcontext())
         with self.contexts[1](action.micro), deferring:
             if self._last(action.chunk):
                 self.contexts[2](out)
@@ -208,11 +208,11 @@ class PipelineRunner:
         if self.defers_weight_grads:
             self.ready_weights.append(key)
 
-    def _w(self, action, received, state, inputs, record) -> bool:
+    def _w(self, action, received, inputs, record) -> bool:
         """The weight gradient, unless a wait already computed it (then False: nothing ran)."""
         key = (action.chunk, action.micro)
         if key not in self.ready_weights:
             return False
         self.ready_weights.remove(key)
-        run_weight_grads(state["weights"].pop(key))
+        run_weight_grads(self.state["weights"].pop(key))
         return True

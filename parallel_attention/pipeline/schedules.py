@@ -75,9 +75,9 @@ def zero_bubble(p: int, m: int, s: int) -> list[Action]:
 
 
 def forward_only(p: int, m: int, s: int, v: int = 1) -> list[Action]:
-    """Evaluation: every chunk's forward, in the interleaved order (at v = 1 simply micro-batch by micro-batch)."""
-    return [Action("F", (k // p) % v, (k // (p * v)) * p + k % p) for k in range(m * v)] if m % p == 0 or v == 1 \
-        else [Action("F", c, i) for i in range(m) for c in range(v)]
+    """Evaluation: micro-batch by micro-batch, each through this rank's chunks in order (any m: nothing is held
+    for a backward, so no interleaving is needed; every stage sends and receives in this same order)."""
+    return [Action("F", c, i) for i in range(m) for c in range(v)]
 
 
 def build_schedule(name: str, p: int, m: int, s: int, v: int = 1) -> list[Action]:

@@ -256,13 +256,17 @@ class PendingExchange:
         self.works = []
         return self.received
 
+    def _per_operation(self) -> bool:
+        """One work per send and receive (gloo); else one coalesced work for the batch (NCCL)."""
+        return len(self.works) == len(self.sent) + len(self.received)
+
     def received_yet(self) -> bool:
-        """Whether every receive has completed (without waiting; False where the backend cannot tell)."""
-        works = self.works[len(self.sent):] if len(self.works) == len(self.sent) + len(self.received) else self.works
+        """Whether every receive has completed (without waiting; with one coalesced work, the whole batch)."""
+        works = self.works[len(self.sent):] if self._per_operation() else self.works
         return all(work.is_completed() for work in works)
 
     def wait_received(self) -> list[torch.Tensor]:
-        if len(self.works) != len(self.sent) + len(self.received):  # one coalesced work (NCCL): wait for it all
+        if not self._per_operation():  # one coalesced work: wait for it all
             return self.wait()
         with _await(self.op, self.group):
             for work in self.works[len(self.sent):]:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh_groups import DP_CP, EMBEDDING, PP_GRADIENTS, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size, group_timeout
+from .mesh_groups import (DP_CP, EMBEDDING, PP_GRADIENTS, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size,
+                          group_timeout)
 
 ProcessGroup = dist.ProcessGroup
 
@@ -125,7 +126,7 @@ def destroy_model_parallel() -> None:
 
 
 def get_device_mesh() -> DeviceMesh | None:
-    """The job's ("pp", "dp", "cp", "tp") DeviceMesh (the caller's, where it brought one); None before initialize_model_parallel."""
+    """The job's ("pp", "dp", "cp", "tp") DeviceMesh, or the caller's; None before initialize_model_parallel."""
     return None if _STATE is None else _STATE.mesh
 
 

@@ -194,8 +194,8 @@ def train_step(run: Run) -> dict:
     loss_sum = _forward_backward(run, micro_batches)
     finalize_grads(run.model)  # after the data-parallel average of the backward: the two commute
     run.scaler.unscale(run.model.parameters())
-    grad_norm = global_grad_norm(run.model, ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_parallel_group(),
-                                 counted_elsewhere=run.model.pipeline_copies())
+    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_parallel_group()
+    grad_norm = global_grad_norm(run.model, tp_group, pp_group=pp_group, counted_elsewhere=run.model.pipeline_copies())
     dp_group = ps.get_data_parallel_group()
     loss = (all_reduce_(loss_sum, dp_group) / ps.group_size(dp_group)).item()  # the mean over data-parallel ranks
     if run.guard.update(run.step + 1, loss, grad_norm.item()):

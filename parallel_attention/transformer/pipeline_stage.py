@@ -75,7 +75,6 @@ class PartSeeds:
 
     @contextlib.contextmanager
     def seeded(self, part: int):
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, device_type=self.device.type if devices else "cuda"):
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.base + part)
             yield

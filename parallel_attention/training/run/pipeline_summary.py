@@ -36,7 +36,8 @@ def _gigabytes_per_rank(cfg, parameters: int, dp: int) -> float:
 def layer_parameters(cfg) -> int:
     """A transformer layer's parameters, from the config: q, k, v and output projections, the MLP, two norms."""
     m, a = cfg.model, cfg.model.attention_config()
-    attention = m.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * m.hidden_size
+    qkv = m.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    attention = qkv + a.num_heads * a.head_dim * m.hidden_size
     mlp = m.resolved_ffn_hidden_size() * m.hidden_size * (3 if m.activation == "swiglu" else 2)
     return attention + mlp + 2 * m.hidden_size
 

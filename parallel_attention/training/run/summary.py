@@ -53,18 +53,20 @@ def _data_parallel(cfg: PretrainConfig, world_size: int) -> int:
 
 
 def _layout_line(cfg: PretrainConfig, world_size: int) -> str:
-    p, cp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.context_parallel_size, cfg.parallel.pipeline_parallel_size
+    par = cfg.parallel
+    p, cp, pp = par.tensor_parallel_size, par.context_parallel_size, par.pipeline_parallel_size
     context = f" x context parallel {cp} ({cfg.parallel.context_parallel_kind})" if cp > 1 else ""
     stages = f"pipeline parallel {pp} x " if pp > 1 else ""
-    text = f"world {world_size} = {stages}tensor parallel {p}{context} x data parallel {_data_parallel(cfg, world_size)}"
+    dp = _data_parallel(cfg, world_size)
+    text = f"world {world_size} = {stages}tensor parallel {p}{context} x data parallel {dp}"
     return text + (" + sequence parallel" if cfg.parallel.sequence_parallel else "")
 
 
 def _batch_line(cfg: PretrainConfig, world_size: int) -> str:
     t, dp = cfg.training, _data_parallel(cfg, world_size)
+    what = "micro-batches through the pipeline" if cfg.parallel.pipeline_parallel_size > 1 else "accumulation step(s)"
     return (f"global {t.global_batch_size} sequences = micro {t.micro_batch_size} x data parallel {dp} x "
-            f"{cfg.gradient_accumulation_steps(world_size)} "
-            f"{'micro-batches through the pipeline' if cfg.parallel.pipeline_parallel_size > 1 else 'accumulation step(s)'}")
+            f"{cfg.gradient_accumulation_steps(world_size)} {what}")
 
 
 def _tokens_line(cfg: PretrainConfig) -> str:
