@@ -1,15 +1,16 @@
 """Run a function on several gloo ranks in spawned processes, for tests.
 
-`run_distributed(fn, world_size, tp_size, *args)` starts `world_size` processes with the
-`spawn` start method (gloo under fork can deadlock), joins them through a file store (no
-port to race for), sets up the tensor-parallel groups, calls `fn(*args)` on every rank and
+`run_distributed(fn, world_size, tp_size, *args)` starts `world_size` processes from a forkserver that
+has imported torch and this package once (`preloaded_context`; the forkserver never creates a process group, so
+its forks start clean where a fork of a process holding gloo state could deadlock), joins them through a file
+store (no port to race for), sets up the tensor-parallel groups, calls `fn(*args)` on every rank and
 returns the per-rank results in rank order. A rank's exception is re-raised in the parent
 with its traceback; a hang past `timeout` seconds kills every rank and fails.
 
 `fn` must be a module-level function (spawned processes import it by name).
 
-Spawning costs each rank about 3 s of CPU (importing torch), which over the suite is most of CI's time.
-So by default the ranks stay up between calls (one set per world size, see rank_pool): each
+A spawned interpreter costs each rank about 3 s of CPU (importing torch); a fork of the forkserver costs
+about none. And by default the ranks stay up between calls (one set per world size, see rank_pool): each
 call resets the state a fresh process would have (default generator seed, default dtype, model-parallel
 groups of the requested size, collective guard off). `fresh=True` spawns new ranks, for functions that
 change what a reset cannot undo (the world group, environment variables, the collective guard, killing a
@@ -29,6 +30,16 @@ import traceback
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 240
+
+# what every rank imports: the forkserver imports it once, and each rank is a fork of it
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "parallel_attention", "parallel_attention.training"]
+
+
+def preloaded_context():
+    """torch.multiprocessing's forkserver context, its server preloaded with PRELOAD."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _worker(rank, world_size, tp_size, init_file, fn, args, results, timeout, backend):
@@ -65,7 +76,7 @@ def run_distributed(fn, world_size: int, tp_size: int | None = None, *args, time
         from rank_pool import reused_ranks
 
         return reused_ranks(world_size).run_reset(fn, tp_size, *args, timeout=timeout)
-    ctx = mp.get_context("spawn")
+    ctx = preloaded_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")

@@ -15,9 +15,7 @@ import pickle
 import tempfile
 import traceback
 
-import torch.multiprocessing as mp
-
-from distributed import DEFAULT_TIMEOUT_S, _collect
+from distributed import DEFAULT_TIMEOUT_S, _collect, preloaded_context
 
 
 def _serve(rank, world_size, init_file, inbox, results, timeout):
@@ -79,7 +77,7 @@ class RankPool:
         self._procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = preloaded_context()
         self._tmp = tempfile.TemporaryDirectory()
         self._results, self._inboxes = ctx.Queue(), [ctx.Queue() for _ in range(self.world_size)]
         init_file = os.path.join(self._tmp.name, "store")

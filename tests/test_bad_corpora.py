@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from launch import ROOT
+from launch import ROOT, run_command
 from parallel_attention.training.data.preparation import prepare_shards
 
 TEXTS = [f"document {i}: " + "some words " * (4 + i % 7) for i in range(400)]
@@ -132,7 +131,7 @@ def test_a_missing_text_field_is_named_with_the_keys_before_a_bpe_is_trained(tmp
     (tmp_path / "corpus" / "b.jsonl").write_text("".join(json.dumps({"content": t, "id": 1}) + "\n" for t in TEXTS))
     script = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "corpus"),
               "--tokenizer", "bpe", "--bpe-vocab-size", "300", "--out", str(tmp_path / "out")]
-    run = subprocess.run(script, capture_output=True, text=True, timeout=120)
+    run = run_command(script, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert ("data.text_field='text' is not a key of the first JSON object of b.jsonl:1 (its keys: 'content', 'id'): "
             "pass the key that holds the text as --text-field") in run.stderr
@@ -143,9 +142,9 @@ def test_the_script_skips_on_request_and_says_so(tmp_path):
     corpus = _gz_corpus(tmp_path / "corpus", DAMAGES["corrupt"])
     script = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--source", str(corpus), "--out",
               str(tmp_path / "out")]
-    refused = subprocess.run(script, capture_output=True, text=True, timeout=120)
+    refused = run_command(script, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "b_bad.jsonl.gz cannot be read to its end" in refused.stderr
-    done = subprocess.run([*script, "--skip-bad-files"], capture_output=True, text=True, timeout=120)
+    done = run_command([*script, "--skip-bad-files"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "skipped 1 damaged or unreadable files (first: b_bad.jsonl.gz" in done.stdout
 

@@ -6,11 +6,10 @@ before the change as it said before, the steps after from the new blend, with no
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 from blend_runs import blend_args
-from launch import ROOT, environment, metrics, torchrun
+from launch import ROOT, environment, metrics, run_command, torchrun
 from parallel_attention.training import load_config
 from parallel_attention.training.data.token_source import open_source
 from random_prefixes import random_prefix
@@ -21,8 +20,8 @@ def _args(blend, run_dir, steps, *extra):
 
 
 def _inspect(args: list[str], steps: str) -> list[dict]:
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "inspect_data.py"), *args, "--steps", steps,
-                          "--json"], capture_output=True, text=True, timeout=300, env=environment())
+    run = run_command([sys.executable, str(ROOT / "scripts" / "inspect_data.py"), *args, "--steps", steps,
+                       "--json"], capture_output=True, text=True, timeout=300, env=environment())
     assert run.returncode == 0, run.stderr
     return [json.loads(line) for line in run.stdout.splitlines()]
 

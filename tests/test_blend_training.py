@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from blend_runs import blend_args
-from launch import ROOT, environment, metrics, torchrun, train_losses
+from launch import ROOT, environment, metrics, run_command, torchrun, train_losses
 from parallel_attention.training.data.document_split import validation_mask
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
 
@@ -78,9 +77,9 @@ def _train_stream(prefix: str) -> np.ndarray:
 
 
 def test_inspect_data_names_the_tokens_every_row_read(blend, tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "inspect_data.py"),
-                          *_args(blend, tmp_path / "run", 6), "--steps", "2:4", "--json", "--tokens"],
-                         cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=120, check=True)
+    out = run_command([sys.executable, str(ROOT / "scripts" / "inspect_data.py"),
+                       *_args(blend, tmp_path / "run", 6), "--steps", "2:4", "--json", "--tokens"],
+                      cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=120, check=True)
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["step"], r["row"]) for r in records] == [(s, r) for s in (2, 3) for r in range(8)]
     streams = {path: _train_stream(path) for path, _ in blend}

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 
-from launch import ROOT, environment
+from launch import ROOT, environment, run_command
 
 CHECKS = ("collectives", "attention", "model", "init", "replicas", "collective-count")
 LINE = re.compile(r"^\[(ok|FAIL)\] ([a-z-]+): .+$")
@@ -26,7 +25,7 @@ def run_check(*args: str) -> tuple[int, list[str]]:
     argv = shlex.split(" ".join([CHECK, *args]))
     command = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     # two ranks on two shared cores take ~20 s; a hang fails here instead of blocking CI
-    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=240)
+    result = run_command(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=240)
     lines = result.stdout.splitlines()
     assert lines, f"no output\n--- stderr ---\n{result.stderr[-4000:]}"
     return result.returncode, lines

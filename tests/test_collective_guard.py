@@ -5,7 +5,6 @@ guard changes no number of a training run."""
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 
 import pytest
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 import parallel_attention as pa
 from distributed import run_distributed
-from launch import ROOT, environment, torchrun_command, train_losses
+from launch import ROOT, environment, run_command, torchrun_command, train_losses
 from parallel_attention.tensor_parallel import CollectiveMismatchError, enable_collective_log
 from parallel_attention.tensor_parallel.collectives import (CollectiveTimeoutError, all_gather_along_dim, all_reduce_,
                                                             broadcast_object)
@@ -103,9 +102,9 @@ def test_the_guard_changes_no_loss(data_dir, tmp_path):  # noqa: F811
     for guard in ("false", "true"):
         run = tmp_path / f"guard_{guard}"
         command = torchrun_command("pretrain.py", 2, tiny_args(data_dir, run, 2, 3,
-                                                               f"--parallel.debug_collectives={guard}"))
+                                                            f"--parallel.debug_collectives={guard}"))
         command[command.index(str(ROOT / "scripts" / "pretrain.py"))] = str(wrapper)
-        result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+        result = run_command(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-4000:]
         losses[guard] = train_losses(run)
         recorded[guard] = [int(line.split()[-1]) for line in result.stderr.splitlines()

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from launch import ROOT
+from launch import ROOT, run_command
 
 GOOD = (ROOT / "configs" / "gpt_tiny.yaml").read_bytes()
 DAMAGED = {  # name -> (bytes of the file, what the line must say after the file name)
@@ -43,8 +42,8 @@ def test_a_damaged_config_is_one_line_naming_the_file(name, tmp_path, monkeypatc
 def test_a_non_utf8_config_exits_2_from_the_script_without_a_traceback(tmp_path):
     (tmp_path / "latin1.yaml").write_bytes("model:\n  # d\u00e9faut\n  hidden_size: 32\n".encode("latin-1"))
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", "latin1.yaml"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    done = run_command([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", "latin1.yaml"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.splitlines() == ["config error: latin1.yaml: byte 12 (b'\\xe9') is not UTF-8: a config is "
                                         "UTF-8 text; save it as such (is it the file you meant?)."]

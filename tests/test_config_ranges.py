@@ -7,7 +7,6 @@ traceback): now `validate` refuses it with a ConfigError naming the dotted key, 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from parallel_attention import load_config
 from parallel_attention.training import ConfigError, PretrainConfig, train
 from parallel_attention.training.config.checks import RANGES, numeric_fields
+from launch import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "gpt_tiny.yaml"
@@ -105,8 +105,8 @@ def test_resume_argument_is_checked_before_any_process_group(monkeypatch, tmp_pa
 
 def test_pretrain_script_says_config_error_without_a_traceback(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", str(TINY), *AT_P1,
-                           "--resume", str(tmp_path / "step_0000001")], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
+    done = run_command([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", str(TINY), *AT_P1,
+                        "--resume", str(tmp_path / "step_0000001")], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and "config error: --resume=" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr

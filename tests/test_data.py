@@ -18,7 +18,7 @@ from parallel_attention.training import DataConfig
 from parallel_attention.training import (GlobalBatchSampler, ensure_prepared, prepare_data, read_meta,
                                          validation_batches)
 from parallel_attention.training.data.token_source import open_source
-from launch import ROOT
+from launch import ROOT, run_command
 from parallel_attention.training import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
 from parallel_attention.training.data.indexed_dataset import IndexedTokens
 from parallel_attention.training.data.token_files import DataFileError
@@ -194,11 +194,9 @@ def test_a_bad_source_or_text_field_is_named(mixed_corpus, tmp_path):
 
 
 def test_the_script_prints_the_summary(mixed_corpus, tmp_path):
-    import subprocess
-
-    out = subprocess.run([sys.executable, "scripts/prepare_data.py", "--source", str(mixed_corpus), "--out",
-                          str(tmp_path / "out"), "--text-field", "content", "--val-fraction", "0.3"],
-                         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
+    out = run_command([sys.executable, "scripts/prepare_data.py", "--source", str(mixed_corpus), "--out",
+                       str(tmp_path / "out"), "--text-field", "content", "--val-fraction", "0.3"],
+                      capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
     assert "5 files, 8 documents" in out.stdout
     assert "skipped 2 bad JSON lines (first: rows.jsonl:2" in out.stdout
     assert "skipped 1 binary or not UTF-8 files (first: binary.txt)" in out.stdout
@@ -337,10 +335,8 @@ def test_a_failed_preparation_leaves_the_existing_dataset_intact(tmp_path):
 
 
 def test_prepare_data_script_reports_an_empty_source_in_one_line(tmp_path):
-    import subprocess
-
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "blob.bin").write_bytes(b"\x00\xff" * 100)
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
-                             "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    result = run_command([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--source", str(tmp_path / "src"),
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr

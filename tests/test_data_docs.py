@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from launch import ROOT
+from launch import ROOT, run_command
 from parallel_attention.training import train_bpe
 
 PAGE = ROOT / "docs" / "data.md"
@@ -72,8 +71,8 @@ def test_every_command_of_the_data_page_runs(placeholders, tmp_path):
             _inspect(args, tmp_path)
             continue
         assert args[:2] == ["python", "scripts/prepare_data.py"], f"not run by this test: {command}"
-        run = subprocess.run([sys.executable, str(ROOT / args[1]), *args[2:], "--max-bytes", "200000"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        run = run_command([sys.executable, str(ROOT / args[1]), *args[2:], "--max-bytes", "200000"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, (command, run.stderr)
         out = tmp_path / args[args.index("--out") + 1]
         assert json.loads((out / "meta.json").read_text())["num_documents"] > 0, command
@@ -82,8 +81,8 @@ def test_every_command_of_the_data_page_runs(placeholders, tmp_path):
 def _inspect(args: list[str], work: Path) -> None:
     """inspect_data.py as documented (the config from the repository): one line per row of each step asked."""
     args = [str(ROOT / a) if a.startswith("configs/") else a for a in args]
-    run = subprocess.run([sys.executable, str(ROOT / args[1]), *args[2:]], cwd=work, capture_output=True, text=True,
-                         timeout=300)
+    run = run_command([sys.executable, str(ROOT / args[1]), *args[2:]], cwd=work, capture_output=True, text=True,
+                      timeout=300)
     assert run.returncode == 0, (args, run.stderr)
     lines = run.stdout.splitlines()
     assert lines and all(line.startswith("step ") and " source " in line for line in lines), run.stdout[:2000]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from distributed import run_distributed
-from launch import ROOT, environment, torchrun_command
+from launch import ROOT, environment, run_command, torchrun_command
 from parallel_attention.training import ConfigError, DataConfig, ensure_prepared, load_config, prepare_data, \
     train_bpe
 from parallel_attention.training.data import token_files
@@ -208,8 +207,9 @@ def test_pretraining_on_a_zeroed_token_file_stops_at_its_first_read_with_exit_2(
             "--logging.tensorboard=false", "--parallel.tensor_parallel_size=1", "--data.source=stdlib",
             f"--data.max_bytes={MAX_BYTES}", f"--data.val_fraction={VAL_FRACTION}", f"--data.data_dir={data_dir}",
             f"--logging.run_dir={tmp_path / 'run'}"]
-    result = subprocess.run(torchrun_command("pretrain.py", 2, args), cwd=ROOT, env=environment(),
-                            capture_output=True, text=True, timeout=240)
+    # real: what torchrun itself reports of every worker (tests/launch.py, run_command)
+    result = run_command(torchrun_command("pretrain.py", 2, args), cwd=ROOT, env=environment(),
+                         capture_output=True, text=True, timeout=240, real=True)
     said = [line for line in result.stderr.splitlines() if line.startswith("config error: ")]
     assert len(said) == 1 and f"{data_dir / 'shard_00000.bin'} has sha256 " in said[0], result.stderr[-4000:]
     exit_codes = [line.split(":")[1].split()[0] for line in result.stderr.splitlines() if "exitcode  :" in line]

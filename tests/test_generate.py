@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import ROOT, environment, torchrun
+from launch import ROOT, environment, run_command, torchrun
 from parallel_attention import GPTModel, ModelConfig, PretrainConfig
 from parallel_attention.checkpointing import write_canonical_checkpoint
 from parallel_attention.training import DataConfig, ParallelConfig
@@ -139,8 +139,8 @@ def test_script_stops_at_eos(run_dir, tmp_path):
 def _direct(args: list[str], rank: int) -> subprocess.CompletedProcess:
     """generate.py as rank `rank` of 2 would start it: bad input is refused before any process group."""
     env = {**environment(), "RANK": str(rank), "WORLD_SIZE": "2"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return run_command([sys.executable, str(ROOT / "scripts" / "generate.py"), *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -193,7 +193,8 @@ def test_bad_checkpoint_under_torchrun(tmp_path, slow_rank_0):
     if slow_rank_0:
         script = str(tmp_path / "slow_rank_0.py")
         Path(script).write_text(_SLOW_RANK_0.format(script=str(ROOT / "scripts" / "generate.py")))
-    result = torchrun(script, 2, ["--checkpoint", str(tmp_path / "nothing")], timeout=240, check=False)
+    # real: what torchrun itself reports of every worker (tests/launch.py, run_command)
+    result = torchrun(script, 2, ["--checkpoint", str(tmp_path / "nothing")], timeout=240, check=False, real=True)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "no such directory" in errors[0]

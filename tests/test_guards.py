@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from launch import ROOT, environment, torchrun_command
+from launch import ROOT, environment, run_command, torchrun_command
 from test_pretrain import data_dir, tiny_args  # noqa: F401  (data_dir is a fixture)
 
 # torchrun gives every rank the same argv: this wrapper adds rank-specific overrides, as a
@@ -28,7 +27,7 @@ def _run_with_rank_overrides(tmp_path: Path, data: Path, extra: dict[str, list[s
     command = torchrun_command(script, 2, args if args is not None else tiny_args(data, tmp_path / "run", 2, 3))
     command[command.index(str(ROOT / "scripts" / script))] = str(wrapper)
     started = time.monotonic()
-    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=120)
+    result = run_command(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=120)
     return result, time.monotonic() - started
 
 
@@ -60,6 +59,6 @@ def test_self_check_ranks_with_different_arguments_fail(tmp_path):
     wrapper.write_text("import os, runpy, sys\nif os.environ['RANK'] == '1': sys.argv.append('--seed=7')\n"
                        "runpy.run_module('parallel_attention.check', run_name='__main__')\n")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(wrapper)]
-    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=120)
+    result = run_command(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "arguments differ across ranks" in result.stdout and result.stdout.strip().endswith("check: FAIL setup")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -23,7 +22,7 @@ transformers = pytest.importorskip(
 
 from distributed import run_distributed  # noqa: E402
 from hf_fixtures import gpt_model_logits  # noqa: E402
-from launch import ROOT, environment, torchrun  # noqa: E402
+from launch import ROOT, environment, run_command, torchrun
 from parallel_attention import ModelConfig, canonical_to_hf, hf_to_canonical, load_config  # noqa: E402
 from parallel_attention.hf import read_hf_config  # noqa: E402
 from parallel_attention.checkpointing import read_canonical_checkpoint  # noqa: E402
@@ -315,8 +314,8 @@ def test_small_vocabulary_without_tokenizer_imports_and_generation_says_how(tmp_
     run = tmp_path / "run"
     assert _convert_script().main(["import", "--hf", str(tmp_path / "hf"), "--out", str(run), "--tp", "1"]) == 0
     assert load_config(run / "config.yaml").model.vocab_size == 100
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(run)],
-                            env=environment(), capture_output=True, text=True, timeout=120)
+    result = run_command([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(run)],
+                         env=environment(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip() == (f"error: this model was imported without a tokenizer: copy its tokenizer.json "
                                      f"into {run / 'tokenizer'}/ or set data.tokenizer=PATH (a tokenizer.json or a "
@@ -333,9 +332,9 @@ def test_script_reports_an_impossible_layout(hf_models, tmp_path, capsys):
 
 def test_script_import_of_a_truncated_model_says_one_line(hf_models, tmp_path):
     damaged = _truncated_copy(hf_models["gpt2"][0], tmp_path / "damaged", "model.safetensors")
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "import", "--hf", str(damaged),
-                             "--out", str(tmp_path / "run"), "--tp", "1"],
-                            env=environment(), capture_output=True, text=True, timeout=120)
+    result = run_command([sys.executable, str(ROOT / "scripts" / "convert_hf.py"), "import", "--hf", str(damaged),
+                          "--out", str(tmp_path / "run"), "--tp", "1"],
+                         env=environment(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"cannot import: {damaged / 'model.safetensors'} ("), lines

@@ -6,14 +6,13 @@ prefix's changed .bin is refused at resume."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 
 import numpy as np
 import pytest
 
-from launch import ROOT, environment, metrics
+from launch import ROOT, environment, metrics, run_command
 from parallel_attention.training.data import chunk_hashes, document_index, index_cache, source_index
 from parallel_attention.training.data.identity import DataChangedError, check_identity, source_record
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, token_dtype
@@ -208,7 +207,7 @@ def test_preparing_or_indexing_longer_than_the_collective_timeout_still_starts_a
             "--parallel.tensor_parallel_size=1", "--parallel.timeout_s=5", f"--logging.run_dir={run}", *where]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(wrapper),
                str(ROOT / "scripts" / "pretrain.py"), *args]
-    result = subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+    result = run_command(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-6000:]
     assert sorted(r["step"] for r in metrics(run) if "loss" in r) == [1, 2]
     caches = list((run / "index_cache").glob("web_text_document-*")) if data == "blend" else \

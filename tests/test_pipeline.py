@@ -5,13 +5,12 @@ at pp 1 with the same losses. (The schedules' and the split's own properties: te
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from launch import ROOT, environment, metrics, torchrun
+from launch import ROOT, environment, metrics, run_command, torchrun
 from parallel_attention.checkpointing import read_canonical_checkpoint, reshard_checkpoint
 from tiny_run import DROPOUT, tiny_args
 
@@ -68,8 +67,8 @@ def test_every_schedule_and_layout_gives_the_single_process_numbers(name, refere
     rows = [r for r in metrics(run) if "loss" in r]
     assert all(0.0 <= r["pipeline_bubble"] < 1.0 for r in rows), rows
     if name == "pp2_zero_bubble_uneven":  # the step's picture, from the run itself
-        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "pipeline_timeline.py"), str(run), "--step",
-                                 "3"], capture_output=True, text=True, timeout=120, check=True)
+        result = run_command([sys.executable, str(ROOT / "scripts" / "pipeline_timeline.py"), str(run), "--step",
+                              "3"], capture_output=True, text=True, timeout=120, check=True)
         assert "2 stages, measured bubble" in result.stdout
         trace = json.loads((run / "pipeline_timeline" / "step_3.trace.json").read_text())
         labels = {(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
@@ -106,5 +105,5 @@ def test_the_self_check_checks_every_schedule_at_pp_2():
 
 def torchrun_module(args: list[str], nproc: int):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    return subprocess.run(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300,
-                          check=True)
+    return run_command(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300,
+                       check=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import subprocess
 import sys
 import textwrap
 from dataclasses import replace
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch import ROOT
+from launch import ROOT, run_command
 from parallel_attention.training import ByteTokenizer, DataConfig, ensure_prepared, get_tokenizer, train_bpe
 from parallel_attention.training.data import prepared as data
 from parallel_attention.training.data.indexed_dataset import IndexedTokens
@@ -101,8 +100,8 @@ def test_a_killed_preparation_resumes_byte_identical(jsonl, tmp_path, capfd):
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(KILLED_RUN))
     die_at = whole["shards"][0]["num_documents"] + whole["shards"][1]["num_documents"] + 2
-    run = subprocess.run([sys.executable, str(script), str(jsonl), str(tmp_path / "out"), str(die_at)],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    run = run_command([sys.executable, str(script), str(jsonl), str(tmp_path / "out"), str(die_at)],
+                      capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == -9, run.stderr
     partial = tmp_path / ".out.partial"
     assert not (tmp_path / "out").exists() and (partial / "shard_00001.idx").is_file()

@@ -10,12 +10,11 @@ import json
 import random
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 
-from launch import ROOT
+from launch import ROOT, run_command
 from parallel_attention.training.data.preparation import prepare_shards
 from parallel_attention.training.data.token_files import DataFileError, verify_files
 
@@ -58,7 +57,7 @@ def test_the_refusal_of_a_changed_shard_prints_the_command_that_prepares_it_agai
     for flag in ("--text-field body", "--max-bytes 40000", "--val-fraction 0.05", "--shard-tokens 5000"):
         assert flag in command, command
     assert ("--bpe-vocab-size 300" in command) == (tokenizer == "bpe")
-    run = subprocess.run([sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = run_command([sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     after = {p.name: p.read_bytes() for p in out.iterdir() if not p.name.startswith(".")}
     assert after == before  # run as printed, it gives back the very data, BPE included

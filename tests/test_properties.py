@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -35,6 +34,7 @@ from parallel_attention import load_config
 from parallel_attention.training import PretrainConfig
 from parallel_attention.check.reference import reference_attention
 from rank_pool import RankPool
+from launch import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "gpt_tiny.yaml"
@@ -275,7 +275,7 @@ def test_refused_mutants_exit_2_from_pretrain_without_traceback(name, tmp_path):
     assert load_mutant(text) is not None, f"{name}: the mutant was accepted"
     (tmp_path / "mutant.yaml").write_text(text, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", "mutant.yaml"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    done = run_command([sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--config", "mutant.yaml"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("config error: "), (name, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT
+from launch import ROOT, run_command
 from parallel_attention.training import train_bpe
 from test_check import DOCUMENTED as CHECK_COMMANDS
 from test_pipeline import DOCUMENTED_CHECK as PIPELINE_CHECK
@@ -183,11 +183,24 @@ def _environment() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
 
 
+# a documented `python ...` or `torchrun ...` line as this interpreter's argv (run_command forks those); None for a
+# line that needs the shell
+INTERPRETERS = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
+SHELL_SYNTAX = re.compile(r"[|&;<>$`]|^\w+=")
+
+
+def _argv(command: str) -> list[str] | None:
+    words = shlex.split(command)
+    if words[0] not in INTERPRETERS or any(SHELL_SYNTAX.search(w) for w in shlex.split(command, posix=False)):
+        return None
+    return INTERPRETERS[words[0]] + words[1:]
+
+
 def _run_all(commands: list[str], work: Path, fixtures: dict[str, str]) -> None:
     for command in commands:
         run = shortened(command, fixtures)
-        result = subprocess.run(["bash", "-c", run], cwd=work, env=_environment(), capture_output=True, text=True,
-                                timeout=600)
+        argv = _argv(run) or ["bash", "-c", run]
+        result = run_command(argv, cwd=work, env=_environment(), timeout=600)
         assert result.returncode == 0, f"documented command failed: {run}\n--- stderr ---\n{result.stderr[-4000:]}"
 
 
@@ -212,7 +225,7 @@ def test_the_embedding_example_runs_and_says_so(tmp_path):
     script = tmp_path / "my_block.py"
     script.write_text(_python_example("# my_block.py"), encoding="utf-8")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script)]
-    result = subprocess.run(command, cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=300)
+    result = run_command(command, cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     # Four processes share one pipe: a line's text and its newline can be separate writes, so two ranks' lines
     # may run together. Match each line by its pattern, not by splitting on newlines.

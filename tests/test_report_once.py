@@ -54,7 +54,7 @@ def test_what_a_rank_says_is_what_torchruns_report_shows(no_launcher, tmp_path, 
 def test_a_misspelt_key_under_torchrun_is_said_once_first_and_is_the_root_cause(tmp_path):
     result = torchrun("pretrain.py", 2, ["--config", str(ROOT / "configs" / "quickstart.yaml"),
                                          "--model.num_layer=2", f"--logging.run_dir={tmp_path / 'run'}"],
-                      timeout=240, check=False)
+                      timeout=240, check=False, real=True)  # what torchrun itself reports of every worker
     said = [line for line in result.stderr.splitlines() if line.startswith("config error: ")]
     assert len(said) == 1 and said[0].startswith(
         "config error: unknown config key(s): model.num_layer (did you mean model.num_layers?); known keys here: ")

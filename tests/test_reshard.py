@@ -6,12 +6,11 @@ reference run (tests/tiny_run.py: 6 steps, checkpoints at 3 and 6, 2 k/v heads, 
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from launch import ROOT, environment, train_losses, torchrun
+from launch import ROOT, environment, run_command, torchrun, train_losses
 from tiny_run import reference_args
 
 
@@ -39,9 +38,9 @@ def test_resume_at_other_tensor_parallel_sizes(reference_run, shared_data, tmp_p
 @pytest.mark.slow  # CI keeps resharding on resume (this file) and of the 0.1.0 checkpoint
 def test_offline_reshard_tool_gives_the_same_result(reference_run, shared_data, tmp_path):
     out = tmp_path / "p4"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "reshard_checkpoint.py"), "--in",
-                    str(reference_run.run / "checkpoints" / "step_0000003"), "--out", str(out), "--tp", "4"],
-                   check=True, env=environment(), timeout=120)
+    run_command([sys.executable, str(ROOT / "scripts" / "reshard_checkpoint.py"), "--in",
+                 str(reference_run.run / "checkpoints" / "step_0000003"), "--out", str(out), "--tp", "4"],
+                check=True, env=environment(), timeout=120)
     losses = _resume_from_step3(shared_data, out, out, 4, 4)
     assert losses[4] == pytest.approx(train_losses(reference_run.run)[4], rel=1e-5)
 
