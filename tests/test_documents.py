@@ -10,7 +10,7 @@ import torch
 
 import parallel_attention as pa
 from parallel_attention.tensor_parallel.rng import dropout_coordinates
-from parallel_attention.transformer import causal_chunks
+from parallel_attention.transformer.kernels import causal_chunks
 from parallel_attention.transformer.documents import DocumentLayout, check_document_ids
 from parallel_attention.check.reference import reference_attention
 from fused_rows import expected_fused_rows

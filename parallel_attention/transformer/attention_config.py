@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .apex_kernels import apex_available
+from .kernels.apex_kernels import apex_available
 from .rotary import RopeScaling
 
 # auto: the chunked causal kernel on CPU (causal_chunks.py), SDPA elsewhere; sdpa: one SDPA call everywhere

@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel.rng import checkpoint_with_tp_rng, current_dropout_coordinates, tensor_parallel_rng
+from ...tensor_parallel.rng import checkpoint_with_tp_rng, current_dropout_coordinates, tensor_parallel_rng
 from . import causal_chunks
 from .apex_kernels import fused_softmax_module
-from .attention_config import AttentionConfig
+from ..attention_config import AttentionConfig
 from .device_choice import ChosenByDevice
 from .document_kernels import choose_document_kernel
-from .dropout import DropoutSite, hashed_dropout
+from ..dropout import DropoutSite, hashed_dropout
 
 
 def combine_masks(mask: torch.Tensor | None, causal: bool, s: int, device) -> torch.Tensor | None:
