@@ -12,6 +12,8 @@ every layer's attention (never recomputed per layer).
                         packed token-major ([b s]), then b s; max_length the longest (varlen kernels)
 
 Contract for a kernel that works on blocks (the CPU per-document kernel here, the context-parallel ring):
+- `row_groups()`: the rows a per-document kernel runs together (all of them when every row holds the same
+  documents, else one at a time) with their spans: the one row loop of every per-document kernel.
 - `block_pieces(q0, k0, m, causal)`: the per-document sub-pairs of the block of queries [q0, q0 + m) and keys
   [k0, k0 + m) (contiguous GLOBAL ranges, such as the ring's chunks); none when no query of the block may attend
   any key of it in any row (same document and, with `causal`, key index <= query index): the pair can be skipped.
@@ -107,6 +109,13 @@ class DocumentLayout:
         """Whether every row holds the same documents (a per-document kernel can then run all rows at once)."""
         return all(spans == self.row_spans[0] for spans in self.row_spans)
 
+    def row_groups(self) -> tuple[tuple[slice, tuple[tuple[int, int], ...]], ...]:
+        """(rows, spans) for a per-document kernel: rows a slice of the batch, all rows at once when they hold the
+        same documents (`uniform`), else one row at a time; spans the (start, end) of those rows' documents."""
+        if self.uniform():
+            return ((slice(None), self.row_spans[0]),)
+        return tuple((slice(r, r + 1), spans) for r, spans in enumerate(self.row_spans))
+
     def mask(self, q_index: torch.Tensor, k_index: torch.Tensor, causal: bool) -> torch.Tensor:
         """Bool [b, 1, sq, sk]: True where query q_index[i] may attend key k_index[j] (same document, and with
         `causal` k_index[j] <= q_index[i])."""
@@ -130,10 +139,9 @@ class DocumentLayout:
     def _block_pieces(self, q0: int, k0: int, m: int, causal: bool) -> tuple:
         if causal and k0 > q0:
             return ()
-        rows = [slice(None)] if self.uniform() else [slice(r, r + 1) for r in range(self.shape[0])]
         pieces = []
-        for i, row in enumerate(rows):
-            for start, end in self.spans(i):
+        for row, spans in self.row_groups():
+            for start, end in spans:
                 qa, qb, ka, kb = max(start, q0), min(end, q0 + m), max(start, k0), min(end, k0 + m)
                 if qa < qb and ka < kb:
                     pieces.append((row, qa - q0, qb - q0, ka - k0, kb - k0, causal and k0 == q0))

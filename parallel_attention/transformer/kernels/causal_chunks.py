@@ -174,11 +174,9 @@ def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 def document_pieces(documents, causal: bool, dtype: torch.dtype) -> list[Piece]:
     """The pieces of attention within each document of a `DocumentLayout` (documents.py): every row at once when
     the rows hold the same documents, else row by row. Pairs of documents are never computed."""
-    b = documents.shape[0]
-    rows = [slice(None)] if documents.uniform() else [slice(r, r + 1) for r in range(b)]
     pieces = []
-    for i, row in enumerate(rows):
-        for first, end in documents.spans(i):
+    for row, spans in documents.row_groups():
+        for first, end in spans:
             pieces += causal_pieces(row, first, end, dtype) if causal else [Piece(row, first, end, first, end,
                                                                                   False, None)]
     return pieces

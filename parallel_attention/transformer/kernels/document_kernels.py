@@ -32,10 +32,9 @@ class PerDocumentSdpa:
 
     def __call__(self, q, k, v, documents, causal: bool, dropout_p: float) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
-        rows = [slice(None)] if documents.uniform() else [slice(r, r + 1) for r in range(q.shape[0])]
         return torch.cat([torch.cat([F.scaled_dot_product_attention(
             q[row, :, a:e], k[row, :, a:e], v[row, :, a:e], dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
-            for a, e in documents.spans(i)], dim=2) for i, row in enumerate(rows)], dim=0)
+            for a, e in spans], dim=2) for row, spans in documents.row_groups()], dim=0)
 
 
 PER_DOCUMENT_SDPA = PerDocumentSdpa()
