@@ -54,14 +54,6 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # rows that see nothing: probabilities 0
 
 
-def _views(tensors, rows: slice, a: int, b: int) -> list[torch.Tensor]:
-    """The views t[rows, :, a:b] of each tensor (dim 2: the sequence of q/k/v [b, n, m, d] and of an lse [b, n, m]),
-    by narrow: a fake CUDA tensor on a CPU-only torch takes no Python indexing, and the CUDA contracts are tested
-    that way."""
-    start, stop, _ = rows.indices(tensors[0].shape[0])
-    return [t.narrow(0, start, stop - start).narrow(2, a, b - a) for t in tensors]
-
-
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
@@ -130,29 +122,18 @@ class FlashBlocks(MathBlocks):
         return self.ops.backward(grad_out, q, k, v, out, lse, pair.diagonal, scale)
 
     def _pieces_forward(self, q, k, v, pieces, scale: float):
-        """A documents-masked pair, one fused call per document sub-pair (rows, qa, qb, ka, kb, diagonal); rows
-        that no piece covers see no key: out 0, lse -inf."""
+        """A documents-masked pair, one fused call per document sub-pair (a `Piece`, documents.py); rows that no
+        piece covers see no key: out 0, lse -inf."""
         out = torch.zeros_like(q)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
-        for rows, qa, qb, ka, kb, diagonal in pieces:
-            queries, out_part, lse_part = _views((q, out, lse), rows, qa, qb)
-            keys, values = _views((k, v), rows, ka, kb)
-            o, rows_lse = self.ops.forward(queries, keys, values, diagonal, scale)
-            out_part.copy_(o)
-            lse_part.copy_(rows_lse)
+        self.ops.forward_pieces(q, k, v, pieces, scale, out, lse)
         return out, lse
 
     def _pieces_backward(self, q, k, v, pieces, scale: float, grad_out, out, lse):
-        """(dq, dk, dv) of _pieces_forward's pair, each piece from its slices of the final output and lse, summed in
-        the accumulation dtype."""
-        dq, dk, dv = (torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in (q, k, v))
-        for rows, qa, qb, ka, kb, diagonal in pieces:
-            grad_part, queries, out_part, lse_part, dq_part = _views((grad_out, q, out, lse, dq), rows, qa, qb)
-            keys, values, dk_part, dv_part = _views((k, v, dk, dv), rows, ka, kb)
-            grads = self.ops.backward(grad_part, queries, keys, values, out_part, lse_part, diagonal, scale)
-            for total, grad in zip((dq_part, dk_part, dv_part), grads):
-                total.add_(grad)
-        return dq, dk, dv
+        """(dq, dk, dv) of _pieces_forward's pair, summed in the accumulation dtype."""
+        grads = tuple(torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in (q, k, v))
+        self.ops.backward_pieces(q, k, v, pieces, scale, grad_out, out, lse, grads)
+        return grads
 
 
 class CpuFlashBlocks(FlashBlocks):
