@@ -8,7 +8,7 @@ import torch
 from . import causal_chunks
 from .apex_kernels import apex_available
 from .document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments, varlen_choice, varlen_missing_reason
-from .ring_blocks import choose_blocks
+from .choice import choose_blocks
 
 
 def _cpu_attention() -> str:

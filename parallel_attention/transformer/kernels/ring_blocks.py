@@ -3,7 +3,7 @@
 Both take q [b, nhl, m, d] (one half of this rank's part), k, v [b, nkvl, m, d] (k/v with their own heads) and a
 `Pair` (its mask, and whether it is the causal diagonal). Each returns the pair's output with its lse in the
 accumulation dtype (`flash_ops.accumulation_dtype`: float32 for half inputs), and gradients the ring sums in that
-dtype. Chosen once by the ring's module (`choose_blocks`, by device, at construction and when the module moves):
+dtype. Chosen once by the ring's module (`choice.choose_blocks`, by device, at construction and when the module moves):
 
     FlashBlocks     the device's fused flash operators (`flash_ops`: a table of two rows, CPU and CUDA; one code
                     path), for the pairs they can run: no mask, the causal diagonal (is_causal on the square m x m
@@ -152,12 +152,3 @@ class CudaFlashBlocks(FlashBlocks):
 
 MATH_BLOCKS, CPU_FLASH_BLOCKS, CUDA_FLASH_BLOCKS = MathBlocks(), CpuFlashBlocks(), CudaFlashBlocks()
 FLASH_BLOCKS = {"cpu": CPU_FLASH_BLOCKS, "cuda": CUDA_FLASH_BLOCKS}  # the device types with a row in flash_ops
-
-
-def choose_blocks(device: torch.device, kernel: str, dropout: bool) -> MathBlocks:
-    """The per-pair kernel for tensors on `device`: its fused flash operators (CPU, CUDA) unless
-    attention_kernel='math' or attention dropout is on (its masks need explicit probabilities); MathBlocks
-    everywhere else (a device without a row in the table)."""
-    if kernel == "math" or dropout:
-        return MATH_BLOCKS
-    return FLASH_BLOCKS.get(torch.device(device).type, MATH_BLOCKS)
