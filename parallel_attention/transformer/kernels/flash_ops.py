@@ -138,7 +138,7 @@ class FlashOps(NamedTuple):
             totals = _views(grads[:1], p.rows, p.q0, p.q1) + _views(grads[1:], p.rows, p.k0, p.k1)
             for total, grad in zip(totals, piece_grads):
                 total.add_(grad)
-            del piece_grads  # before the next piece's are allocated: a lower peak
+            del piece_grads, grad  # before the next piece's are allocated: a lower peak
 
 
 def _views(tensors, rows: slice, a: int, b: int) -> list[torch.Tensor]:
