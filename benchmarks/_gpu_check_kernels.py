@@ -22,8 +22,9 @@ import sys
 import torch
 
 from parallel_attention.transformer.context_parallel.ring_attention import BlockMasks
-from parallel_attention.transformer.context_parallel.ring_blocks import CUDA_FLASH_BLOCKS, MATH_BLOCKS, Pair
-from parallel_attention.transformer.document_kernels import PER_DOCUMENT_SDPA, choose_document_kernel
+from parallel_attention.transformer.kernels.ring_blocks import CUDA_FLASH_BLOCKS, MATH_BLOCKS, Pair
+from parallel_attention.transformer.kernels.choice import choose_document_kernel
+from parallel_attention.transformer.kernels.document_kernels import PER_DOCUMENT_SDPA
 from parallel_attention.transformer.documents import DocumentLayout
 
 B, NH, NKV, M, D = 2, 32, 8, 512, 128

@@ -12,7 +12,7 @@ same canonical weights and input:
     ours            parallel_attention.ParallelSelfAttention, with its defaults
     ours_no_overlap the same with overlap_comm=False (only with --compare-overlap)
     ours_sdpa       the same with attention_kernel='sdpa': one plain SDPA call, where 'auto' takes the chunked
-                    causal kernel (on CPU only: transformer/causal_chunks.py)
+                    causal kernel (on CPU only: transformer/kernels/causal_chunks.py)
 A baseline whose package is missing (fairscale: pip install -e '.[bench]') or that cannot split the
 case's k/v heads is skipped with the reason. Reported per variant: median ms per step (slowest rank),
 ratio ours / variant, collectives and payload MB per step per rank, and peak memory per rank. Outputs

@@ -1,4 +1,4 @@
-"""Causal attention in chunks of query rows (transformer/causal_chunks.py): the values and gradients of an
+"""Causal attention in chunks of query rows (transformer/kernels/causal_chunks.py): the values and gradients of an
 explicit causal softmax(q k^T / sqrt(d)) v written here, MHA and GQA, sequence lengths that are and are not
 multiples of the chunk; when the chunks apply; and that the CPU kernel (attention_kernel='auto' on CPU) takes
 them, chosen at construction and again when the module moves."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from parallel_attention.training.activation_memory import saved_activation_bytes
-from parallel_attention.transformer import causal_chunks
-from parallel_attention.transformer.core_attention import AutoAttention, CpuAttention, SdpaAttention
+from parallel_attention.transformer.kernels import causal_chunks
+from parallel_attention.transformer.kernels.core_attention import AutoAttention, CpuAttention, SdpaAttention
 
 
 def _explicit_causal(q, k, v):

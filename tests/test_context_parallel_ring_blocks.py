@@ -1,4 +1,4 @@
-"""The ring's per-pair kernels (context_parallel/ring_blocks.py): torch's fused CPU flash kernel, which returns the
+"""The ring's per-pair kernels (transformer/kernels/ring_blocks.py): torch's fused CPU flash kernel, which returns the
 log-sum-exp, against the explicit-lse math for one block pair, forward and backward from the final output and lse;
 and which kernel the ring's module chooses (by device, once, again when it moves).
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from parallel_attention.transformer.context_parallel import RingCoreAttention
-from parallel_attention.transformer.context_parallel.ring_blocks import (CPU_FLASH_BLOCKS, MATH_BLOCKS, CpuFlashBlocks,
+from parallel_attention.transformer.kernels.ring_blocks import (CPU_FLASH_BLOCKS, MATH_BLOCKS, CpuFlashBlocks,
                                                                          MathBlocks, Pair)
 from parallel_attention.transformer.context_parallel.ring_dropout import RingDropoutSpec
 

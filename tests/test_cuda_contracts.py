@@ -22,12 +22,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import parallel_attention as pa
 from parallel_attention.transformer.context_parallel import RingCoreAttention
-from parallel_attention.transformer.context_parallel.flash_ops import CUDA_FLASH_OPS
+from parallel_attention.transformer.kernels.flash_ops import CUDA_FLASH_OPS
 from parallel_attention.transformer.context_parallel.ring_attention import BlockMasks, RingAttention, RingPlan
-from parallel_attention.transformer.context_parallel.ring_blocks import (CPU_FLASH_BLOCKS, CUDA_FLASH_BLOCKS,
+from parallel_attention.transformer.kernels.ring_blocks import (CPU_FLASH_BLOCKS, CUDA_FLASH_BLOCKS,
                                                                          MATH_BLOCKS, Pair)
-from parallel_attention.transformer.core_attention import AutoAttention, CpuAttention, SdpaAttention
-from parallel_attention.transformer.document_kernels import PerDocumentSdpa, VarlenDocuments
+from parallel_attention.transformer.kernels.core_attention import AutoAttention, CpuAttention, SdpaAttention
+from parallel_attention.transformer.kernels.document_kernels import PerDocumentSdpa, VarlenDocuments
 from parallel_attention.transformer.documents import DocumentLayout
 
 B, NH, NKV, M, D = 2, 8, 2, 48, 64
@@ -206,7 +206,7 @@ def test_each_path_chooses_its_kernel_by_device_once():
 def test_without_varlen_attn_cuda_keeps_one_sdpa_call_per_document_and_says_why(monkeypatch):
     import importlib.util
 
-    from parallel_attention.transformer import document_kernels
+    from parallel_attention.transformer.kernels import document_kernels
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == document_kernels.VARLEN_MODULE
@@ -247,7 +247,7 @@ def test_torch_2_11s_varlen_attn_is_called_without_enable_gqa_and_active_paths_s
 def test_the_cuda_flash_operators_are_read_by_schema_and_another_schema_runs_the_rings_math(monkeypatch):
     from types import SimpleNamespace
 
-    from parallel_attention.transformer.context_parallel.flash_ops import CUDA_ARGUMENTS, schema_problem
+    from parallel_attention.transformer.kernels.flash_ops import CUDA_ARGUMENTS, schema_problem
 
     def namespace(arguments):  # stand-ins for torch.ops.aten's operators, with these argument names
         return SimpleNamespace(**{name: SimpleNamespace(default=SimpleNamespace(_schema=SimpleNamespace(

@@ -1,4 +1,4 @@
-"""SDPA's document kernels (transformer/document_kernels.py) on CPU: the varlen path's packing, cumulative lengths,
+"""SDPA's document kernels (transformer/kernels/document_kernels.py) on CPU: the varlen path's packing, cumulative lengths,
 causal window and grouped heads, checked with a varlen operator written here (softmax attention per packed
 sequence, float32), since torch's varlen_attn runs on CUDA only; its CUDA call itself is checked under fake tensors
 (test_cuda_contracts.py) and numerically by scripts/gpu_check.sh.
@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from parallel_attention.transformer.document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments, varlen_kernel
+from parallel_attention.transformer.kernels.document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments, varlen_kernel
 from parallel_attention.transformer.documents import DocumentLayout
 
 B, NH, NKV, S, D = 2, 4, 2, 40, 8

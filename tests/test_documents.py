@@ -10,7 +10,7 @@ import torch
 
 import parallel_attention as pa
 from parallel_attention.tensor_parallel.rng import dropout_coordinates
-from parallel_attention.transformer import causal_chunks
+from parallel_attention.transformer.kernels import causal_chunks
 from parallel_attention.transformer.documents import DocumentLayout, check_document_ids
 from parallel_attention.check.reference import reference_attention
 from fused_rows import expected_fused_rows
@@ -154,18 +154,18 @@ def test_the_cpu_kernel_computes_only_the_documents_blocks(monkeypatch):
     """Every flash-kernel call (forward and backward) stays inside one document; the query x key products they
     compute add up to at most the documents' own squares, about half the rows' s x s."""
     calls = {"forward": [], "backward": []}
-    forward, backward = causal_chunks._flash_forward, causal_chunks._flash_backward
+    ops = causal_chunks.CPU_FLASH_OPS  # the operator table's CPU row, which the CPU kernel runs its pieces through
 
-    def counted_forward(q, k, v, top_left, mask):
+    def counted_forward(q, k, v, *rest):
         calls["forward"].append((q.shape[0], q.shape[2], k.shape[2]))
-        return forward(q, k, v, top_left, mask)
+        return ops.raw_forward(q, k, v, *rest)
 
-    def counted_backward(grad, q, k, v, out, lse, top_left, mask):
+    def counted_backward(grad, q, k, v, *rest):
         calls["backward"].append((q.shape[0], q.shape[2], k.shape[2]))
-        return backward(grad, q, k, v, out, lse, top_left, mask)
+        return ops.raw_backward(grad, q, k, v, *rest)
 
-    monkeypatch.setattr(causal_chunks, "_flash_forward", counted_forward)
-    monkeypatch.setattr(causal_chunks, "_flash_backward", counted_backward)
+    monkeypatch.setattr(causal_chunks, "CPU_FLASH_OPS", ops._replace(raw_forward=counted_forward,
+                                                                     raw_backward=counted_backward))
     ids = _ids(LENGTHS)
     _, module, _ = _case("gqa_rotary_causal_auto", ids)
     module(torch.randn(S, 2, 32, dtype=torch.float64, requires_grad=True),

@@ -99,7 +99,7 @@ def test_no_flags_or_caches_in_forward():
 
 
 HOT_PATH = ["tensor_parallel/linear_functions.py", "tensor_parallel/layers.py", "tensor_parallel/collectives.py",
-            "transformer/attention.py", "transformer/core_attention.py", "transformer/causal_chunks.py",
+            "transformer/attention.py", "transformer/kernels/core_attention.py", "transformer/kernels/causal_chunks.py",
             "transformer/mlp.py"]
 # a layout flag, a device, an environment variable: each decided once, in __init__ (or where the module moves)
 PER_CALL_TESTS = {"sequence_parallel", "overlap", "overlap_comm", "comm_chunks", "environ", "getenv", "is_cuda",

@@ -147,7 +147,7 @@ def test_a_rope_type_the_import_refuses_keeps_transformers_rotary():
 def _chunked_attention_step():
     """Training without padding at s 160 (the chunked kernel's range): loss and gradient norm of the unsharded model,
     through the chunked kernel in every layer (counted)."""
-    from parallel_attention.transformer import causal_chunks
+    from parallel_attention.transformer.kernels import causal_chunks
 
     calls = []
     kernel = causal_chunks.chunked_causal_attention

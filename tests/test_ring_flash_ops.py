@@ -1,4 +1,4 @@
-"""The ring's pair kernel in half precision through torch's fused CPU operator (context_parallel/flash_ops.py): one
+"""The ring's pair kernel in half precision through torch's fused CPU operator (transformer/kernels/flash_ops.py): one
 implementation, FlashBlocks, whose CPU and CUDA rows differ only in the operators they call.
 
 Inputs are drawn in float32 and rounded to the half dtype once; the reference is MathBlocks in float32 on the very
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from parallel_attention.transformer.context_parallel.ring_attention import BlockMasks
-from parallel_attention.transformer.context_parallel.ring_blocks import CPU_FLASH_BLOCKS, MATH_BLOCKS, Pair
+from parallel_attention.transformer.kernels.ring_blocks import CPU_FLASH_BLOCKS, MATH_BLOCKS, Pair
 from parallel_attention.transformer.documents import DocumentLayout
 
 B, NH, NKV, M, D = 2, 4, 2, 24, 16

@@ -25,7 +25,7 @@ from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.param_kinds import KvReplica, Replicated
 from ..tensor_parallel.parallel_state import group_rank, group_size
 from ..tensor_parallel.sharding import fuse_qkv, kv_heads_of_rank, row_shard, unfuse_qkv
-from ..transformer import causal_chunks
+from ..transformer.kernels import causal_chunks
 from ..transformer.norms import HeadRMSNorm
 from . import transformers_api
 from .replica_grads import complete_replica_grads

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..tensor_parallel import sharding
 from .attention_config import AttentionConfig
-from .core_attention import build_core_attention
+from .kernels.core_attention import build_core_attention
 from ..tensor_parallel.param_kinds import KvReplica
 from .kv_cache import LayerKVCache
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .apex_kernels import apex_available
+from .kernels.apex_kernels import apex_available
 from .rotary import RopeScaling
 
-# auto: the chunked causal kernel on CPU (causal_chunks.py), SDPA elsewhere; sdpa: one SDPA call everywhere
+# auto: the chunked causal kernel on CPU (kernels/causal_chunks.py), SDPA elsewhere; sdpa: one SDPA call everywhere
 ATTENTION_KERNELS = ("auto", "sdpa", "math", "apex")
 DROPOUT_RNGS = ("per_rank", "layout_invariant")
 # keywords AttentionConfig took before 0.2 (accepted with a FutureWarning in 0.2, removed in 0.3): what replaces each

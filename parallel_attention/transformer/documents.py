@@ -12,9 +12,12 @@ every layer's attention (never recomputed per layer).
                         packed token-major ([b s]), then b s; max_length the longest (varlen kernels)
 
 Contract for a kernel that works on blocks (the CPU per-document kernel here, the context-parallel ring):
-- `block_pieces(q0, k0, m, causal)`: the per-document sub-pairs of the block of queries [q0, q0 + m) and keys
-  [k0, k0 + m) (contiguous GLOBAL ranges, such as the ring's chunks); none when no query of the block may attend
-  any key of it in any row (same document and, with `causal`, key index <= query index): the pair can be skipped.
+- `row_groups()`: the rows a per-document kernel runs together (all of them when every row holds the same
+  documents, else one at a time) with their spans: the one row loop of every per-document kernel.
+- `block_pieces(q0, k0, m, causal)`: the per-document sub-pairs (`Piece`s) of the block of queries [q0, q0 + m)
+  and keys [k0, k0 + m) (contiguous GLOBAL ranges, such as the ring's chunks); none when no query of the block may
+  attend any key of it in any row (same document and, with `causal`, key index <= query index): the pair can be
+  skipped.
   From the host-side spans: no tensor operation and no host sync, kept per block for the batch.
 - `mask(q_index, k_index, causal)` is the bool [b, 1, sq, sk] mask of a block of GLOBAL token indices (1-D int64
   tensors on the layout's device, any order: a zigzag part is two ranges; True = may attend), to AND with a user's
@@ -27,6 +30,7 @@ documents there is none, since each token sees itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -58,6 +62,21 @@ def check_document_ids(document_ids: torch.Tensor, shape: tuple[int, ...] | None
             raise ValueError(
                 f"document_ids row {row}: document {int(ids[row, position])} resumes at position {position} after "
                 "another document: a document's tokens must be contiguous in its row (give each piece its own id).")
+
+
+class Piece(NamedTuple):
+    """One call of a kernel that runs attention piece by piece (kernels/flash_ops.FlashOps.forward_pieces):
+    queries [q0, q1) of the batch rows `rows` against keys [k0, k1), indices into the tensors the kernel is handed;
+    `causal`: the kernel's own causal mask, top-left on the square piece (query q0 + i sees keys k0 .. k0 + i);
+    `mask`: an additive [q1 - q0, k1 - k0] mask, or None. Every other key of the piece is visible."""
+
+    rows: slice
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool
+    mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,6 +126,13 @@ class DocumentLayout:
         """Whether every row holds the same documents (a per-document kernel can then run all rows at once)."""
         return all(spans == self.row_spans[0] for spans in self.row_spans)
 
+    def row_groups(self) -> tuple[tuple[slice, tuple[tuple[int, int], ...]], ...]:
+        """(rows, spans) for a per-document kernel: rows a slice of the batch, all rows at once when they hold the
+        same documents (`uniform`), else one row at a time; spans the (start, end) of those rows' documents."""
+        if self.uniform():
+            return ((slice(None), self.row_spans[0]),)
+        return tuple((slice(r, r + 1), spans) for r, spans in enumerate(self.row_spans))
+
     def mask(self, q_index: torch.Tensor, k_index: torch.Tensor, causal: bool) -> torch.Tensor:
         """Bool [b, 1, sq, sk]: True where query q_index[i] may attend key k_index[j] (same document, and with
         `causal` k_index[j] <= q_index[i])."""
@@ -117,11 +143,11 @@ class DocumentLayout:
 
     def block_pieces(self, q0: int, k0: int, m: int, causal: bool) -> tuple:
         """The per-document sub-pairs of the block of queries [q0, q0 + m) and keys [k0, k0 + m) (contiguous
-        GLOBAL ranges): ((rows, qa, qb, ka, kb, diagonal), ...) with [qa, qb), [ka, kb) relative to q0 and k0,
-        rows a slice of the batch (all rows at once when `uniform`). Each is fully visible, or with `diagonal`
-        the causal (top-left) square; every other (query, key) of the block is hidden. A query lies in at most
-        one piece per row. No piece: the block is hidden. From the host-side spans (no tensor operation, no
-        sync), built once per block and kept for the batch's other layers and the backward."""
+        GLOBAL ranges): `Piece`s with their query and key ranges relative to q0 and k0, rows a slice of the batch
+        (`row_groups`). Each is fully visible, or with `causal` the causal (top-left) square; every other
+        (query, key) of the block is hidden. A query lies in at most one piece per row. No piece: the block is
+        hidden. From the host-side spans (no tensor operation, no sync), built once per block and kept for the
+        batch's other layers and the backward."""
         key = ("pieces", q0, k0, m, causal)
         if key not in self._kept:
             self._kept[key] = self._block_pieces(q0, k0, m, causal)
@@ -130,13 +156,12 @@ class DocumentLayout:
     def _block_pieces(self, q0: int, k0: int, m: int, causal: bool) -> tuple:
         if causal and k0 > q0:
             return ()
-        rows = [slice(None)] if self.uniform() else [slice(r, r + 1) for r in range(self.shape[0])]
         pieces = []
-        for i, row in enumerate(rows):
-            for start, end in self.spans(i):
+        for row, spans in self.row_groups():
+            for start, end in spans:
                 qa, qb, ka, kb = max(start, q0), min(end, q0 + m), max(start, k0), min(end, k0 + m)
                 if qa < qb and ka < kb:
-                    pieces.append((row, qa - q0, qb - q0, ka - k0, kb - k0, causal and k0 == q0))
+                    pieces.append(Piece(row, qa - q0, qb - q0, ka - k0, kb - k0, causal and k0 == q0))
         return tuple(pieces)
 
     def full_mask(self, causal: bool) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..tensor_parallel.param_kinds import PartialGrad, Replicated
 from ..tensor_parallel.parallel_state import ProcessGroup, resolve_tp_group
-from .apex_kernels import fused_norms_module
+from .kernels.apex_kernels import fused_norms_module
 
 
 class _Norm(nn.Module):

@@ -32,11 +32,11 @@ from torch import nn
 from ...tensor_parallel.collectives import (all_reduce_, copy_to_tensor_parallel_region,
                                             reduce_from_tensor_parallel_region)
 from ...tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
-from ..core_attention import build_core_attention
-from ..device_choice import ChosenByDevice
+from ..kernels.core_attention import build_core_attention
+from ..kernels.device_choice import ChosenByDevice
 from ..documents import positions_of
 from .ring_attention import BlockMasks, RingAttention, RingPlan
-from .ring_blocks import choose_blocks
+from ..kernels.choice import choose_blocks
 from .ring_dropout import RingDropoutSpec, check_dropout_rng
 from .ulysses import UlyssesAttention, check_heads
 from .zigzag import check_zigzag, gather_from_context_parallel, split_for_context_parallel, zigzag_indices
@@ -49,7 +49,8 @@ __all__ = ["CONTEXT_PARALLEL_KINDS", "ContextParallelPart", "build_context_paral
 class RingCoreAttention(ChosenByDevice):
     """The ring as a core attention module: q, k, v [b, heads, 2m, d] this rank's zigzag part. `dropout`: a
     RingDropoutSpec (attention dropout, dropout_rng='layout_invariant', in training) or None. The per-pair kernel
-    (ring_blocks) is chosen from the device at construction and again when the module moves, never per call."""
+    (kernels/ring_blocks) is chosen from the device (kernels/choice) at construction and again when the module
+    moves, never per call."""
 
     def __init__(self, cp_group: ProcessGroup, queries_per_group: int, dropout: RingDropoutSpec | None = None,
                  kernel: str = "auto", device=None) -> None:

@@ -27,8 +27,8 @@ import torch
 
 from ...tensor_parallel.collectives import ring_exchange
 from ...tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
-from .flash_ops import accumulation_dtype
-from .ring_blocks import MATH_BLOCKS, Pair, finite
+from ..kernels.flash_ops import accumulation_dtype
+from ..kernels.ring_blocks import MATH_BLOCKS, Pair, finite
 from .ring_dropout import NO_DROPOUT
 from .zigzag import chunk_ids
 

@@ -3,7 +3,7 @@
 Both take q [b, nhl, m, d] (one half of this rank's part), k, v [b, nkvl, m, d] (k/v with their own heads) and a
 `Pair` (its mask, and whether it is the causal diagonal). Each returns the pair's output with its lse in the
 accumulation dtype (`flash_ops.accumulation_dtype`: float32 for half inputs), and gradients the ring sums in that
-dtype. Chosen once by the ring's module (`choose_blocks`, by device, at construction and when the module moves):
+dtype. Chosen once by the ring's module (`choice.choose_blocks`, by device, at construction and when the module moves):
 
     FlashBlocks     the device's fused flash operators (`flash_ops`: a table of two rows, CPU and CUDA; one code
                     path), for the pairs they can run: no mask, the causal diagonal (is_causal on the square m x m
@@ -52,14 +52,6 @@ def _scores(q, k, mask, scale):
 
 def finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # rows that see nothing: probabilities 0
-
-
-def _views(tensors, rows: slice, a: int, b: int) -> list[torch.Tensor]:
-    """The views t[rows, :, a:b] of each tensor (dim 2: the sequence of q/k/v [b, n, m, d] and of an lse [b, n, m]),
-    by narrow: a fake CUDA tensor on a CPU-only torch takes no Python indexing, and the CUDA contracts are tested
-    that way."""
-    start, stop, _ = rows.indices(tensors[0].shape[0])
-    return [t.narrow(0, start, stop - start).narrow(2, a, b - a) for t in tensors]
 
 
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -130,29 +122,18 @@ class FlashBlocks(MathBlocks):
         return self.ops.backward(grad_out, q, k, v, out, lse, pair.diagonal, scale)
 
     def _pieces_forward(self, q, k, v, pieces, scale: float):
-        """A documents-masked pair, one fused call per document sub-pair (rows, qa, qb, ka, kb, diagonal); rows
-        that no piece covers see no key: out 0, lse -inf."""
+        """A documents-masked pair, one fused call per document sub-pair (a `Piece`, documents.py); rows that no
+        piece covers see no key: out 0, lse -inf."""
         out = torch.zeros_like(q)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
-        for rows, qa, qb, ka, kb, diagonal in pieces:
-            queries, out_part, lse_part = _views((q, out, lse), rows, qa, qb)
-            keys, values = _views((k, v), rows, ka, kb)
-            o, rows_lse = self.ops.forward(queries, keys, values, diagonal, scale)
-            out_part.copy_(o)
-            lse_part.copy_(rows_lse)
+        self.ops.forward_pieces(q, k, v, pieces, scale, out, lse)
         return out, lse
 
     def _pieces_backward(self, q, k, v, pieces, scale: float, grad_out, out, lse):
-        """(dq, dk, dv) of _pieces_forward's pair, each piece from its slices of the final output and lse, summed in
-        the accumulation dtype."""
-        dq, dk, dv = (torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in (q, k, v))
-        for rows, qa, qb, ka, kb, diagonal in pieces:
-            grad_part, queries, out_part, lse_part, dq_part = _views((grad_out, q, out, lse, dq), rows, qa, qb)
-            keys, values, dk_part, dv_part = _views((k, v, dk, dv), rows, ka, kb)
-            grads = self.ops.backward(grad_part, queries, keys, values, out_part, lse_part, diagonal, scale)
-            for total, grad in zip((dq_part, dk_part, dv_part), grads):
-                total.add_(grad)
-        return dq, dk, dv
+        """(dq, dk, dv) of _pieces_forward's pair, summed in the accumulation dtype."""
+        grads = tuple(torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) for t in (q, k, v))
+        self.ops.backward_pieces(q, k, v, pieces, scale, grad_out, out, lse, grads)
+        return grads
 
 
 class CpuFlashBlocks(FlashBlocks):
@@ -171,12 +152,3 @@ class CudaFlashBlocks(FlashBlocks):
 
 MATH_BLOCKS, CPU_FLASH_BLOCKS, CUDA_FLASH_BLOCKS = MathBlocks(), CpuFlashBlocks(), CudaFlashBlocks()
 FLASH_BLOCKS = {"cpu": CPU_FLASH_BLOCKS, "cuda": CUDA_FLASH_BLOCKS}  # the device types with a row in flash_ops
-
-
-def choose_blocks(device: torch.device, kernel: str, dropout: bool) -> MathBlocks:
-    """The per-pair kernel for tensors on `device`: its fused flash operators (CPU, CUDA) unless
-    attention_kernel='math' or attention dropout is on (its masks need explicit probabilities); MathBlocks
-    everywhere else (a device without a row in the table)."""
-    if kernel == "math" or dropout:
-        return MATH_BLOCKS
-    return FLASH_BLOCKS.get(torch.device(device).type, MATH_BLOCKS)

@@ -1,5 +1,5 @@
 """SDPA over packed documents (no mask of the user's): how the SDPA kernel runs a batch's documents, chosen once
-from the device (at construction and when the module moves) by `choose_document_kernel`.
+from the device (at construction and when the module moves) by `choice.choose_document_kernel`.
 
     VarlenDocuments     CUDA: torch.nn.attention.varlen.varlen_attn, one FlashAttention-2 call per layer for the
                         whole micro-batch. The batch is packed token-major, [b s, nh, d]; the documents' cumulative
@@ -32,10 +32,9 @@ class PerDocumentSdpa:
 
     def __call__(self, q, k, v, documents, causal: bool, dropout_p: float) -> torch.Tensor:
         gqa = q.shape[1] != k.shape[1]
-        rows = [slice(None)] if documents.uniform() else [slice(r, r + 1) for r in range(q.shape[0])]
         return torch.cat([torch.cat([F.scaled_dot_product_attention(
             q[row, :, a:e], k[row, :, a:e], v[row, :, a:e], dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
-            for a, e in documents.spans(i)], dim=2) for i, row in enumerate(rows)], dim=0)
+            for a, e in spans], dim=2) for row, spans in documents.row_groups()], dim=0)
 
 
 PER_DOCUMENT_SDPA = PerDocumentSdpa()
@@ -126,15 +125,3 @@ def varlen_choice() -> tuple[VarlenDocuments | None, str]:
     Imports the module when it exists (about a second: its custom operators register)."""
     missing = varlen_missing_reason()
     return (None, missing) if missing is not None else varlen_kernel(_varlen_module().varlen_attn)
-
-
-def choose_document_kernel(device, dropout: bool):
-    """(kernel, why it was chosen) for packed documents under SDPA on `device`."""
-    if torch.device(device).type != "cuda":
-        return PER_DOCUMENT_SDPA, "varlen_attn runs on CUDA only"
-    if dropout:
-        return PER_DOCUMENT_SDPA, "attention dropout is on and varlen_attn has none"
-    if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):  # none under fake tensors
-        return PER_DOCUMENT_SDPA, f"FlashAttention-2 needs compute capability 8.0, {device} has less"
-    kernel, reason = varlen_choice()
-    return (PER_DOCUMENT_SDPA if kernel is None else kernel), reason

@@ -21,16 +21,19 @@ every tensor-parallel layout computes each head the same way.
 Packed documents (`document_attention`, a DocumentLayout of documents.py): the same kernel runs once per
 document (each row on its own unless every row holds the same documents), in chunks where a document has
 2 * CHUNK_ROWS .. MAX_KEYS tokens: a pair of documents is never computed, so 512-token documents in a
-4096-token row cost about 1/8 of the row's causal attention. Each call is a `Piece`, and every query row lies
-in exactly one.
+4096-token row cost about 1/8 of the row's causal attention. Each call is a `Piece` (documents.py), and every
+query row lies in exactly one; the pieces run through the CPU row of the flash operator table
+(`flash_ops.CPU_FLASH_OPS.forward_pieces`), the loop the ring's pairs run too.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
+
+from ..documents import Piece
+from .flash_ops import CPU_FLASH_OPS, accumulation_dtype
 
 CHUNK_ROWS = 64  # 32-128 measured; 64 was best or tied at s 128-512
 MAX_KEYS = 512  # the CPU kernel's key block: beyond it the kernel skips masked blocks itself
@@ -76,19 +79,6 @@ def _lower_right_causal(rows: int, keys: int, dtype: torch.dtype) -> torch.Tenso
     return torch.zeros(rows, keys, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
-class Piece(NamedTuple):
-    """One kernel call: queries [q0, q1) of rows `rows` against keys [k0, k1); `top_left`: the kernel's own
-    causal mask (query q0 + i sees keys k0 .. k0 + i); `mask`: an additive [q1 - q0, k1 - k0] mask, or None."""
-
-    rows: slice
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    top_left: bool
-    mask: torch.Tensor | None
-
-
 def _chunks(s: int) -> list[tuple[int, int]]:
     """(first row, end) of each chunk of query rows; chunk i sees keys [0, end)."""
     return [(start, min(start + CHUNK_ROWS, s)) for start in range(0, s, CHUNK_ROWS)]
@@ -108,15 +98,6 @@ def causal_pieces(rows: slice, first: int, end: int, dtype: torch.dtype) -> list
             for a, e in _chunks(end - first)]
 
 
-def _flash_forward(q, k, v, top_left: bool, mask):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, top_left, attn_mask=mask)
-
-
-def _flash_backward(grad, q, k, v, out, lse, top_left: bool, mask):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, top_left, attn_mask=mask)
-
-
 class _PiecewiseAttention(torch.autograd.Function):
     """Each piece through torch's CPU flash kernel and its backward (the operators F.scaled_dot_product_attention
     calls on CPU), written into one output: what is kept for backward is what the single call keeps (q, k, v,
@@ -129,34 +110,23 @@ class _PiecewiseAttention(torch.autograd.Function):
         q, k, v = (_batch_major(t) for t in (q, k, v))
         b, nh, s, d = q.shape
         out = q.new_empty(b, s, nh, d).transpose(1, 2)  # [b, s, nh, d] in memory, as the single call's
-        lse = []
-        for p in pieces:
-            o, rows_lse = _flash_forward(q[p.rows, :, p.q0:p.q1], k[p.rows, :, p.k0:p.k1], v[p.rows, :, p.k0:p.k1],
-                                         p.top_left, p.mask)
-            out[p.rows, :, p.q0:p.q1].copy_(o)
-            lse.append(rows_lse)
-            del o
+        lse = q.new_empty(b, nh, s, dtype=accumulation_dtype(q.dtype))
+        CPU_FLASH_OPS.forward_pieces(q, k, v, pieces, None, out, lse)  # scale None: the operator's 1 / sqrt(d)
         ctx.pieces = pieces
-        ctx.save_for_backward(q, k, v, out, *lse)
+        ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, out, *lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         b, nh, s, d = q.shape
-        dq = q.new_empty(b, s, nh, d).transpose(1, 2)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for p, rows_lse in reversed(list(zip(ctx.pieces, lse))):  # a causal sequence's last chunk sees every key
-            keys = (p.rows, slice(None), slice(p.k0, p.k1))
-            dq_piece, dk_piece, dv_piece = _flash_backward(
-                grad_out[p.rows, :, p.q0:p.q1], q[p.rows, :, p.q0:p.q1], k[keys], v[keys],
-                out[p.rows, :, p.q0:p.q1], rows_lse, p.top_left, p.mask)
-            dq[p.rows, :, p.q0:p.q1].copy_(dq_piece)
-            dk[keys] += dk_piece
-            dv[keys] += dv_piece
-            del dq_piece, dk_piece, dv_piece  # before the next piece's are allocated: a lower peak
-        return dq, dk, dv, None
+        # dq starts at -0.0, the exact additive identity (it keeps a gradient's sign of zero): each row lies in
+        # one piece, so adding its gradient equals writing it
+        grads = q.new_full((b, s, nh, d), -0.0).transpose(1, 2), torch.zeros_like(k), torch.zeros_like(v)
+        # last piece first: a causal sequence's last chunk sees every key
+        CPU_FLASH_OPS.backward_pieces(q, k, v, ctx.pieces[::-1], None, grad_out, out, lse, grads)
+        return *grads, None
 
 
 def _batch_major(t: torch.Tensor) -> torch.Tensor:
@@ -174,13 +144,10 @@ def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 def document_pieces(documents, causal: bool, dtype: torch.dtype) -> list[Piece]:
     """The pieces of attention within each document of a `DocumentLayout` (documents.py): every row at once when
     the rows hold the same documents, else row by row. Pairs of documents are never computed."""
-    b = documents.shape[0]
-    rows = [slice(None)] if documents.uniform() else [slice(r, r + 1) for r in range(b)]
     pieces = []
-    for i, row in enumerate(rows):
-        for first, end in documents.spans(i):
-            pieces += causal_pieces(row, first, end, dtype) if causal else [Piece(row, first, end, first, end,
-                                                                                  False, None)]
+    for row, spans in documents.row_groups():
+        for first, end in spans:
+            pieces += causal_pieces(row, first, end, dtype) if causal else [Piece(row, first, end, first, end, False)]
     return pieces
 
 

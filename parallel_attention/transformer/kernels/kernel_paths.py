@@ -8,6 +8,7 @@ import torch
 from . import causal_chunks
 from .apex_kernels import apex_available
 from .document_kernels import PER_DOCUMENT_SDPA, VarlenDocuments, varlen_choice, varlen_missing_reason
+from .choice import choose_blocks
 
 
 def _cpu_attention() -> str:
@@ -20,8 +21,6 @@ def _cpu_attention() -> str:
 
 
 def _ring_pairs(device: str) -> str:
-    from .context_parallel.ring_blocks import choose_blocks
-
     blocks = choose_blocks(torch.device(device), "auto", dropout=False)
     if blocks.ops.problem is not None:
         return f"explicit-lse math ({blocks.ops.problem})"

@@ -1,4 +1,4 @@
-"""Local attention on this rank's heads: one class per backend, chosen once at construction.
+"""Local attention on this rank's heads: one class per backend, chosen once at construction (`choice`).
 
 Every backend takes q [b, nh, s, d], k and v [b, nkv, s, d] (nh a multiple of nkv; query head
 i uses k/v head i // (nh / nkv)), an optional boolean mask broadcastable to [b, 1, s, s] (True:
@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel.rng import checkpoint_with_tp_rng, current_dropout_coordinates, tensor_parallel_rng
+from ...tensor_parallel.rng import checkpoint_with_tp_rng, current_dropout_coordinates, tensor_parallel_rng
 from . import causal_chunks
 from .apex_kernels import fused_softmax_module
-from .attention_config import AttentionConfig
+from ..attention_config import AttentionConfig
+from .choice import backend_for, choose_document_kernel, core_kind
 from .device_choice import ChosenByDevice
-from .document_kernels import choose_document_kernel
-from .dropout import DropoutSite, hashed_dropout
+from ..dropout import DropoutSite, hashed_dropout
 
 
 def combine_masks(mask: torch.Tensor | None, causal: bool, s: int, device) -> torch.Tensor | None:
@@ -94,8 +94,7 @@ class AutoAttention(ChosenByDevice):
         self._choose()
 
     def _choose(self) -> None:
-        kernel = CpuAttention if self.device.type == "cpu" else SdpaAttention
-        self.kernel = kernel(self.device, self.dropout)
+        self.kernel = _backend(backend_for("auto", self.device), self.device, self.dropout)
 
     def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
         return self.kernel(q, k, v, mask, causal, dropout_p, documents)
@@ -173,18 +172,22 @@ class ApexFusedSoftmaxAttention(nn.Module):
         return torch.matmul(probs, v)
 
 
+def _backend(name: str, device, dropout: bool) -> nn.Module:
+    """The module of backend `name` (choice.BACKENDS)."""
+    if name == "cpu":
+        return CpuAttention(device, dropout)
+    if name == "sdpa":
+        return SdpaAttention(device, dropout)
+    return MathAttention() if name == "math" else ApexFusedSoftmaxAttention()
+
+
 def build_kernel(kernel: str, device=None, dropout: bool = False) -> nn.Module:
-    """The kernel's module for tensors on `device` (None: torch's default device); `dropout`: attention dropout
-    is on (SDPA's document kernel then keeps one call per document)."""
+    """The kernel's module for tensors on `device` (None: torch's default device), the backend `choice.backend_for`
+    names; 'auto' chooses again when the module moves. `dropout`: attention dropout is on (SDPA's document kernel
+    then keeps one call per document)."""
     if kernel == "auto":
         return AutoAttention(device, dropout)
-    if kernel == "sdpa":
-        return SdpaAttention(device, dropout)
-    if kernel == "math":
-        return MathAttention()
-    if kernel == "apex":
-        return ApexFusedSoftmaxAttention()
-    raise ValueError(f"unknown attention_kernel {kernel!r}; choose auto, sdpa, math or apex.")
+    return _backend(backend_for(kernel, device), device, dropout)
 
 
 class CoreAttention(nn.Module):
@@ -259,7 +262,7 @@ def build_core_attention(config: AttentionConfig, head_offset: int, layer: int,
                          recompute: bool = False, device=None) -> nn.Module:
     """The core attention `config.dropout_rng` asks for; `head_offset` is this rank's first global head;
     `recompute`: recomputed in backward (selective recomputation)."""
-    if config.dropout_rng == "layout_invariant" and config.attention_dropout > 0:
+    if core_kind(config) == "layout_invariant":
         core = LayoutInvariantCoreAttention(config.attention_kernel, config.attention_dropout, config.num_heads,
                                             head_offset, layer, device)
     else:
