@@ -119,6 +119,18 @@ def _runnable(benchmarks: bool) -> list[str]:
             if bool(BENCHMARK.search(c)) == benchmarks and c not in RUN_ELSEWHERE]
 
 
+# the most lines a page may have: detail goes to the page that owns its topic, history to git
+BUDGETS = {"README.md": 250, "docs/*.md": 400}
+
+
+@pytest.mark.parametrize("pattern", BUDGETS)
+def test_the_pages_keep_their_line_budgets(pattern):
+    pages = sorted(ROOT.glob(pattern))
+    assert pages, f"no page matches {pattern}"
+    over = {p.name: n for p in pages if (n := len(p.read_text(encoding="utf-8").splitlines())) > BUDGETS[pattern]}
+    assert not over, f"over the budget of {BUDGETS[pattern]} lines: {over}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_commands_are_one_line_each(page):
     text = page.read_text(encoding="utf-8").splitlines()
