@@ -23,7 +23,7 @@ from .blend import open_blend
 from .index_cache import wait_for
 from .token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message
 from .token_source import TokenSource
-from .tokenizer import tokenizer_vocab_size
+from ..tokenizer import tokenizer_vocab_size
 
 __all__ = ["agreed", "build_data", "index_cache_root", "open_run_blend"]
 

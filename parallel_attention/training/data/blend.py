@@ -15,23 +15,12 @@ from .preparation import tokenizer_key
 from .token_files import DataFileError
 from .token_source import TokenSource, open_source
 
-__all__ = ["blend_entries", "describe_blend", "open_blend", "prepared_tokenizer", "recorded_config"]
-
-# data keys that only the preparation of data.source reads: a blend's run never does
-PREPARATION_KEYS = ("source", "data_dir", "max_bytes", "text_field", "num_workers", "shard_tokens")
+__all__ = ["blend_entries", "describe_blend", "open_blend", "prepared_tokenizer"]
 
 
 def blend_entries(data: DataConfig) -> list[BlendEntry]:
     """data.blend, or data.data_dir as a blend of one."""
     return list(data.blend) or [BlendEntry(path=data.data_dir, weight=1.0)]
-
-
-def recorded_config(config: dict) -> dict:
-    """A run's config (PretrainConfig.to_dict()) as its config.yaml records it: a blend's without the keys it never
-    reads, so that it does not claim a data.source (the default `stdlib`) it never trained on."""
-    if not config["data"]["blend"]:
-        return config
-    return {**config, "data": {k: v for k, v in config["data"].items() if k not in PREPARATION_KEYS}}
 
 
 def _identity(meta: dict) -> tuple:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ...checkpointing.tensor_io import file_digest
+from ..config.schema import DEFAULT_SHARD_TOKENS  # the config owns its defaults
 from .corpus import Corpus, train_bpe_on_corpus
 from .document_split import validation_mask
 from .encoding import encode_documents, use_threads
@@ -34,15 +35,9 @@ from .indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
 from .partial_preparation import PartialPreparation
 from .preparation_progress import PreparationBar, say_if_truncated
 from .token_files import FORMAT_VERSION
-from .tokenizer import get_tokenizer, tokenizer_file
+from ..tokenizer import get_tokenizer, tokenizer_file
 
-__all__ = ["DEFAULT_SHARD_TOKENS", "check_settings", "end_of_text", "prepare_shards", "source_key", "tokenizer_key",
-           "worker_count"]
-
-# One billion tokens a shard, Megatron-LM's practice: 2 GB files in uint16 (4 GB in int32, still one S3 upload),
-# about 25 shards for a 100 GB corpus (few files to open and hash), a few MB of index each. A killed preparation
-# loses at most the shard it was writing: minutes of work at the millions of tokens per second of 8 encoders.
-DEFAULT_SHARD_TOKENS = 1_000_000_000
+__all__ = ["check_settings", "end_of_text", "prepare_shards", "source_key", "tokenizer_key", "worker_count"]
 
 
 def prepare_shards(source: str, tokenizer: str, out_dir, val_fraction: float = 0.02, max_bytes: int | None = None,

@@ -19,7 +19,7 @@ from .identity import data_identity, source_sha256
 from ..run.resume import keep_previous_sampling, resume_manifest
 from .token_files import DataFileError
 from .token_source import open_source
-from .tokenizer import get_tokenizer, tokenizer_vocab_size
+from ..tokenizer import get_tokenizer, tokenizer_vocab_size
 
 __all__ = ["blend_names", "open_run_data", "step_records"]
 

@@ -21,7 +21,7 @@ import numpy as np
 from ...checkpointing.tensor_io import file_digest
 from ..config.checks import ConfigError
 from .preparation_command import preparation_command
-from .tokenizer import TokenizerUnavailableError
+from ..tokenizer import TokenizerUnavailableError
 
 __all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "refuse_other_settings",
            "sha256_of", "verify_at_start", "verify_files", "verify_sha256"]

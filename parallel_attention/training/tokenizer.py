@@ -207,7 +207,7 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     candidate = path / "tokenizer.json" if path.is_dir() else path
     if not candidate.is_file():
-        from ...hf.convert import MISSING_TOKENIZER_NOTE, missing_tokenizer_message
+        from ..hf.convert import MISSING_TOKENIZER_NOTE, missing_tokenizer_message
 
         if (path / MISSING_TOKENIZER_NOTE).is_file():  # RUN/tokenizer of a model imported without one
             raise ValueError(f"tokenizer {str(path)!r} holds no tokenizer.json, only the note "
@@ -236,7 +236,7 @@ def get_tokenizer(spec: str, data_dir: str | os.PathLike | None = None):
 def copy_tokenizer(path: Path, dest: Path) -> None:
     """`path` (a tokenizer.json) as dest/tokenizer.json, with the tokenizer_config.json and special_tokens_map.json
     beside it: what a model directory carries so that generation never depends on where the data lies."""
-    from ...checkpointing.tensor_io import write_atomic
+    from ..checkpointing.tensor_io import write_atomic
 
     dest.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
@@ -262,7 +262,7 @@ def train_bpe(texts, vocab_size: int, out_path: str | os.PathLike, show_progress
     same tokenizer: the trainer is deterministic. `show_progress`: the `tokenizers` library's own progress bars
     on stderr (it offers no hook to report progress through: its stages only draw bars, or print JSON lines).
     """
-    from ...checkpointing.tensor_io import write_atomic  # training is the top layer: it may read below
+    from ..checkpointing.tensor_io import write_atomic  # training is the top layer: it may read below
 
     if vocab_size < BPE_MIN_VOCAB:
         raise ValueError(f"bpe vocab_size={vocab_size} is below {BPE_MIN_VOCAB}, the 256 byte symbols plus {BPE_EOS}: "
