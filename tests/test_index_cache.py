@@ -175,7 +175,8 @@ def test_meta_without_chunk_hashes_is_verified_whole_at_start(tmp_path):
 
 SLOW = """
 import runpy, sys, time
-from parallel_attention.training.data import prepared, source_index
+from parallel_attention.training.data.prepare import run_data_dir as prepared
+from parallel_attention.training.data import source_index
 
 def slowly(real):
     def slow(*args, **kwargs):

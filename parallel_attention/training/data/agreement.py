@@ -18,7 +18,7 @@ from ...tensor_parallel.collectives import all_gather_objects
 from ...tensor_parallel import parallel_state as ps
 from .batches import GlobalBatchSampler, run_sampler
 from ..config.schema import PretrainConfig
-from .prepared import ensure_prepared
+from .prepare.run_data_dir import ensure_prepared
 from .blend import open_blend
 from .index_cache import wait_for
 from .token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message

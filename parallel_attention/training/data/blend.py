@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config.schema import BlendEntry, DataConfig
-from .preparation import tokenizer_key
+from .prepare.shards import tokenizer_key
 from .token_files import DataFileError
 from .token_source import TokenSource, open_source
 

@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from ..tokenizer import get_tokenizer
+from ...tokenizer import get_tokenizer
 
 __all__ = ["CHUNK_BYTES", "encode_documents", "use_threads"]
 

@@ -1,4 +1,4 @@
-"""A run's data directory: prepared once (preparation.py) when it does not exist, never rewritten after.
+"""A run's data directory: prepared once (shards.py) when it does not exist, never rewritten after.
 
 On disk (`data_dir`, docs/data.md has the details): shards of Megatron-LM's indexed format
 (`shard_NNNNN.bin` / `.idx`), the trained BPE's `tokenizer.json` for data.tokenizer=bpe, and `meta.json`, written
@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .preparation import source_key, tokenizer_key
-from .preparation import prepare_shards as prepare_data
-from .token_files import DataFileError, meta_and_reason, prepare_again, refuse_other_settings, verify_at_start
+from .shards import source_key, tokenizer_key
+from .shards import prepare_shards as prepare_data
+from ..token_files import DataFileError, meta_and_reason, prepare_again, refuse_other_settings, verify_at_start
 
 __all__ = ["ensure_prepared", "prepare_data", "read_meta"]
 

@@ -9,7 +9,7 @@ On disk (`out_dir`):
 
 Documents are read, encoded (encoding.py) and written in corpus order, one shard after the other, so memory does
 not grow with the corpus and any worker count gives byte-identical files. The work happens in `.NAME.partial/`
-(partial_preparation.py): a killed preparation resumes from its finished shards, and `out_dir` is replaced only
+(partial_output.py): a killed preparation resumes from its finished shards, and `out_dir` is replaced only
 once the new data is whole. Validation is not split off here: readers hold out documents by
 `document_split.validation_mask`; meta.json's train/val counts say what it gives at `val_fraction`.
 """
@@ -26,16 +26,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ...checkpointing.tensor_io import file_digest
-from ..config.schema import DEFAULT_SHARD_TOKENS  # the config owns its defaults
+from ....checkpointing.tensor_io import file_digest
+from ...config.schema import DEFAULT_SHARD_TOKENS  # the config owns its defaults
 from .corpus import Corpus, train_bpe_on_corpus
-from .document_split import validation_mask
+from ..document_split import validation_mask
 from .encoding import encode_documents, use_threads
-from .indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
-from .partial_preparation import PartialPreparation
-from .preparation_progress import PreparationBar, say_if_truncated
-from .token_files import FORMAT_VERSION
-from ..tokenizer import get_tokenizer, tokenizer_file
+from ..indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
+from .partial_output import PartialPreparation
+from .progress import PreparationBar, say_if_truncated
+from ..token_files import FORMAT_VERSION
+from ...tokenizer import get_tokenizer, tokenizer_file
 
 __all__ = ["check_settings", "end_of_text", "prepare_shards", "source_key", "tokenizer_key", "worker_count"]
 
