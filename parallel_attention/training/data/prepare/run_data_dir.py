@@ -4,7 +4,7 @@ On disk (`data_dir`, docs/data.md has the details): shards of Megatron-LM's inde
 (`shard_NNNNN.bin` / `.idx`), the trained BPE's `tokenizer.json` for data.tokenizer=bpe, and `meta.json`, written
 last, which records the settings and every file's sha256 (token_files.py checks them; `.sha256-cache.json` keeps
 the hashes while the files are unchanged). The previous release's `train.bin` / `val.bin` directories still train.
-Sources are read by token_source.py, batches drawn by batches.py.
+Sources are read by read/token_source.py, batches drawn by read/batches.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def read_meta(data_dir) -> dict | None:
 def ensure_prepared(data_cfg) -> dict:
     """The meta of `data_cfg.data_dir`, prepared first if it does not exist (or is empty; an unfinished
     preparation of the same settings resumes), then its files verified against their sha256. (The run's copy of
-    the tokenizer is made once it has resumed: identity.keep_run_tokenizer.)
+    the tokenizer is made once it has resumed: data_identity.keep_run_tokenizer.)
 
     A directory that holds anything else is refused with a DataFileError before any step, never rewritten: data
     prepared with another source, tokenizer (name or sha256), text_field, max_bytes or bpe_vocab_size (and, for

@@ -16,15 +16,15 @@ import os
 import sys
 from pathlib import Path
 
-from ...checkpointing.format import MANIFEST
-from ...checkpointing.tensor_io import file_digest
-from ..config.schema import PretrainConfig
-from ..config.checks import ConfigError
-from .blend import blend_entries, prepared_tokenizer
+from ....checkpointing.format import MANIFEST
+from ....checkpointing.tensor_io import file_digest
+from ...config.schema import PretrainConfig
+from ...config.checks import ConfigError
+from .blend_sources import blend_entries, prepared_tokenizer
 from .blend_history import continue_run_blend
 from .source_index import chunks_digest
 from .token_source import TokenSource
-from ..tokenizer import copy_tokenizer
+from ...tokenizer import copy_tokenizer
 
 __all__ = ["DataChangedError", "check_identity", "check_tokenizer", "data_identity", "keep_run_tokenizer",
            "run_data_identity", "source_record", "source_sha256", "tokenizer_identity"]

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .chunk_hashes import ChunkVerifier
+from ..chunk_hashes import ChunkVerifier
 from .document_index import SPLITS, load_stream
-from .indexed_dataset import IndexedTokens
+from ..indexed_dataset import IndexedTokens
 from .source_index import megatron_index, prepared_index
-from .token_files import DataFileError, meta_and_reason, prepare_again, verify_at_start
+from ..token_files import DataFileError, meta_and_reason, prepare_again, verify_at_start
 
 __all__ = ["TokenSource", "TokenStream", "open_source"]
 

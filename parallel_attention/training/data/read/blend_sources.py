@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config.schema import BlendEntry, DataConfig
-from .prepare.shards import tokenizer_key
-from .token_files import DataFileError
+from ...config.schema import BlendEntry, DataConfig
+from ..prepare.shards import tokenizer_key
+from ..token_files import DataFileError
 from .token_source import TokenSource, open_source
 
 __all__ = ["blend_entries", "describe_blend", "open_blend", "prepared_tokenizer"]
