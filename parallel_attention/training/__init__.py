@@ -19,6 +19,6 @@ from .data_parallel import wrap_data_parallel
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
 from .optim import build_optimizer, learning_rate
 from .sharded_optimizer import optimizer_state_bytes
-from .tokenizer import (ByteTokenizer, HFTokenizer, TokenizerUnavailableError, get_tokenizer, tokenizer_vocab_size,
-                        train_bpe)
+from .data.prepare.bpe import train_bpe
+from .tokenizer import ByteTokenizer, HFTokenizer, TokenizerUnavailableError, get_tokenizer, tokenizer_vocab_size
 from .trainer import TrainResult, train

@@ -21,7 +21,7 @@ import numpy as np
 from ...checkpointing.tensor_io import file_digest
 from ..config.checks import ConfigError
 from .preparation_command import preparation_command
-from ..tokenizer import TokenizerUnavailableError
+from ..tokenizer import TokenizerIdentity, TokenizerUnavailableError, trains_bpe
 
 __all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "refuse_other_settings",
            "sha256_of", "verify_at_start", "verify_files", "verify_sha256"]
@@ -117,12 +117,11 @@ def refuse_other_settings(data_dir, meta: dict, wanted: dict) -> None:
                 f"{meta.get(key)}: the tokenizer changed since the data was prepared, and its ids would not mean what "
                 f"the data's ids mean. Use the tokenizer the data was prepared with, point data.data_dir at another "
                 f"directory (it is prepared there), or delete {data_dir} to prepare it again.")
-        tokenizer = str(meta.get("tokenizer")) + (f" (tokenizer.json sha256 {meta['tokenizer_sha256']})"
-                                                  if meta.get("tokenizer_sha256") else "")
+        tokenizer = TokenizerIdentity.from_meta(meta).describe()
         raise DataFileError(
             f"data.data_dir={str(data_dir)!r} holds data prepared with data.{key}={meta.get(key)!r}, but the config "
             f"gives data.{key}={value!r} (that data's tokenizer: {tokenizer}"
-            + ("; data.tokenizer=bpe would train another one on the new data" if wanted.get("tokenizer") == "bpe"
+            + ("; data.tokenizer=bpe would train another one on the new data" if trains_bpe(wanted.get("tokenizer"))
                else "") + f"). A run never rewrites data it did not prepare: set data.{key}="
             f"{_yaml(meta.get(key))} to train on this data, point data.data_dir at another directory (it is prepared "
             f"there), or delete {data_dir} to prepare it again.")
@@ -174,8 +173,9 @@ def recorded_hashes(meta: dict) -> dict[str, str]:
         hashes = {f"{s['prefix']}.{kind}": s[f"{kind}_sha256"] for s in meta["shards"] for kind in ("bin", "idx")}
     else:
         hashes = {f"{s}.bin": meta[f"{s}_sha256"] for s in ("train", "val") if meta.get(f"{s}_sha256")}
-    if meta.get("tokenizer") == "bpe" and meta.get("tokenizer_sha256"):
-        hashes["tokenizer.json"] = meta["tokenizer_sha256"]
+    identity = TokenizerIdentity.from_meta(meta)
+    if trains_bpe(identity.name) and identity.sha256:
+        hashes["tokenizer.json"] = identity.sha256
     return hashes
 
 

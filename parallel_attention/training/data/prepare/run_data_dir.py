@@ -12,8 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .shards import source_key, tokenizer_key
+from .shards import source_key
 from .shards import prepare_shards as prepare_data
+from ...tokenizer import TokenizerIdentity, trains_bpe
 from ..token_files import DataFileError, meta_and_reason, prepare_again, refuse_other_settings, verify_at_start
 
 __all__ = ["ensure_prepared", "prepare_data", "read_meta"]
@@ -38,7 +39,7 @@ def ensure_prepared(data_cfg) -> dict:
     if meta is None and data_dir.is_dir() and any(data_dir.iterdir()):
         raise DataFileError(f"data.data_dir={str(data_dir)!r} holds no complete prepared data ({why}), and a run "
                             f"never rewrites data it did not prepare: {prepare_again(data_dir)}.")
-    bpe = data_cfg.tokenizer == "bpe"
+    bpe = trains_bpe(data_cfg.tokenizer)
     if meta is None:
         print(f"preparing data in {data_dir}: {why if data_dir.is_dir() else 'it does not exist yet'}",
               file=sys.stderr, flush=True)
@@ -47,7 +48,8 @@ def ensure_prepared(data_cfg) -> dict:
                             bpe_vocab_size=data_cfg.bpe_vocab_size, num_workers=data_cfg.num_workers,
                             shard_tokens=data_cfg.shard_tokens)
     else:
-        wanted = {**tokenizer_key(data_cfg.tokenizer, data_dir), "source": source_key(data_cfg.source),
+        identity = TokenizerIdentity.of_spec(data_cfg.tokenizer, data_dir)
+        wanted = {**identity.meta_fields(), "source": source_key(data_cfg.source),
                   "max_bytes": data_cfg.max_bytes, "text_field": data_cfg.text_field,
                   "bpe_vocab_size": data_cfg.bpe_vocab_size if bpe else None}
         if meta.get("format_version") is None:  # the previous format split train/val when it was prepared

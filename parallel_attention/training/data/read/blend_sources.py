@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...config.schema import BlendEntry, DataConfig
-from ..prepare.shards import tokenizer_key
+from ...tokenizer import KNOWN_BY_NAME, TokenizerIdentity, trains_bpe
 from ..token_files import DataFileError
 from .token_source import TokenSource, open_source
 
@@ -23,30 +23,30 @@ def blend_entries(data: DataConfig) -> list[BlendEntry]:
     return list(data.blend) or [BlendEntry(path=data.data_dir, weight=1.0)]
 
 
-def _identity(meta: dict) -> tuple:
-    return meta.get("tokenizer"), meta.get("tokenizer_sha256")
-
-
 def prepared_tokenizer(sources: list[TokenSource], spec: str) -> Path | None:
     """The tokenizer.json the prepared sources were made with (for data.tokenizer=bpe, the first prepared
     directory's own), after checking every prepared source against `spec`; None for byte / gpt2 or no meta."""
     prepared = [s for s in sources if s.meta is not None]
-    if spec == "bpe":
+    if trains_bpe(spec):  # each directory trained its own: the first one's is the run's
         path = Path(prepared[0].name) / "tokenizer.json" if prepared else None
-        wanted = ("bpe", prepared[0].meta.get("tokenizer_sha256")) if prepared else None
+        wanted = TokenizerIdentity(spec, TokenizerIdentity.from_meta(prepared[0].meta).sha256) if prepared else None
     else:  # as meta.json records it: byte / gpt2 by name, a tokenizer.json by its absolute path and sha256
-        key = tokenizer_key(spec, None)
-        wanted = (key["tokenizer"], key["tokenizer_sha256"])
-        path = Path(key["tokenizer"]) if key["tokenizer_sha256"] is not None else None
+        wanted = TokenizerIdentity.of_spec(spec)
+        path = Path(wanted.name) if wanted.sha256 is not None else None
     for source in prepared:
-        have = _identity(source.meta)
-        if wanted is not None and (have[1] != wanted[1] or (spec in ("byte", "gpt2", "bpe") and have[0] != spec)):
+        have = TokenizerIdentity.from_meta(source.meta)
+        if wanted is not None and (have.sha256 != wanted.sha256 or (_by_name(spec) and have.name != spec)):
             raise DataFileError(
-                f"{source.name} was prepared with the tokenizer {have[0]} (sha256 {have[1]}, its meta.json) but this "
-                f"run's data.tokenizer={spec!r} is {wanted[0]} (sha256 {wanted[1]}): every source of a run must use "
-                "one tokenizer; set data.tokenizer to the one the data was prepared with, or prepare the source "
+                f"{source.name} was prepared with the tokenizer {have.name} (sha256 {have.sha256}, its meta.json) but "
+                f"this run's data.tokenizer={spec!r} is {wanted.name} (sha256 {wanted.sha256}): every source of a run "
+                "must use one tokenizer; set data.tokenizer to the one the data was prepared with, or prepare the source "
                 "again with this one (scripts/prepare_data.py --tokenizer ...).")
     return path
+
+
+def _by_name(spec: str) -> bool:
+    """Whether meta.json records `spec` under its own name (byte, gpt2, bpe), not as a path that differs by machine."""
+    return spec in KNOWN_BY_NAME or trains_bpe(spec)
 
 
 def open_blend(data: DataConfig, tokenizer_vocab: int, index_cache: Path | None = None) -> tuple[list[TokenSource],
