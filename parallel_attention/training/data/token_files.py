@@ -24,7 +24,7 @@ from .preparation_command import preparation_command
 from ..tokenizer import TokenizerIdentity, TokenizerUnavailableError, trains_bpe
 
 __all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "refuse_other_settings",
-           "sha256_of", "verify_at_start", "verify_files", "verify_sha256"]
+           "sha256_of", "verify_at_start", "verify_files"]
 
 META = "meta.json"
 FORMAT_VERSION = 2  # shards in Megatron-LM's indexed-dataset format; 1 (no "format_version" key): train/val .bin
@@ -129,14 +129,6 @@ def refuse_other_settings(data_dir, meta: dict, wanted: dict) -> None:
 
 def _yaml(value) -> str:
     return "null" if value is None else str(value)
-
-
-def verify_sha256(data_dir, meta: dict, split: str) -> None:
-    """DataFileError unless `split`.bin of the previous format has the sha256 that meta.json records (nothing to
-    check if it records none, as data prepared by old versions may)."""
-    recorded = meta.get(f"{split}_sha256")
-    if recorded is not None:
-        _check_sha256(Path(data_dir) / f"{split}.bin", recorded, Path(data_dir), meta)
 
 
 def verify_files(data_dir, meta: dict) -> None:
