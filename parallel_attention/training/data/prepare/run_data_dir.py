@@ -15,7 +15,8 @@ from pathlib import Path
 from .shards import source_key
 from .shards import prepare_shards as prepare_data
 from ...tokenizer import TokenizerIdentity, trains_bpe
-from ..token_files import DataFileError, meta_and_reason, prepare_again, refuse_other_settings, verify_at_start
+from ..token_files import (DataFileError, is_previous_format, meta_and_reason, prepare_again, refuse_other_settings,
+                           verify_at_start)
 
 __all__ = ["ensure_prepared", "prepare_data", "read_meta"]
 
@@ -52,7 +53,7 @@ def ensure_prepared(data_cfg) -> dict:
         wanted = {**identity.meta_fields(), "source": source_key(data_cfg.source),
                   "max_bytes": data_cfg.max_bytes, "text_field": data_cfg.text_field,
                   "bpe_vocab_size": data_cfg.bpe_vocab_size if bpe else None}
-        if meta.get("format_version") is None:  # the previous format split train/val when it was prepared
+        if is_previous_format(meta):  # it split train/val when it was prepared
             wanted["val_fraction"] = data_cfg.val_fraction
         refuse_other_settings(data_dir, meta, wanted)
         verify_at_start(data_dir, meta)  # on rank 0 first: it fills the hash cache that the other ranks then read

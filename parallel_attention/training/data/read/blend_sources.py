@@ -39,8 +39,8 @@ def prepared_tokenizer(sources: list[TokenSource], spec: str) -> Path | None:
             raise DataFileError(
                 f"{source.name} was prepared with the tokenizer {have.name} (sha256 {have.sha256}, its meta.json) but "
                 f"this run's data.tokenizer={spec!r} is {wanted.name} (sha256 {wanted.sha256}): every source of a run "
-                "must use one tokenizer; set data.tokenizer to the one the data was prepared with, or prepare the source "
-                "again with this one (scripts/prepare_data.py --tokenizer ...).")
+                "must use one tokenizer; set data.tokenizer to the one the data was prepared with, or prepare the "
+                "source again with this one (scripts/prepare_data.py --tokenizer ...).")
     return path
 
 
