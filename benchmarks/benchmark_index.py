@@ -91,8 +91,8 @@ def prepared_directory(path: Path, gigabytes: float) -> tuple[Path, float]:
 
 def first_steps(data_dir: Path, steps: int) -> list[float]:
     """Seconds to read each of the first `steps` steps' batches (8 windows of 1025 tokens) on a fresh open."""
-    from parallel_attention.training.data.batches import GlobalBatchSampler
-    from parallel_attention.training.data.token_source import open_source
+    from parallel_attention.training.data.read.batches import GlobalBatchSampler
+    from parallel_attention.training.data.read.token_source import open_source
     source = open_source(str(data_dir), 0.02, (256, "byte"))
     sampler = GlobalBatchSampler([source], [1.0], 1024, 8, seed=0)
     times = []
@@ -123,7 +123,8 @@ def start(code: Path, prefix: Path, run_dir: Path, cache: Path) -> tuple[float, 
                str(ROOT / "configs" / "gpt_tiny.yaml"), f"--data.blend=[{{path: '{prefix}', weight: 1.0}}]",
                "--data.seq_len=32", "--model.max_seq_len=32", "--training.global_batch_size=8",
                "--training.micro_batch_size=8", f"--logging.run_dir={run_dir}", "--steps", "0:1"]
-    if (code / "parallel_attention" / "training" / "data" / "index_cache.py").is_file():
+    data = code / "parallel_attention" / "training" / "data"
+    if (data / "index_cache.py").is_file() or (data / "read" / "index_cache.py").is_file():
         command.append(f"--data.index_cache={cache}")
     env = {**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"}
     began = time.perf_counter()

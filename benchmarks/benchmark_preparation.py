@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PREPARE = """
 import sys, time
-from parallel_attention.training.data.preparation import prepare_shards
+from parallel_attention.training.data.prepare.shards import prepare_shards
 if __name__ == "__main__":
     start = time.perf_counter()
     meta = prepare_shards(sys.argv[1], sys.argv[2], sys.argv[3], max_bytes=None, num_workers=int(sys.argv[4]))

@@ -42,7 +42,7 @@ from parallel_attention.hf.convert import MISSING_TOKENIZER_NOTE, missing_tokeni
 from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention.training import (DataConfig, LoggingConfig, ModelConfig, ParallelConfig, PretrainConfig,
                                          save_config)
-from parallel_attention.training.data.tokenizer import copy_tokenizer as copy_tokenizer_files, tokenizer_file
+from parallel_attention.training.tokenizer import copy_tokenizer as copy_tokenizer_files, tokenizer_file
 
 SOURCE_CONFIG = "hf_config.json"
 

@@ -30,7 +30,7 @@ from parallel_attention.checkpointing import read_canonical_checkpoint, resolve_
 from parallel_attention.hf import missing_tokenizer_message, tokenizer_is_missing
 from parallel_attention.training import PretrainConfig, TokenizerUnavailableError, config_from_dict, get_tokenizer
 from parallel_attention.launch.agreement import disagreements
-from parallel_attention.training.data.identity import check_tokenizer
+from parallel_attention.training.data.read.data_identity import check_tokenizer
 from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
 from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.report_once import report_from_rank_0

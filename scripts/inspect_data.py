@@ -21,7 +21,7 @@ import sys
 from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention import load_config
 from parallel_attention.training.config.loading import parse_with_overrides
-from parallel_attention.training.data.step_records import blend_names, open_run_data, step_records
+from parallel_attention.training.data.read.step_records import blend_names, open_run_data, step_records
 from parallel_attention.training.data.token_files import REFUSALS
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, run_command
-from parallel_attention.training.data.preparation import prepare_shards
+from parallel_attention.training.data.prepare.shards import prepare_shards
 
 TEXTS = [f"document {i}: " + "some words " * (4 + i % 7) for i in range(400)]
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from parallel_attention.training.data.batches import GlobalBatchSampler, validation_batches
+from parallel_attention.training.data.read.batches import GlobalBatchSampler, validation_batches
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from parallel_attention.training.data.token_files import DataFileError
-from parallel_attention.training.data.token_source import open_source
+from parallel_attention.training.data.read.token_source import open_source
 from parallel_attention.transformer.cross_entropy import IGNORE_INDEX
 
 VOCAB = 300

@@ -11,7 +11,7 @@ import sys
 from blend_runs import blend_args
 from launch import ROOT, environment, metrics, run_command, torchrun
 from parallel_attention.training import load_config
-from parallel_attention.training.data.token_source import open_source
+from parallel_attention.training.data.read.token_source import open_source
 from random_prefixes import random_prefix
 
 

@@ -7,10 +7,11 @@ import pytest
 
 from launch import ROOT
 from parallel_attention.training import ConfigError, load_config
-from parallel_attention.training.data.blend import prepared_tokenizer, recorded_config
+from parallel_attention.training.config.schema import recorded_config
+from parallel_attention.training.data.read.blend_sources import prepared_tokenizer
 from parallel_attention.training.run.resume import keep_previous_sampling
 from parallel_attention.training.data.token_files import DataFileError
-from parallel_attention.training.data.token_source import TokenSource
+from parallel_attention.training.data.read.token_source import TokenSource
 
 TINY = ROOT / "configs" / "gpt_tiny.yaml"
 

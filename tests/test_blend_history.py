@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallel_attention.training.data.batches import GlobalBatchSampler
-from parallel_attention.training.data.blend_history import (continue_blend, describe_change, extend_history,
+from parallel_attention.training.data.read.batches import GlobalBatchSampler
+from parallel_attention.training.data.read.blend_history import (continue_blend, describe_change, extend_history,
                                                             first_history, windows_read)
-from parallel_attention.training.data.token_source import open_source
+from parallel_attention.training.data.read.token_source import open_source
 from random_prefixes import random_prefix
 
 SEQ, BATCH, SEED = 16, 8, 11

@@ -17,7 +17,7 @@ import torch
 from parallel_attention.training import DataConfig
 from parallel_attention.training import (GlobalBatchSampler, ensure_prepared, prepare_data, read_meta,
                                          validation_batches)
-from parallel_attention.training.data.token_source import open_source
+from parallel_attention.training.data.read.token_source import open_source
 from launch import ROOT, run_command
 from parallel_attention.training import ByteTokenizer, TokenizerUnavailableError, get_tokenizer
 from parallel_attention.training.data.indexed_dataset import IndexedTokens

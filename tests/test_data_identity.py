@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, torchrun, train_losses
-from parallel_attention.training.data.identity import DataChangedError, check_identity
+from parallel_attention.training.data.read.data_identity import DataChangedError, check_identity
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 
 import numpy as np
@@ -86,13 +86,15 @@ def test_a_resume_on_other_data_is_refused_before_any_step_and_changes_nothing(t
 
 def test_generation_refuses_a_tokenizer_other_than_the_checkpoints(tmp_path):
     from parallel_attention.training import ByteTokenizer, train_bpe
-    from parallel_attention.training.data.identity import check_tokenizer, tokenizer_identity
+    from parallel_attention.training.data.read.data_identity import check_tokenizer
+    from parallel_attention.training.tokenizer import TokenizerIdentity
 
     trained = train_bpe(["tensor parallel attention " * 50], 300, tmp_path / "a" / "tokenizer.json")
     other = train_bpe(["pipeline parallel schedules " * 50], 300, tmp_path / "b" / "tokenizer.json")
     step = tmp_path / "run" / "checkpoints" / "step_0000002"
     step.mkdir(parents=True)
-    identity = {"tokenizer": tokenizer_identity("bpe", trained.path), "sources": [], "sampling": "epochs"}
+    identity = {"tokenizer": TokenizerIdentity.of_file("bpe", trained.path).record(), "sources": [],
+                "sampling": "epochs"}
     (step / "manifest.json").write_text(json.dumps({"extra": {"data_identity": identity}}))
     check_tokenizer(step, trained)
     for wrong in (other, ByteTokenizer()):

@@ -18,7 +18,7 @@ from parallel_attention.training import ConfigError, DataConfig, ensure_prepared
     train_bpe
 from parallel_attention.training.data import token_files
 from parallel_attention.training.data.token_files import SHA_CACHE, DataFileError, sha256_of
-from parallel_attention.training.data.token_source import open_source
+from parallel_attention.training.data.read.token_source import open_source
 
 MAX_BYTES, VAL_FRACTION = 20_000, 0.05
 
@@ -164,7 +164,7 @@ def test_an_unreadable_tokenizer_file_is_a_config_error_naming_the_key_and_the_f
 def _build_data_on_each_rank(cfg, bad_dir_on_rank_1):
     """build_data's verdict on this rank: the error message, or None."""
     from parallel_attention.tensor_parallel import parallel_state as ps
-    from parallel_attention.training.data.agreement import build_data
+    from parallel_attention.training.data.read.run_data import build_data
 
     if bad_dir_on_rank_1 and ps.get_global_rank() == 1:  # rank 1 sees other files than rank 0 (another mount)
         cfg.data.data_dir = bad_dir_on_rank_1
@@ -220,7 +220,7 @@ def test_pretraining_on_a_zeroed_token_file_stops_at_its_first_read_with_exit_2(
 
 
 def test_data_prepared_for_a_larger_vocabulary_than_the_model_is_a_config_error(data_cfg):
-    from parallel_attention.training.data.agreement import open_run_blend
+    from parallel_attention.training.data.read.run_data import open_run_blend
 
     cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", [f"--data.data_dir={data_cfg.data_dir}",
                                                            "--model.vocab_size=100"])

@@ -13,8 +13,8 @@ import torch
 
 from distributed import run_distributed
 from parallel_attention.training import prepare_data
-from parallel_attention.training.data.batches import GlobalBatchSampler
-from parallel_attention.training.data.token_source import open_source
+from parallel_attention.training.data.read.batches import GlobalBatchSampler
+from parallel_attention.training.data.read.token_source import open_source
 from parallel_attention.training.trainer import checkpoint, resume_run, train_step
 from test_data_parallel import build_run, overrides
 

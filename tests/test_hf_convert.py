@@ -297,7 +297,7 @@ def test_script_import_tp2_then_export(hf_models, name, tmp_path, capsys):
 
 
 def test_import_takes_the_tokenizer_from_tokenizer_path(hf_models, tmp_path, capsys):
-    from parallel_attention.training.data.tokenizer import train_bpe
+    from parallel_attention.training.data.prepare.bpe import train_bpe
 
     tokenizer = tmp_path / "elsewhere" / "my_tokenizer.json"
     tokenizer.parent.mkdir()

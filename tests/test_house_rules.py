@@ -79,6 +79,61 @@ def test_lower_layers_never_import_higher_ones(path):
     assert not higher, f"{path.relative_to(PACKAGE)} imports {higher}"
 
 
+def _imported_modules(path: Path) -> set[tuple[str, ...]]:
+    """The modules of parallel_attention that `path` imports, as dotted parts below the root (lazy imports too)."""
+    found, here = set(), path.relative_to(PACKAGE).parent.parts
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            found.add(here[:len(here) - (node.level - 1)] + tuple(filter(None, (node.module or "").split("."))))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("parallel_attention."):
+            found.add(tuple(node.module.split(".")[1:]))
+    return found
+
+
+def _sub_package_imports() -> dict[tuple[str, ...], set[tuple[str, ...]]]:
+    """{sub-package: the sibling sub-packages its modules import}, for every folder of the package."""
+    edges: dict[tuple[str, ...], set[tuple[str, ...]]] = {}
+    for path in SOURCES:
+        where = path.relative_to(PACKAGE).parent.parts
+        for target in _imported_modules(path):
+            common = next((i for i, (a, b) in enumerate(zip(where, target)) if a != b), min(len(where), len(target)))
+            source, sibling = where[:common + 1], target[:common + 1]
+            if len(where) > common and len(target) > common and (PACKAGE.joinpath(*sibling)).is_dir():
+                edges.setdefault(source, set()).add(sibling)
+    return edges
+
+
+def _cycle(edges: dict[tuple[str, ...], set[tuple[str, ...]]]) -> list[str] | None:
+    """One import cycle among the sub-packages of `edges`, as their paths in order, or None."""
+    state: dict[tuple[str, ...], str] = {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                return trail[trail.index(nxt):] + [nxt] if nxt in trail else [node, nxt]
+            if nxt not in state and (found := visit(nxt, trail + [nxt])):
+                return found
+        state[node] = "done"
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start, [start])):
+            return ["/".join(p) for p in found]
+    return None
+
+
+def test_no_import_cycle_between_sibling_sub_packages():
+    """At every depth (training/config and training/data as much as training and transformer), sibling
+    sub-packages import each other one way only: each can be read without the other."""
+    assert _cycle(_sub_package_imports()) is None, _cycle(_sub_package_imports())
+
+
+def test_the_cycle_rule_sees_a_cycle():
+    assert _cycle({("a", "x"): {("a", "y")}, ("a", "y"): {("a", "x")}}) == ["a/x", "a/y", "a/x"]
+    assert _cycle({("a", "x"): {("a", "y")}}) is None
+
+
 def _module_forwards(tree: ast.Module):
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         is_autograd = any(isinstance(b, ast.Attribute) and b.attr == "Function" for b in cls.bases)

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from launch import ROOT, environment, metrics, run_command
-from parallel_attention.training.data import chunk_hashes, document_index, index_cache, source_index
-from parallel_attention.training.data.identity import DataChangedError, check_identity, source_record
+from parallel_attention.training.data import chunk_hashes
+from parallel_attention.training.data.read import document_index, index_cache, source_index
+from parallel_attention.training.data.read.data_identity import DataChangedError, check_identity, source_record
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from parallel_attention.training.data.token_files import DataFileError
-from parallel_attention.training.data.token_source import TokenStream, open_source
+from parallel_attention.training.data.read.token_source import TokenStream, open_source
 
 VOCAB = 256
 
@@ -174,7 +175,8 @@ def test_meta_without_chunk_hashes_is_verified_whole_at_start(tmp_path):
 
 SLOW = """
 import runpy, sys, time
-from parallel_attention.training.data import prepared, source_index
+from parallel_attention.training.data.prepare import run_data_dir as prepared
+from parallel_attention.training.data.read import source_index
 
 def slowly(real):
     def slow(*args, **kwargs):

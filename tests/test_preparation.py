@@ -17,10 +17,10 @@ import pytest
 
 from launch import ROOT, run_command
 from parallel_attention.training import ByteTokenizer, DataConfig, ensure_prepared, get_tokenizer, train_bpe
-from parallel_attention.training.data import prepared as data
+from parallel_attention.training.data.prepare import run_data_dir as data
 from parallel_attention.training.data.indexed_dataset import IndexedTokens
-from parallel_attention.training.data.partial_preparation import PartialPreparation, PreparationInUseError
-from parallel_attention.training.data.preparation import prepare_shards
+from parallel_attention.training.data.prepare.partial_output import PartialPreparation, PreparationInUseError
+from parallel_attention.training.data.prepare.shards import prepare_shards
 from parallel_attention.training.data.token_files import DataFileError, meta_and_reason, verify_files
 
 DOCUMENTS = [f"document {i}: " + "héllo wörld " * (3 + i % 11) + "\n" * (i % 2) for i in range(60)]
@@ -79,7 +79,7 @@ def test_bpe_shards_are_identical_for_any_worker_count(jsonl, tmp_path):
 KILLED_RUN = """
 import os, signal, sys
 from parallel_attention.training.data import indexed_dataset
-from parallel_attention.training.data.preparation import prepare_shards
+from parallel_attention.training.data.prepare.shards import prepare_shards
 
 calls, add = [0], indexed_dataset.IndexedDatasetWriter.add_document
 def add_then_die(self, tokens):  # SIGKILL midway through the third shard: two finished, one half-written

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from launch import ROOT, run_command
-from parallel_attention.training.data.preparation import prepare_shards
+from parallel_attention.training.data.prepare.shards import prepare_shards
 from parallel_attention.training.data.token_files import DataFileError, verify_files
 
 TEXTS = [f"record {i}: " + "a few words of text " * (3 + i % 17) for i in range(3000)]

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from parallel_attention.training.data import corpus_formats
-from parallel_attention.training.data.corpus import Corpus
-from parallel_attention.training.data.partial_preparation import PartialPreparation
-from parallel_attention.training.data.preparation import prepare_shards
+from parallel_attention.training.data.prepare import corpus_formats
+from parallel_attention.training.data.prepare.corpus import Corpus
+from parallel_attention.training.data.prepare.partial_output import PartialPreparation
+from parallel_attention.training.data.prepare.shards import prepare_shards
 
 TEXTS = [f"doc {i:03d} " + "words of text " * (2 + i % 5) for i in range(121)]
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from launch import ROOT, torchrun
-from parallel_attention.training.data.identity import keep_run_tokenizer
-from parallel_attention.training.data.token_source import open_source
+from parallel_attention.training.data.read.data_identity import keep_run_tokenizer
+from parallel_attention.training.data.read.token_source import open_source
 from parallel_attention.training import (ConfigError, DataConfig, HFTokenizer, ensure_prepared, get_tokenizer,
                                          load_config, prepare_data, train_bpe)
 from parallel_attention.training.data.indexed_dataset import IndexedTokens

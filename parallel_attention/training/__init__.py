@@ -12,13 +12,13 @@ other sub-package; nothing imports it but the scripts (and the top-level package
 from .config.schema import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig, ModelConfig, OptimizerConfig,
                             ParallelConfig, PretrainConfig, ScheduleConfig, TrainingConfig, config_from_dict,
                             load_config, save_config)
-from .data.corpus import Corpus, CorpusStats
-from .data.batches import GlobalBatchSampler, validation_batches
-from .data.prepared import ensure_prepared, prepare_data, read_meta
+from .data.prepare.corpus import Corpus, CorpusStats
+from .data.read.batches import GlobalBatchSampler, validation_batches
+from .data.prepare.run_data_dir import ensure_prepared, prepare_data, read_meta
 from .data_parallel import wrap_data_parallel
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm
 from .optim import build_optimizer, learning_rate
 from .sharded_optimizer import optimizer_state_bytes
-from .data.tokenizer import (ByteTokenizer, HFTokenizer, TokenizerUnavailableError, get_tokenizer, tokenizer_vocab_size,
-                             train_bpe)
+from .data.prepare.bpe import train_bpe
+from .tokenizer import ByteTokenizer, HFTokenizer, TokenizerUnavailableError, get_tokenizer, tokenizer_vocab_size
 from .trainer import TrainResult, train

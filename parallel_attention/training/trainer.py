@@ -33,11 +33,11 @@ from .compile import compile_layers
 from .guards.divergence import DivergenceGuard, check_parameters_finite
 from .flops import agree_peak_tflops, step_rates
 from .guards.rank_checks import check_config_agreement, check_replicas
-from .data.batch_prefetch import BatchPrefetcher
-from .data.batches import GlobalBatchSampler, run_validation
-from .data.agreement import build_data
-from .data.blend import describe_blend
-from .data.identity import check_identity, keep_run_tokenizer, run_data_identity
+from .data.read.batch_prefetch import BatchPrefetcher
+from .data.read.batches import GlobalBatchSampler, run_validation
+from .data.read.run_data import build_data
+from .data.read.blend_sources import describe_blend
+from .data.read.data_identity import check_identity, keep_run_tokenizer, run_data_identity
 from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
@@ -76,7 +76,7 @@ class Run:
     sampler: GlobalBatchSampler
     val_batches: list
     loader: BatchPrefetcher | None = None  # this rank's micro-batches of each step, read a step ahead
-    data_identity: dict | None = None  # the tokenizer and data it trains on (data/identity.py): in every checkpoint
+    data_identity: dict | None = None  # the tokenizer and data it trains on (data/read/data_identity.py): in every checkpoint
     data_parallel_model: torch.nn.Module | None = None  # the training forward: DDP over the dp group, or `model`
     pipeline: PipelineRunner | None = None  # pp > 1: this stage's schedule (training), and evaluation's
     pipeline_eval: PipelineRunner | None = None

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ...checkpointing.format import MANIFEST
-from ..data.tokenizer import BPE_MIN_VOCAB
+from ..tokenizer import BPE_MIN_VOCAB
 
 
 class ConfigError(ValueError):

@@ -1,10 +1,9 @@
-"""A run's data, from text to batches.
+"""A run's data, from text to batches, in two wings that share a few modules.
 
-Preparation (once, streaming, resumable): `corpus` and `corpus_formats` read documents, `encoding` tokenizes them
-with `tokenizer`, `preparation` writes shards of Megatron-LM's indexed format (`indexed_dataset`), resuming through
-`partial_preparation`; `prepared` prepares a run's `data_dir` when it does not exist and `token_files` verifies what
-was written. Reading: `token_source` opens a prepared directory or a Megatron prefix, `blend` a weighted list of
-them, `sampling` orders the windows (epochs without replacement, the blend's interleaving), `batches` draws each
-step's global batch, `batch_prefetch` reads the next one ahead. `agreement`, `identity` and `step_records` check
-that every rank and every resume read the same data, and record what each step read.
+`prepare/` (once, streaming, resumable) tokenizes a corpus into shards; `read/` opens them and draws each step's
+batches. Both use the pieces here: `indexed_dataset` (Megatron-LM's shard format, written and read), `token_files`
+(meta.json, what it records and the sha256 checks, with `preparation_command` to prepare a directory again; the
+previous format in `previous_format` alone), `chunk_hashes` (files verified piece by piece) and `document_split` (the
+validation hold-out rule); the tokenizer and its identity are `training/tokenizer.py`. read/ may import prepare/ (a
+run prepares its data_dir first), never the reverse.
 """

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import shlex
 
+from ..tokenizer import trains_bpe
+
 __all__ = ["preparation_command"]
 
 # meta.json key -> prepare_data.py flag, in the order the command shows them
@@ -23,7 +25,7 @@ def preparation_command(data_dir, meta: dict | None = None) -> str:
     meta = meta or {}
     args = ["python", "scripts/prepare_data.py"]
     for key, flag in _FLAGS:
-        if key == "bpe_vocab_size" and meta.get("tokenizer") != "bpe":
+        if key == "bpe_vocab_size" and not trains_bpe(meta.get("tokenizer")):
             continue
         if key in meta:
             value = meta[key]

@@ -20,11 +20,12 @@ import numpy as np
 
 from ...checkpointing.tensor_io import file_digest
 from ..config.checks import ConfigError
+from . import previous_format
 from .preparation_command import preparation_command
-from .tokenizer import TokenizerUnavailableError
+from ..tokenizer import TokenizerIdentity, TokenizerUnavailableError, trains_bpe
 
 __all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "refuse_other_settings",
-           "sha256_of", "verify_at_start", "verify_files", "verify_sha256"]
+           "is_previous_format", "sha256_of", "verify_at_start", "verify_files"]
 
 META = "meta.json"
 FORMAT_VERSION = 2  # shards in Megatron-LM's indexed-dataset format; 1 (no "format_version" key): train/val .bin
@@ -85,17 +86,20 @@ def meta_and_reason(data_dir) -> tuple[dict | None, str]:
     return meta, ""
 
 
+def is_previous_format(meta: dict) -> bool:
+    """A meta.json of the previous format (previous_format.py): no "format_version", which reads as 1."""
+    return meta.get("format_version", 1) != FORMAT_VERSION
+
+
 def _recorded_sizes(meta: dict) -> dict[str, int]:
     """Each data file's size in bytes, from the counts meta.json records."""
     itemsize = np.dtype(meta["dtype"]).itemsize
-    if meta.get("format_version") == FORMAT_VERSION:
-        sizes = {}
-        for shard in meta["shards"]:
-            sizes[f"{shard['prefix']}.bin"] = int(shard["num_tokens"]) * itemsize
-            sizes[f"{shard['prefix']}.idx"] = index_bytes(int(shard["num_documents"]))
-        return sizes
-    sizes = {f"{s}.bin": meta[f"num_{s}_tokens"] * itemsize for s in ("train", "val")}
-    sizes.update({f"{s}.idx": meta[f"num_{s}_documents"] * 8 for s in ("train", "val") if f"num_{s}_documents" in meta})
+    if is_previous_format(meta):
+        return previous_format.recorded_sizes(meta, itemsize)
+    sizes = {}
+    for shard in meta["shards"]:
+        sizes[f"{shard['prefix']}.bin"] = int(shard["num_tokens"]) * itemsize
+        sizes[f"{shard['prefix']}.idx"] = index_bytes(int(shard["num_documents"]))
     return sizes
 
 
@@ -117,12 +121,11 @@ def refuse_other_settings(data_dir, meta: dict, wanted: dict) -> None:
                 f"{meta.get(key)}: the tokenizer changed since the data was prepared, and its ids would not mean what "
                 f"the data's ids mean. Use the tokenizer the data was prepared with, point data.data_dir at another "
                 f"directory (it is prepared there), or delete {data_dir} to prepare it again.")
-        tokenizer = str(meta.get("tokenizer")) + (f" (tokenizer.json sha256 {meta['tokenizer_sha256']})"
-                                                  if meta.get("tokenizer_sha256") else "")
+        tokenizer = TokenizerIdentity.from_meta(meta).describe()
         raise DataFileError(
             f"data.data_dir={str(data_dir)!r} holds data prepared with data.{key}={meta.get(key)!r}, but the config "
             f"gives data.{key}={value!r} (that data's tokenizer: {tokenizer}"
-            + ("; data.tokenizer=bpe would train another one on the new data" if wanted.get("tokenizer") == "bpe"
+            + ("; data.tokenizer=bpe would train another one on the new data" if trains_bpe(wanted.get("tokenizer"))
                else "") + f"). A run never rewrites data it did not prepare: set data.{key}="
             f"{_yaml(meta.get(key))} to train on this data, point data.data_dir at another directory (it is prepared "
             f"there), or delete {data_dir} to prepare it again.")
@@ -132,14 +135,6 @@ def _yaml(value) -> str:
     return "null" if value is None else str(value)
 
 
-def verify_sha256(data_dir, meta: dict, split: str) -> None:
-    """DataFileError unless `split`.bin of the previous format has the sha256 that meta.json records (nothing to
-    check if it records none, as data prepared by old versions may)."""
-    recorded = meta.get(f"{split}_sha256")
-    if recorded is not None:
-        _check_sha256(Path(data_dir) / f"{split}.bin", recorded, Path(data_dir), meta)
-
-
 def verify_files(data_dir, meta: dict) -> None:
     """DataFileError unless every file a run reads has the sha256 meta.json records: each shard's .bin and .idx
     (format 2), or train/val .bin (the previous format, which recorded no hash for its .idx files: their offsets
@@ -147,9 +142,8 @@ def verify_files(data_dir, meta: dict) -> None:
     data_dir = Path(data_dir)
     for name, recorded in recorded_hashes(meta).items():
         _check_sha256(data_dir / name, recorded, data_dir, meta)
-    if meta.get("format_version") != FORMAT_VERSION:
-        for split in ("train", "val"):
-            _check_offsets(data_dir, meta, split)
+    if is_previous_format(meta):
+        _check_offsets(data_dir, meta)
 
 
 def verify_at_start(data_dir, meta: dict) -> None:
@@ -163,19 +157,19 @@ def verify_at_start(data_dir, meta: dict) -> None:
     for name, recorded in recorded_hashes(meta).items():
         if name not in chunked:
             _check_sha256(data_dir / name, recorded, data_dir, meta)
-    if meta.get("format_version") != FORMAT_VERSION:
-        for split in ("train", "val"):
-            _check_offsets(data_dir, meta, split)
+    if is_previous_format(meta):
+        _check_offsets(data_dir, meta)
 
 
 def recorded_hashes(meta: dict) -> dict[str, str]:
     """{file name: sha256} of every hashed file meta.json names."""
-    if meta.get("format_version") == FORMAT_VERSION:
-        hashes = {f"{s['prefix']}.{kind}": s[f"{kind}_sha256"] for s in meta["shards"] for kind in ("bin", "idx")}
+    if is_previous_format(meta):
+        hashes = previous_format.recorded_hashes(meta)
     else:
-        hashes = {f"{s}.bin": meta[f"{s}_sha256"] for s in ("train", "val") if meta.get(f"{s}_sha256")}
-    if meta.get("tokenizer") == "bpe" and meta.get("tokenizer_sha256"):
-        hashes["tokenizer.json"] = meta["tokenizer_sha256"]
+        hashes = {f"{s['prefix']}.{kind}": s[f"{kind}_sha256"] for s in meta["shards"] for kind in ("bin", "idx")}
+    identity = TokenizerIdentity.from_meta(meta)
+    if trains_bpe(identity.name) and identity.sha256:
+        hashes["tokenizer.json"] = identity.sha256
     return hashes
 
 
@@ -187,16 +181,11 @@ def _check_sha256(path: Path, recorded: str, data_dir: Path, meta: dict) -> None
                             f"{prepare_again(data_dir, meta)}.")
 
 
-def _check_offsets(data_dir: Path, meta: dict, split: str) -> None:
-    """A previous-format .idx: document starts from 0, increasing, inside the split's tokens."""
-    count, path = meta.get(f"num_{split}_documents"), data_dir / f"{split}.idx"
-    if not count:
-        return
-    starts = np.fromfile(path, dtype="<u8", count=count).astype(np.int64)
-    if starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= meta[f"num_{split}_tokens"]:
-        raise DataFileError(f"{path} does not hold increasing document offsets from 0 inside the "
-                            f"{meta[f'num_{split}_tokens']} tokens of {split}.bin: the file changed after it was "
-                            f"prepared; {prepare_again(data_dir, meta)}.")
+def _check_offsets(data_dir: Path, meta: dict) -> None:
+    """The previous format's .idx files: document starts from 0, increasing, inside their split's tokens."""
+    problem = previous_format.offsets_problem(data_dir, meta)
+    if problem is not None:
+        raise DataFileError(f"{problem}: the file changed after it was prepared; {prepare_again(data_dir, meta)}.")
 
 
 def sha256_of(path: Path) -> str:

@@ -22,8 +22,7 @@ from ...checkpointing.format import list_temporaries
 from ...checkpointing.tensor_io import write_atomic
 from ...tensor_parallel import parallel_state as ps
 from ...tensor_parallel.collectives import broadcast_object
-from ..config.schema import ConfigError, PretrainConfig
-from ..data.blend import recorded_config
+from ..config.schema import ConfigError, PretrainConfig, recorded_config
 from .run_lock import RunDirInUseError, RunDirLock
 
 _HELD: dict[str, RunDirLock] = {}  # run dirs this process holds: a notebook or test that builds twice keeps one

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config.schema import BlendEntry, DataConfig
-from .preparation import tokenizer_key
-from .token_files import DataFileError
+from ...config.schema import BlendEntry, DataConfig
+from ...tokenizer import KNOWN_BY_NAME, TokenizerIdentity, trains_bpe
+from ..token_files import DataFileError
 from .token_source import TokenSource, open_source
 
-__all__ = ["blend_entries", "describe_blend", "open_blend", "prepared_tokenizer", "recorded_config"]
-
-# data keys that only the preparation of data.source reads: a blend's run never does
-PREPARATION_KEYS = ("source", "data_dir", "max_bytes", "text_field", "num_workers", "shard_tokens")
+__all__ = ["blend_entries", "describe_blend", "open_blend", "prepared_tokenizer"]
 
 
 def blend_entries(data: DataConfig) -> list[BlendEntry]:
@@ -26,38 +23,30 @@ def blend_entries(data: DataConfig) -> list[BlendEntry]:
     return list(data.blend) or [BlendEntry(path=data.data_dir, weight=1.0)]
 
 
-def recorded_config(config: dict) -> dict:
-    """A run's config (PretrainConfig.to_dict()) as its config.yaml records it: a blend's without the keys it never
-    reads, so that it does not claim a data.source (the default `stdlib`) it never trained on."""
-    if not config["data"]["blend"]:
-        return config
-    return {**config, "data": {k: v for k, v in config["data"].items() if k not in PREPARATION_KEYS}}
-
-
-def _identity(meta: dict) -> tuple:
-    return meta.get("tokenizer"), meta.get("tokenizer_sha256")
-
-
 def prepared_tokenizer(sources: list[TokenSource], spec: str) -> Path | None:
     """The tokenizer.json the prepared sources were made with (for data.tokenizer=bpe, the first prepared
     directory's own), after checking every prepared source against `spec`; None for byte / gpt2 or no meta."""
     prepared = [s for s in sources if s.meta is not None]
-    if spec == "bpe":
+    if trains_bpe(spec):  # each directory trained its own: the first one's is the run's
         path = Path(prepared[0].name) / "tokenizer.json" if prepared else None
-        wanted = ("bpe", prepared[0].meta.get("tokenizer_sha256")) if prepared else None
+        wanted = TokenizerIdentity(spec, TokenizerIdentity.from_meta(prepared[0].meta).sha256) if prepared else None
     else:  # as meta.json records it: byte / gpt2 by name, a tokenizer.json by its absolute path and sha256
-        key = tokenizer_key(spec, None)
-        wanted = (key["tokenizer"], key["tokenizer_sha256"])
-        path = Path(key["tokenizer"]) if key["tokenizer_sha256"] is not None else None
+        wanted = TokenizerIdentity.of_spec(spec)
+        path = Path(wanted.name) if wanted.sha256 is not None else None
     for source in prepared:
-        have = _identity(source.meta)
-        if wanted is not None and (have[1] != wanted[1] or (spec in ("byte", "gpt2", "bpe") and have[0] != spec)):
+        have = TokenizerIdentity.from_meta(source.meta)
+        if wanted is not None and (have.sha256 != wanted.sha256 or (_by_name(spec) and have.name != spec)):
             raise DataFileError(
-                f"{source.name} was prepared with the tokenizer {have[0]} (sha256 {have[1]}, its meta.json) but this "
-                f"run's data.tokenizer={spec!r} is {wanted[0]} (sha256 {wanted[1]}): every source of a run must use "
-                "one tokenizer; set data.tokenizer to the one the data was prepared with, or prepare the source "
-                "again with this one (scripts/prepare_data.py --tokenizer ...).")
+                f"{source.name} was prepared with the tokenizer {have.name} (sha256 {have.sha256}, its meta.json) but "
+                f"this run's data.tokenizer={spec!r} is {wanted.name} (sha256 {wanted.sha256}): every source of a run "
+                "must use one tokenizer; set data.tokenizer to the one the data was prepared with, or prepare the "
+                "source again with this one (scripts/prepare_data.py --tokenizer ...).")
     return path
+
+
+def _by_name(spec: str) -> bool:
+    """Whether meta.json records `spec` under its own name (byte, gpt2, bpe), not as a path that differs by machine."""
+    return spec in KNOWN_BY_NAME or trains_bpe(spec)
 
 
 def open_blend(data: DataConfig, tokenizer_vocab: int, index_cache: Path | None = None) -> tuple[list[TokenSource],

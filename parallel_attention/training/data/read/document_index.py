@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .document_split import validation_range
-from .indexed_dataset import IndexedTokens
-from .token_files import DataFileError
+from ..document_split import validation_range
+from ..indexed_dataset import IndexedTokens
+from ..token_files import DataFileError
 
 __all__ = ["COARSE", "SPLITS", "load_stream", "write_streams"]
 

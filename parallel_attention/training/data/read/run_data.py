@@ -14,16 +14,16 @@ import secrets
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from ...tensor_parallel.collectives import all_gather_objects
-from ...tensor_parallel import parallel_state as ps
+from ....tensor_parallel.collectives import all_gather_objects
+from ....tensor_parallel import parallel_state as ps
 from .batches import GlobalBatchSampler, run_sampler
-from ..config.schema import PretrainConfig
-from .prepared import ensure_prepared
-from .blend import open_blend
+from ...config.schema import PretrainConfig
+from ..prepare.run_data_dir import ensure_prepared
+from .blend_sources import open_blend
 from .index_cache import wait_for
-from .token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message
+from ..token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message
 from .token_source import TokenSource
-from .tokenizer import tokenizer_vocab_size
+from ...tokenizer import tokenizer_vocab_size
 
 __all__ = ["agreed", "build_data", "index_cache_root", "open_run_blend"]
 
@@ -98,7 +98,7 @@ def _raise(error: BaseException | None) -> None:
 def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
     """Prepare data.data_dir once (global rank 0) unless a blend names the sources, then open every source on every
     rank, checked against its meta.json's sha256; a refusal on any rank is every rank's. Returns the sampler and
-    the blend's sources. Nothing is written into the run directory here (identity.keep_run_tokenizer copies
+    the blend's sources. Nothing is written into the run directory here (data_identity.keep_run_tokenizer copies
     the tokenizer there once the run has resumed)."""
     data_dir = cfg.data.data_dir
     if not cfg.data.blend:

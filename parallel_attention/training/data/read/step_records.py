@@ -11,15 +11,15 @@ from __future__ import annotations
 from functools import partial
 
 from .batches import GlobalBatchSampler, read_rows, run_sampler
-from ..config.schema import PretrainConfig
-from .agreement import open_run_blend
-from .blend import blend_entries, prepared_tokenizer
+from ...config.schema import PretrainConfig
+from .run_data import open_run_blend
+from .blend_sources import blend_entries, prepared_tokenizer
 from .blend_history import continue_blend, read_history
-from .identity import data_identity, source_sha256
-from ..run.resume import keep_previous_sampling, resume_manifest
-from .token_files import DataFileError
+from .data_identity import data_identity, source_sha256
+from ...run.resume import keep_previous_sampling, resume_manifest
+from ..token_files import DataFileError
 from .token_source import open_source
-from .tokenizer import get_tokenizer, tokenizer_vocab_size
+from ...tokenizer import get_tokenizer, tokenizer_vocab_size
 
 __all__ = ["blend_names", "open_run_data", "step_records"]
 

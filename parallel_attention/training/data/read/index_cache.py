@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ...checkpointing.tensor_io import fsync_dir
+from ....checkpointing.tensor_io import fsync_dir
 
 __all__ = ["INFO", "POLL_S", "REPORT_S", "STALE_S", "cached", "wait_for"]
 

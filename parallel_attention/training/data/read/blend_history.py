@@ -20,7 +20,7 @@ import os
 import sys
 
 from .batches import GlobalBatchSampler
-from .blend import describe_blend
+from .blend_sources import describe_blend
 from .sampling import draws_before
 
 __all__ = ["continue_blend", "continue_run_blend", "describe_change", "extend_history", "first_history",

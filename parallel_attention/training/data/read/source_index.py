@@ -9,7 +9,7 @@ old; deleting a cache directory (or the whole cache root) at any time between ru
 
 Built once (index_cache.cached), it checks what a start used to check every time: each .idx is read whole,
 checked against its .bin and, for a prepared directory, against the sha256 meta.json records; a Megatron-LM
-prefix's .bin is hashed once per 64 MiB chunk (chunk_hashes), which a resume then compares (identity.py).
+prefix's .bin is hashed once per 64 MiB chunk (chunk_hashes), which a resume then compares (data_identity.py).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import json
 import os
 from pathlib import Path
 
-from ...checkpointing.tensor_io import file_digest
-from .chunk_hashes import CHUNK_BYTES, chunk_sha256
+from ....checkpointing.tensor_io import file_digest
+from ..chunk_hashes import CHUNK_BYTES, chunk_sha256
 from .document_index import write_streams
 from .index_cache import cached
-from .indexed_dataset import IndexedTokens
-from .token_files import DataFileError, prepare_again, sha256_of
+from ..indexed_dataset import IndexedTokens
+from ..token_files import DataFileError, prepare_again, sha256_of
 
 __all__ = ["CACHE_DIR", "VERSION", "chunks_digest", "megatron_index", "prepared_index"]
 

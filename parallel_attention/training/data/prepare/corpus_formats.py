@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from ...hf.config import read_json_object
+from ....hf.config import read_json_object
 
 __all__ = ["DAMAGED", "READERS", "CorpusStats", "DamagedFile", "datasets_files", "file_kind", "is_datasets_directory"]
 

@@ -9,7 +9,7 @@ On disk (`out_dir`):
 
 Documents are read, encoded (encoding.py) and written in corpus order, one shard after the other, so memory does
 not grow with the corpus and any worker count gives byte-identical files. The work happens in `.NAME.partial/`
-(partial_preparation.py): a killed preparation resumes from its finished shards, and `out_dir` is replaced only
+(partial_output.py): a killed preparation resumes from its finished shards, and `out_dir` is replaced only
 once the new data is whole. Validation is not split off here: readers hold out documents by
 `document_split.validation_mask`; meta.json's train/val counts say what it gives at `val_fraction`.
 """
@@ -26,23 +26,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ...checkpointing.tensor_io import file_digest
+from ....checkpointing.tensor_io import file_digest
+from ...config.schema import DEFAULT_SHARD_TOKENS  # the config owns its defaults
 from .corpus import Corpus, train_bpe_on_corpus
-from .document_split import validation_mask
+from ..document_split import validation_mask
 from .encoding import encode_documents, use_threads
-from .indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
-from .partial_preparation import PartialPreparation
-from .preparation_progress import PreparationBar, say_if_truncated
-from .token_files import FORMAT_VERSION
-from .tokenizer import get_tokenizer, tokenizer_file
+from ..indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
+from .partial_output import PartialPreparation
+from .progress import PreparationBar, say_if_truncated
+from ..token_files import FORMAT_VERSION
+from ...tokenizer import TokenizerIdentity, get_tokenizer, trains_bpe
 
-__all__ = ["DEFAULT_SHARD_TOKENS", "check_settings", "end_of_text", "prepare_shards", "source_key", "tokenizer_key",
-           "worker_count"]
-
-# One billion tokens a shard, Megatron-LM's practice: 2 GB files in uint16 (4 GB in int32, still one S3 upload),
-# about 25 shards for a 100 GB corpus (few files to open and hash), a few MB of index each. A killed preparation
-# loses at most the shard it was writing: minutes of work at the millions of tokens per second of 8 encoders.
-DEFAULT_SHARD_TOKENS = 1_000_000_000
+__all__ = ["check_settings", "end_of_text", "prepare_shards", "source_key", "worker_count"]
 
 
 def prepare_shards(source: str, tokenizer: str, out_dir, val_fraction: float = 0.02, max_bytes: int | None = None,
@@ -61,19 +56,20 @@ def prepare_shards(source: str, tokenizer: str, out_dir, val_fraction: float = 0
     corpus = Corpus(source, text_field, max_bytes, skip_bad_files)
     settings = {"format_version": FORMAT_VERSION, **_spec_key(tokenizer), "source": source_key(source),
                 "corpus_files_sha256": _listing_sha256(corpus), "max_bytes": max_bytes, "text_field": text_field,
-                "bpe_vocab_size": bpe_vocab_size if tokenizer == "bpe" else None, "shard_tokens": shard_tokens,
+                "bpe_vocab_size": bpe_vocab_size if trains_bpe(tokenizer) else None, "shard_tokens": shard_tokens,
                 "skip_bad_files": skip_bad_files, **_python_version(source)}
     use_threads(worker_count(num_workers))
     with PartialPreparation(out_dir, settings) as partial:
-        if tokenizer == "bpe" and not (partial.path / "tokenizer.json").is_file():
+        if trains_bpe(tokenizer) and not (partial.path / "tokenizer.json").is_file():
             _refuse_unless_text(corpus)  # a wrong text field or an empty corpus, named before a BPE is trained
             train_bpe_on_corpus(corpus, bpe_vocab_size, partial.path, Path(out_dir))
         tok = get_tokenizer(tokenizer, partial.path)
         eot = end_of_text(tok)
         _write_shards(corpus, tokenizer, partial, token_dtype(tok.vocab_size), eot, num_workers, shard_tokens)
         say_if_truncated(corpus)
+        identity = TokenizerIdentity.of_spec(tokenizer, partial.path)
         meta = {"format": "indexed", "format_version": FORMAT_VERSION, "vocab_size": tok.vocab_size,
-                "dtype": token_dtype(tok.vocab_size).name, **tokenizer_key(tokenizer, partial.path),
+                "dtype": token_dtype(tok.vocab_size).name, **identity.meta_fields(),
                 "eot_token": eot, "source": settings["source"], "max_bytes": max_bytes, "truncated": corpus.truncated,
                 "text_field": text_field, "bpe_vocab_size": settings["bpe_vocab_size"], "val_fraction": val_fraction,
                 "shard_tokens": shard_tokens, "skip_bad_files": skip_bad_files, **corpus.stats.summary(),
@@ -159,7 +155,7 @@ def _listing_sha256(corpus: Corpus) -> str:
 
 def _spec_key(spec: str) -> dict:
     """The tokenizer as a resume compares it: a trained BPE is part of the work; a file, by its sha256."""
-    return {"tokenizer": "bpe"} if spec == "bpe" else tokenizer_key(spec, None)
+    return {"tokenizer": spec} if trains_bpe(spec) else TokenizerIdentity.of_spec(spec).meta_fields()
 
 
 def _python_version(source: str) -> dict:
@@ -174,16 +170,6 @@ def worker_count(num_workers: int) -> int:
 def source_key(source: str) -> str:
     """The source as recorded in meta.json: "stdlib" or an absolute path, so cwd does not matter."""
     return source if source == "stdlib" else str(Path(source).resolve())
-
-
-def tokenizer_key(spec: str, data_dir) -> dict:
-    """The tokenizer as meta.json records it: "byte", "gpt2", "bpe" or the absolute path of its tokenizer.json,
-    and the sha256 of that file (of data_dir/tokenizer.json for "bpe"), so a changed tokenizer is noticed."""
-    if spec in ("byte", "gpt2"):
-        return {"tokenizer": spec, "tokenizer_sha256": None}
-    path = Path(data_dir) / "tokenizer.json" if spec == "bpe" else tokenizer_file(spec).resolve()
-    sha = file_digest(path)["sha256"] if path.is_file() else None
-    return {"tokenizer": spec if spec == "bpe" else str(path), "tokenizer_sha256": sha}
 
 
 def end_of_text(tokenizer) -> int:

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...transformer.cross_entropy import IGNORE_INDEX
-from ...transformer.documents import mask_cross_document_labels
+from ....transformer.cross_entropy import IGNORE_INDEX
+from ....transformer.documents import mask_cross_document_labels
 from .sampling import EpochWindows, blend, draws_before
 from .token_source import TokenSource, TokenStream
 
 if TYPE_CHECKING:
-    from ..config.schema import PretrainConfig
+    from ...config.schema import PretrainConfig
 
 __all__ = ["GlobalBatchSampler", "SampleRows", "SAMPLINGS", "run_sampler", "run_validation", "validation_batches",
            "validation_batches_by_source"]

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .chunk_hashes import ChunkVerifier
+from ..chunk_hashes import ChunkVerifier
 from .document_index import SPLITS, load_stream
-from .indexed_dataset import IndexedTokens
+from ..indexed_dataset import IndexedTokens
 from .source_index import megatron_index, prepared_index
-from .token_files import DataFileError, meta_and_reason, prepare_again, verify_at_start
+from ..previous_format import read_splits
+from ..token_files import DataFileError, is_previous_format, meta_and_reason, prepare_again, verify_at_start
 
 __all__ = ["TokenSource", "TokenStream", "open_source"]
 
@@ -135,7 +136,7 @@ def open_source(path: str, val_fraction: float, tokenizer: tuple[int, str], veri
             raise DataFileError(f"{path} holds no complete prepared data ({why}): {prepare_again(path)}.")
         if verify:
             verify_at_start(path, meta)
-        if "format_version" not in meta:
+        if is_previous_format(meta):
             return _previous_format(path, meta)
         vocab = (int(meta["vocab_size"]), f"the tokenizer {meta['tokenizer']} ({Path(path) / 'meta.json'})")
         directory, info = prepared_index(Path(path), meta, val_fraction, Path(index_cache))
@@ -169,16 +170,7 @@ def _from_cache(name: str, directory: Path, info: dict, vocab: tuple[int, str], 
 
 def _previous_format(path: str, meta: dict) -> TokenSource:
     """The previous release's train.bin / val.bin (with train.idx / val.idx document offsets when present)."""
-    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     vocab = (int(meta["vocab_size"]), f"the tokenizer {meta['tokenizer']} ({Path(path) / 'meta.json'})")
-    streams = []
-    for split in ("train", "val"):
-        count = int(meta[f"num_{split}_tokens"])
-        tokens = np.memmap(Path(path) / f"{split}.bin", dtype=dtype, mode="r", shape=(count,))
-        documents = meta.get(f"num_{split}_documents")
-        starts = np.asarray(np.memmap(Path(path) / f"{split}.idx", dtype="<u8", mode="r", shape=(documents,)),
-                            dtype=np.int64) if documents else np.zeros(1, dtype=np.int64)
-        lengths = np.diff(np.append(starts, count))
-        streams.append(TokenStream.in_memory([(tokens, Path(path) / f"{split}.bin")], starts, lengths,
-                                             np.arange(len(starts)), vocab, path))
+    streams = [TokenStream.in_memory([(tokens, bin_path)], starts, lengths, np.arange(len(starts)), vocab, path)
+               for tokens, bin_path, starts, lengths in read_splits(path, meta)]
     return TokenSource(path, *streams, vocab[0], meta, int(meta.get("num_documents", 0)))

@@ -29,7 +29,7 @@ from typing import Iterator
 
 from .corpus_formats import (BINARY, DAMAGED, EMPTY_FILE, OTHER_TYPE, READERS, CorpusStats, DamagedFile,
                              datasets_files, file_kind, is_datasets_directory)
-from .tokenizer import train_bpe
+from .bpe import train_bpe
 
 __all__ = ["Corpus", "CorpusStats", "TEXT_SUFFIXES", "train_bpe_on_corpus"]
 

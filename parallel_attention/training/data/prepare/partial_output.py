@@ -23,10 +23,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from ...checkpointing.tensor_io import file_digest, replace_directory, write_atomic
-from .chunk_hashes import CHUNK_BYTES, file_and_chunk_sha256
-from .indexed_dataset import IndexedDatasetWriter
-from .token_files import META, index_bytes
+from ....checkpointing.tensor_io import file_digest, replace_directory, write_atomic
+from ..chunk_hashes import CHUNK_BYTES, file_and_chunk_sha256
+from ..indexed_dataset import IndexedDatasetWriter
+from ..token_files import META, index_bytes
 
 __all__ = ["PartialPreparation", "PreparationInUseError"]
 

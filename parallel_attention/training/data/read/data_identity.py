@@ -16,28 +16,22 @@ import os
 import sys
 from pathlib import Path
 
-from ...checkpointing.format import MANIFEST
-from ...checkpointing.tensor_io import file_digest
-from ..config.schema import PretrainConfig
-from ..config.checks import ConfigError
-from .blend import blend_entries, prepared_tokenizer
+from ....checkpointing.format import MANIFEST
+from ....checkpointing.tensor_io import file_digest
+from ...config.schema import PretrainConfig
+from ...config.checks import ConfigError
+from .blend_sources import blend_entries, prepared_tokenizer
 from .blend_history import continue_run_blend
 from .source_index import chunks_digest
 from .token_source import TokenSource
-from .tokenizer import copy_tokenizer
+from ...tokenizer import TokenizerIdentity, copy_tokenizer
 
 __all__ = ["DataChangedError", "check_identity", "check_tokenizer", "data_identity", "keep_run_tokenizer",
-           "run_data_identity", "source_record", "source_sha256", "tokenizer_identity"]
+           "run_data_identity", "source_record", "source_sha256"]
 
 
 class DataChangedError(ConfigError):
     """A resume onto another tokenizer, or onto other data without checkpoint.allow_data_change."""
-
-
-def tokenizer_identity(spec: str, tokenizer_json: Path | None) -> dict:
-    """{"tokenizer": spec, "sha256": of its tokenizer.json, or None for byte / gpt2}."""
-    sha = file_digest(tokenizer_json)["sha256"] if tokenizer_json is not None else None
-    return {"tokenizer": spec, "sha256": sha}
 
 
 def source_sha256(source: TokenSource) -> str:
@@ -60,7 +54,8 @@ def source_record(path: str, weight: float, source: TokenSource) -> dict:
 def data_identity(cfg: PretrainConfig, sources: list[TokenSource]) -> dict:
     """The tokenizer, each source (path as configured, sha256, weight) and the sampling of this run."""
     entries = blend_entries(cfg.data)
-    return {"tokenizer": tokenizer_identity(cfg.data.tokenizer, prepared_tokenizer(sources, cfg.data.tokenizer)),
+    tokenizer = TokenizerIdentity.of_file(cfg.data.tokenizer, prepared_tokenizer(sources, cfg.data.tokenizer))
+    return {"tokenizer": tokenizer.record(),
             "sources": [source_record(e.path, e.weight, s) for e, s in zip(entries, sources)],
             "sampling": cfg.data.sampling}
 
@@ -84,20 +79,17 @@ def _describe_source(s: dict) -> str:
     return f"{s['path']} x{s['weight']:g} ({s['sha256'][:12]}{chunks})"
 
 
-def _describe(tokenizer: dict) -> str:
-    return tokenizer["tokenizer"] + (f" (tokenizer.json sha256 {tokenizer['sha256']})" if tokenizer["sha256"] else "")
-
-
 def check_identity(manifest: dict, current: dict, allow_data_change: bool) -> None:
     """Raise DataChangedError when this run (`current`) may not continue the checkpoint of `manifest`; say what
     changed in the data when checkpoint.allow_data_change lets it. Checkpoints older than the record pass."""
     saved, where = manifest["extra"].get("data_identity"), manifest["path"]
     if not saved:
         return
-    if saved["tokenizer"] != current["tokenizer"]:
+    trained, now = (TokenizerIdentity.from_record(identity["tokenizer"]) for identity in (saved, current))
+    if trained != now:
         raise DataChangedError(
-            f"{where} was trained with the tokenizer {_describe(saved['tokenizer'])}, and this run's is "
-            f"{_describe(current['tokenizer'])}: token ids would change meaning. Use another logging.run_dir to "
+            f"{where} was trained with the tokenizer {trained.describe()}, and this run's is "
+            f"{now.describe()}: token ids would change meaning. Use another logging.run_dir to "
             "train a new model, or checkpoint.resume=none to start this one afresh (its checkpoints are then "
             "replaced).")
     content = [[(s["sha256"], s["weight"]) for s in identity["sources"]] + [identity["sampling"]]
@@ -131,10 +123,8 @@ def check_tokenizer(step_dir: Path, tokenizer) -> None:
         saved = json.loads((Path(step_dir) / MANIFEST).read_text(encoding="utf-8"))["extra"]["data_identity"]
     except (OSError, ValueError, KeyError, TypeError):
         return
-    path = getattr(tokenizer, "path", None)
-    have = {"sha256": file_digest(path)["sha256"] if path is not None else None, "name": tokenizer.name}
-    want = saved["tokenizer"]
-    if want["sha256"] != have["sha256"] or (want["sha256"] is None and want["tokenizer"] != have["name"]):
-        raise ValueError(f"the tokenizer {have['name']} (sha256 {have['sha256']}) is not the one {step_dir} was "
-                         f"trained with: {_describe(want)}; it would decode the model's ids as other text. Pass "
+    have, want = TokenizerIdentity.of_tokenizer(tokenizer), TokenizerIdentity.from_record(saved["tokenizer"])
+    if not want.same_file(have):
+        raise ValueError(f"the tokenizer {have.name} (sha256 {have.sha256}) is not the one {step_dir} was "
+                         f"trained with: {want.describe()}; it would decode the model's ids as other text. Pass "
                          "--tokenizer with that tokenizer's file (a run keeps it in RUN/tokenizer/).")

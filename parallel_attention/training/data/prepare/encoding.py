@@ -17,7 +17,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .tokenizer import get_tokenizer
+from ...tokenizer import ByteTokenizer, get_tokenizer
 
 __all__ = ["CHUNK_BYTES", "encode_documents", "use_threads"]
 
@@ -39,7 +39,7 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
 def encode_documents(spec: str, tokenizer_dir, texts: Iterable[str], num_workers: int) -> Iterator[np.ndarray]:
     """The token arrays of `texts`, in order (no end-of-text appended), encoded on `num_workers` threads."""
     tokenizer = get_tokenizer(spec, tokenizer_dir)
-    if spec == "byte":
+    if isinstance(tokenizer, ByteTokenizer):
         for chunk in _chunks(texts):
             yield from tokenizer.encode_batch(chunk)
         return

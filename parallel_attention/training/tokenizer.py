@@ -10,26 +10,27 @@ because a training job that fetches files at run time fails on air-gapped cluste
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "Gpt2Tokenizer", "HFTokenizer", "TokenizerFileError", "TokenizerUnavailableError",
-           "copy_tokenizer", "get_tokenizer", "tokenizer_file", "tokenizer_vocab_size", "train_bpe"]
+from ..checkpointing.tensor_io import file_digest, write_atomic
+from .gpt2_tokenizer import Gpt2Tokenizer, TokenizerUnavailableError
+
+__all__ = ["ByteTokenizer", "Gpt2Tokenizer", "HFTokenizer", "TokenizerFileError", "TokenizerIdentity",
+           "TokenizerUnavailableError", "copy_tokenizer", "get_tokenizer", "tokenizer_file", "tokenizer_vocab_size",
+           "tokenizers_library", "trains_bpe"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")  # what travels with a model
+TRAINED_BPE = "bpe"  # the spec of a byte-level BPE trained on the corpus, kept as DATA_DIR/tokenizer.json
+KNOWN_BY_NAME = ("byte", "gpt2")  # fixed vocabularies, identified by name: no file to hash
 BPE_EOS = "<|endoftext|>"  # the end-of-text token of the byte-level BPE that train_bpe writes
 BPE_MIN_VOCAB = 257  # its 256 byte symbols and BPE_EOS
 # end-of-text spellings of common families, tried when the tokenizer's config names none
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
-
-
-class TokenizerUnavailableError(RuntimeError):
-    """The requested tokenizer needs a package or files that are not present on this machine."""
 
 
 class ByteTokenizer:
@@ -54,80 +55,6 @@ class ByteTokenizer:
 
     def decode(self, tokens) -> str:
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
-# The files tiktoken's "gpt2" encoding reads, with their sha256 (tiktoken_ext/openai_public.py). tiktoken
-# caches each under sha1(url) and re-downloads a missing or mismatching one, so both are checked first.
-_GPT2_FILES = {
-    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe":
-        "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json":
-        "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-}
-
-
-def tiktoken_cache_dir() -> Path | None:
-    """Where tiktoken looks for cached files (same rule as tiktoken.load); None if caching is disabled."""
-    for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
-        if var in os.environ:
-            return Path(os.environ[var]) if os.environ[var] else None
-    return Path(tempfile.gettempdir()) / "data-gym-cache"
-
-
-def _cached_ok(cache: Path, url: str, sha256: str) -> bool:
-    path = cache / hashlib.sha1(url.encode()).hexdigest()
-    return path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == sha256
-
-
-_HOW_TO = (
-    "To make it available offline: on a machine with network access run "
-    "`pip install tiktoken && python -c \"import tiktoken; tiktoken.get_encoding('gpt2')\"` with "
-    "TIKTOKEN_CACHE_DIR set to a directory, copy that directory here and export TIKTOKEN_CACHE_DIR "
-    "pointing to it. Or use data.tokenizer=byte, which needs nothing."
-)
-
-
-class Gpt2Tokenizer:
-    """tiktoken's "gpt2" BPE (vocab 50257, end-of-text 50256), only from files already cached locally."""
-
-    name = "gpt2"
-    vocab_size = 50257
-    eot_token = 50256
-
-    def __init__(self) -> None:
-        try:
-            import tiktoken
-        except ImportError as exc:
-            raise TokenizerUnavailableError(
-                f"tokenizer 'gpt2' needs the tiktoken package, which is not installed. {_HOW_TO}"
-            ) from exc
-        cache = tiktoken_cache_dir()
-        if cache is None:
-            raise TokenizerUnavailableError(
-                f"tokenizer 'gpt2': TIKTOKEN_CACHE_DIR is set to '', which disables tiktoken's cache and would "
-                f"make it download the BPE files. {_HOW_TO}"
-            )
-        bad = [url.rsplit("/", 1)[1] for url, sha in _GPT2_FILES.items() if not _cached_ok(cache, url, sha)]
-        if bad:
-            raise TokenizerUnavailableError(
-                f"tokenizer 'gpt2': the BPE file(s) {', '.join(bad)} are missing from tiktoken's cache {cache} "
-                f"(or do not match their checksum), and nothing is downloaded at run time. {_HOW_TO}"
-            )
-        self._encoding = tiktoken.get_encoding("gpt2")
-
-    def encode(self, text: str) -> list[int]:
-        # encode_ordinary: a literal "<|endoftext|>" in the corpus is text, not a document boundary.
-        return self._encoding.encode_ordinary(text)
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.asarray(self.encode(text), dtype=np.uint32)
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """Many documents at once (tiktoken spreads them over threads)."""
-        return [np.asarray(ids, dtype=np.uint32) for ids in self._encoding.encode_ordinary_batch(texts)]
-
-    def decode(self, tokens) -> str:
-        return self._encoding.decode([int(t) for t in tokens], errors="replace")
 
 
 class HFTokenizer:
@@ -182,7 +109,7 @@ _REMEDY = ("copy the tokenizer's files again (an interrupted copy or download le
 def _read_tokenizer_json(path: Path):
     """The `tokenizers` Tokenizer in `path`. Its parser raises a bare Exception (e.g. "EOF while parsing an
     object") with no file name, so every failure becomes a TokenizerFileError naming the file."""
-    lib = _tokenizers(f"tokenizer {path}")
+    lib = tokenizers_library(f"tokenizer {path}")
     try:
         return lib.Tokenizer.from_file(str(path))
     except Exception as error:  # tokenizers' errors are plain Exceptions; OSError too: this names the file
@@ -207,7 +134,7 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     candidate = path / "tokenizer.json" if path.is_dir() else path
     if not candidate.is_file():
-        from ...hf.convert import MISSING_TOKENIZER_NOTE, missing_tokenizer_message
+        from ..hf.convert import MISSING_TOKENIZER_NOTE, missing_tokenizer_message
 
         if (path / MISSING_TOKENIZER_NOTE).is_file():  # RUN/tokenizer of a model imported without one
             raise ValueError(f"tokenizer {str(path)!r} holds no tokenizer.json, only the note "
@@ -218,6 +145,62 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
     return candidate
 
 
+def trains_bpe(spec: str | None) -> bool:
+    """Whether `spec` asks the preparation to train a BPE on the corpus (one tokenizer.json per data directory)."""
+    return spec == TRAINED_BPE
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """Which tokenizer made a set of ids, recorded by meta.json, checked across a blend and kept in checkpoints so
+    that ids are never read with another: `name` ("byte", "gpt2", "bpe" or a tokenizer.json's path) and the sha256
+    of its tokenizer.json (None for byte and gpt2). On disk it keeps its two spellings byte for byte: meta.json's
+    {"tokenizer", "tokenizer_sha256"} (`meta_fields`) and a checkpoint's {"tokenizer", "sha256"} (`record`)."""
+
+    name: str | None
+    sha256: str | None
+
+    @classmethod
+    def of_spec(cls, spec: str, data_dir: str | os.PathLike | None = None) -> TokenizerIdentity:
+        """As meta.json records data.tokenizer=`spec`: byte / gpt2 by name, "bpe" with the sha256 of
+        data_dir/tokenizer.json, a path as its tokenizer.json's absolute path (cwd does not matter) and sha256."""
+        if spec in KNOWN_BY_NAME:
+            return cls(spec, None)
+        path = Path(data_dir) / "tokenizer.json" if trains_bpe(spec) else tokenizer_file(spec).resolve()
+        return cls(spec if trains_bpe(spec) else str(path), file_digest(path)["sha256"] if path.is_file() else None)
+
+    @classmethod
+    def of_file(cls, name: str, tokenizer_json: Path | None) -> TokenizerIdentity:
+        """`name` with the sha256 of `tokenizer_json` (None: a tokenizer known by name)."""
+        return cls(name, file_digest(tokenizer_json)["sha256"] if tokenizer_json is not None else None)
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer) -> TokenizerIdentity:
+        """A loaded tokenizer's: an HFTokenizer by its file, byte and gpt2 by name."""
+        return cls.of_file(tokenizer.name, getattr(tokenizer, "path", None))
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> TokenizerIdentity:
+        return cls(meta.get("tokenizer"), meta.get("tokenizer_sha256"))
+
+    def meta_fields(self) -> dict:
+        return {"tokenizer": self.name, "tokenizer_sha256": self.sha256}
+
+    @classmethod
+    def from_record(cls, record: dict) -> TokenizerIdentity:
+        return cls(record.get("tokenizer"), record.get("sha256"))
+
+    def record(self) -> dict:
+        return {"tokenizer": self.name, "sha256": self.sha256}
+
+    def same_file(self, other: TokenizerIdentity) -> bool:
+        """The same tokenizer: by the sha256 of its tokenizer.json, by name where there is no file (byte, gpt2)."""
+        return self.sha256 == other.sha256 and (self.sha256 is not None or self.name == other.name)
+
+    def describe(self) -> str:
+        return str(self.name) + (f" (tokenizer.json sha256 {self.sha256})" if self.sha256 else "")
+
+
 def get_tokenizer(spec: str, data_dir: str | os.PathLike | None = None):
     """The tokenizer `spec` names: "byte", "gpt2", "bpe" (the BPE prepare_data trained into `data_dir`),
     or a path to a tokenizer.json or a directory holding one."""
@@ -225,7 +208,7 @@ def get_tokenizer(spec: str, data_dir: str | os.PathLike | None = None):
         return ByteTokenizer()
     if spec == "gpt2":
         return Gpt2Tokenizer()
-    if spec == "bpe":
+    if trains_bpe(spec):
         if data_dir is None or not (Path(data_dir) / "tokenizer.json").is_file():
             raise TokenizerUnavailableError(f"tokenizer 'bpe': no trained tokenizer.json in data_dir={data_dir!s}; "
                                             "prepare_data trains it (python scripts/prepare_data.py ...).")
@@ -236,8 +219,6 @@ def get_tokenizer(spec: str, data_dir: str | os.PathLike | None = None):
 def copy_tokenizer(path: Path, dest: Path) -> None:
     """`path` (a tokenizer.json) as dest/tokenizer.json, with the tokenizer_config.json and special_tokens_map.json
     beside it: what a model directory carries so that generation never depends on where the data lies."""
-    from ...checkpointing.tensor_io import write_atomic
-
     dest.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         source = path if name == "tokenizer.json" else path.parent / name
@@ -253,37 +234,7 @@ def tokenizer_vocab_size(spec: str, bpe_vocab_size: int) -> int:
     return sizes[spec] if spec in sizes else HFTokenizer(spec).vocab_size
 
 
-def train_bpe(texts, vocab_size: int, out_path: str | os.PathLike, show_progress: bool = False) -> HFTokenizer:
-    """Train a byte-level BPE of `vocab_size` tokens on the strings of `texts`; save it as `out_path` (a
-    tokenizer.json) with a tokenizer_config.json beside it naming its end-of-text token; return it loaded.
-
-    Byte-level: the initial alphabet is the 256 byte symbols, so any text encodes and decodes exactly.
-    Token 0 is `<|endoftext|>`, the end-of-text token the data pipeline puts between documents. Same texts,
-    same tokenizer: the trainer is deterministic. `show_progress`: the `tokenizers` library's own progress bars
-    on stderr (it offers no hook to report progress through: its stages only draw bars, or print JSON lines).
-    """
-    from ...checkpointing.tensor_io import write_atomic  # training is the top layer: it may read below
-
-    if vocab_size < BPE_MIN_VOCAB:
-        raise ValueError(f"bpe vocab_size={vocab_size} is below {BPE_MIN_VOCAB}, the 256 byte symbols plus {BPE_EOS}: "
-                         f"set data.bpe_vocab_size >= {BPE_MIN_VOCAB} (8192 to 50000 is usual).")
-    lib = _tokenizers("tokenizer 'bpe'")
-    tokenizer = lib.Tokenizer(lib.models.BPE())
-    tokenizer.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = lib.decoders.ByteLevel()
-    trainer = lib.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=show_progress,
-                                      initial_alphabet=lib.pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": BPE_EOS, "bos_token": BPE_EOS,
-              "add_prefix_space": False}
-    write_atomic(out.parent / "tokenizer_config.json", [json.dumps(config, indent=2).encode("utf-8")])
-    write_atomic(out, [tokenizer.to_str().encode("utf-8")])
-    return HFTokenizer(out)
-
-
-def _tokenizers(who: str):
+def tokenizers_library(who: str):
     """The `tokenizers` package, imported on first use (`import parallel_attention` must not need it)."""
     try:
         import tokenizers
