@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tensor_parallel.collectives import all_gather_along_dim, copy_to_tensor_parallel_region
+from ..tensor_parallel.collectives import all_gather_along_dim
+from ..tensor_parallel.mappings import copy_to_tensor_parallel_region
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.param_kinds import KvReplica, Replicated
 from ..tensor_parallel.parallel_state import group_rank, group_size

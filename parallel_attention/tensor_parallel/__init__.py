@@ -11,9 +11,9 @@ Imports torch only: nothing from the rest of the package.
 
 from .audit import replica_mismatches
 from .collective_log import CollectiveMismatchError, enable_collective_log
-from .collectives import (
-    CollectiveTimeoutError,
-    all_gather_along_dim,
+from .collectives import CollectiveTimeoutError, all_gather_along_dim
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
@@ -21,7 +21,6 @@ from .collectives import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .parallel_state import (
     destroy_model_parallel,
     get_context_parallel_group,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import collectives
+from . import mappings
 from . import linear_functions as fn
 from .linear_functions import OVERLAP_COMM
 from .param_kinds import PartialGrad, Replicated, Sharded
@@ -134,11 +134,11 @@ class RowParallelLinear(_TensorParallelModule):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self._init_weight(in_features, out_features, 1, init_std, device, dtype)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
-        self._enter = (_identity if input_is_parallel
-                       else self._region(collectives.scatter_to_tensor_parallel_region))
+        self._enter = (_unchanged if input_is_parallel
+                       else self._region(mappings.scatter_to_tensor_parallel_region))
         # the GEMM and its exit collective fused (reduced in place); p = 1: no collective
         self._linear = row_parallel_linear_variant(self.tp_group, self.tp_size, sequence_parallel)
-        self._add_bias = self._plus_bias if bias else _identity
+        self._add_bias = self._plus_bias if bias else _unchanged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_bias(self._linear(self._enter(x), self.weight))
@@ -182,8 +182,8 @@ class VocabParallelEmbedding(_TensorParallelModule):
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
         self.weight = nn.Parameter(_shard_of_full(
             (num_embeddings, embedding_dim), 0, init_std, self.tp_rank, self.tp_size, device, dtype))
-        self._exit = self._region(collectives.reduce_scatter_to_sequence_parallel_region if sequence_parallel
-                                  else collectives.reduce_from_tensor_parallel_region)
+        self._exit = self._region(mappings.reduce_scatter_to_sequence_parallel_region if sequence_parallel
+                                  else mappings.reduce_from_tensor_parallel_region)
 
         self._lookup = self._lookup_my_rows if self.tp_size > 1 else self._lookup_all
 
@@ -232,7 +232,7 @@ def column_parallel_regions(layer: _TensorParallelModule, sequence_parallel: boo
                             overlap_comm: bool):
     """(linear, exit) functions of a column-parallel layer, chosen once: the GEMM fused with its entry region
     and the output gather."""
-    leave = layer._region(collectives.gather_from_tensor_parallel_region) if gather_output else _identity
+    leave = layer._region(mappings.gather_from_tensor_parallel_region) if gather_output else _unchanged
     return column_parallel_linear_variant(layer.tp_group, layer.tp_size, sequence_parallel, overlap_comm), leave
 
 
@@ -252,5 +252,6 @@ def row_parallel_linear_variant(group, tp_size: int, sequence_parallel: bool):
     return partial(fn.sequence_parallel_row_linear if sequence_parallel else fn.row_parallel_linear, group=group)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    """No region or bias to apply: x as it is."""
     return x

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .collectives import PendingCollective, all_gather_first_dim, all_reduce, reduce_scatter_first_dim
+from .collectives import (CompletedCollective, PendingCollective, all_gather_first_dim, all_reduce,
+                          reduce_scatter_first_dim)
 from .parallel_state import ProcessGroup
 from .weight_grads import weight_grad
 
@@ -72,16 +73,6 @@ def _weight_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     grad_weight = weight_grad(lambda: flat.t().mm(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype),
                               weight) if ctx.needs_input_grad[1] else None  # now, or deferred (zero bubble)
     return grad_weight, flat.sum(0).to(weight.dtype) if with_bias else None
-
-
-class CompletedCollective:
-    """A collective already waited for: wait() returns its result at once."""
-
-    def __init__(self, result: torch.Tensor) -> None:
-        self.result = result
-
-    def wait(self) -> torch.Tensor:
-        return self.result
 
 
 # when the backward waits for its collective (`wait_policy`, chosen once from overlap_comm)

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .collectives import all_reduce_
+from .collectives import all_reduce
 from .parallel_state import ProcessGroup, group_size
 
-__all__ = ["KvReplica", "ParamKind", "PartialGrad", "Replicated", "Sharded", "finalize_grads", "is_distributed",
-           "local_rows", "local_shard", "parameter_kinds", "shared_rows"]
+__all__ = ["KvReplica", "LocalShard", "ParamKind", "PartialGrad", "Replicated", "SharedRows", "Sharded",
+           "finalize_grads", "is_distributed", "local_rows", "local_shard", "parameter_kinds", "shared_rows"]
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,21 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def shared_rows(kind: ParamKind) -> tuple[slice, int, int] | None:
-    """(rows, slot, num_slots) of a kind whose gradient finalize_grads must sum, None for the others: a
-    PartialGrad is all rows of one slot."""
+class SharedRows(NamedTuple):
+    """The rows of a parameter whose gradient finalize_grads sums: slot `slot` of `num_slots`."""
+
+    rows: slice
+    slot: int
+    num_slots: int
+
+
+def shared_rows(kind: ParamKind) -> SharedRows | None:
+    """The rows of a kind whose gradient finalize_grads must sum, None for the others: a PartialGrad is all rows
+    of one slot."""
     if isinstance(kind, PartialGrad):
-        return slice(None), 0, 1
+        return SharedRows(slice(None), 0, 1)
     if isinstance(kind, KvReplica):
-        return kind.rows, kind.slot, kind.num_slots
+        return SharedRows(kind.rows, kind.slot, kind.num_slots)
     return None
 
 
@@ -133,17 +142,23 @@ def is_distributed(kind: ParamKind) -> bool:
     return group_size(kind.group) > 1
 
 
-def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(this rank's part of `tensor`, the index in `tensor` of its first row): a DTensor (FSDP2 shards each
-    rank's tensor along dim 0 over the data-parallel mesh dimension) gives its local shard; a plain tensor is
-    all of itself, at row 0."""
+class LocalShard(NamedTuple):
+    """This rank's part of a tensor, and the index in the whole tensor of its first row."""
+
+    tensor: torch.Tensor
+    offset: int
+
+
+def local_shard(tensor: torch.Tensor) -> LocalShard:
+    """This rank's part of `tensor`: a DTensor (FSDP2 shards each rank's tensor along dim 0 over the
+    data-parallel mesh dimension) gives its local shard; a plain tensor is all of itself, at row 0."""
     placements = getattr(tensor, "placements", None)
     if placements is None:
-        return tensor, 0
+        return LocalShard(tensor, 0)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
-    return tensor.to_local(), (offset[0] if offset else 0)
+    return LocalShard(tensor.to_local(), offset[0] if offset else 0)
 
 
 def local_rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -173,21 +188,23 @@ def finalize_grads(module: nn.Module) -> None:
     tensor-parallel sum and the data-parallel reduce-scatter commute, so each rank sums the partial rows
     its local shard holds (`local_rows`; the ranks of one tensor-parallel group hold the same rows).
     """
-    by_group: dict[int, list[tuple]] = {}
+    groups: dict[int, ProcessGroup] = {}
+    by_group: dict[int, list[tuple[nn.Parameter, SharedRows]]] = {}
     for param, kind in parameter_kinds(module).values():
         shared = shared_rows(kind)
         if shared is not None and is_distributed(kind) and not kind.reduced_in_backward:
-            by_group.setdefault(id(kind.group), []).append((param, kind.group, *shared))
-    for entries in by_group.values():
-        views = [_grad_rows(param, rows) for param, _, rows, _, _ in entries]
-        sizes = [view.numel() * entry[4] for view, entry in zip(views, entries)]  # entry[4]: num_slots
+            groups[id(kind.group)] = kind.group
+            by_group.setdefault(id(kind.group), []).append((param, shared))
+    for key, entries in by_group.items():
+        views = [_grad_rows(param, shared.rows) for param, shared in entries]
+        sizes = [view.numel() * shared.num_slots for view, (_, shared) in zip(views, entries)]
         if not sum(sizes):  # FSDP2 left this rank no row of them (the ranks of one tp group share a dp rank)
             continue
         buffer = torch.zeros(sum(sizes), dtype=views[0].dtype, device=views[0].device)
-        offsets = [sum(sizes[:i]) + entry[3] * view.numel()  # entry[3]: this rank's slot
-                   for i, (view, entry) in enumerate(zip(views, entries))]
+        offsets = [sum(sizes[:i]) + shared.slot * view.numel()  # this rank's slot within the parameter's part
+                   for i, (view, (_, shared)) in enumerate(zip(views, entries))]
         for view, start in zip(views, offsets):
             buffer[start:start + view.numel()].copy_(view.reshape(-1))
-        all_reduce_(buffer, entries[0][1])
+        all_reduce(buffer, groups[key])
         for view, start in zip(views, offsets):
             view.copy_(buffer[start:start + view.numel()].view_as(view))

@@ -22,7 +22,7 @@ import torch
 from ..checkpointing.checkpoint import save_checkpoint
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collective_log import enable_collective_log
-from ..tensor_parallel.collectives import all_reduce_, any_rank
+from ..tensor_parallel.collectives import all_reduce, any_rank
 from ..tensor_parallel.param_kinds import finalize_grads
 from ..tensor_parallel.rng import dropout_coordinates, manual_seed
 from ..pipeline.runner import PipelineRunner, StepRecord
@@ -197,7 +197,7 @@ def train_step(run: Run) -> dict:
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_parallel_group()
     grad_norm = global_grad_norm(run.model, tp_group, pp_group=pp_group, counted_elsewhere=run.model.pipeline_copies())
     dp_group = ps.get_data_parallel_group()
-    loss = (all_reduce_(loss_sum, dp_group) / ps.group_size(dp_group)).item()  # the mean over data-parallel ranks
+    loss = (all_reduce(loss_sum, dp_group) / ps.group_size(dp_group)).item()  # the mean over data-parallel ranks
     if run.guard.update(run.step + 1, loss, grad_norm.item()):
         clip_gradients(run.model, run.cfg.optimizer.grad_clip, grad_norm)
         run.optimizer.step()
