@@ -38,7 +38,8 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from .param_kinds import KvReplica, PartialGrad, Replicated, Sharded, finalize_grads, parameter_kinds
+from .param_kinds import (KvReplica, PartialGrad, Replicated, Sharded, finalize_grads, parameter_kinds,
+                          removed_name_error)
 from .rng import (
     checkpoint_with_tp_rng,
     get_tensor_parallel_rng_state,
@@ -49,9 +50,5 @@ from .rng import (
 
 
 def __getattr__(name: str):
-    """`Partial` (0.2) warns and builds PartialGrad or KvReplica: param_kinds owns the alias."""
-    if name == "Partial":
-        from . import param_kinds
-
-        return param_kinds.__getattr__(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """A name removed in 0.4 (`param_kinds.REMOVED_NAMES`: `Partial`) is refused with what replaces it."""
+    raise removed_name_error(__name__, name)

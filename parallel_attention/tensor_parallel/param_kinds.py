@@ -22,7 +22,6 @@ Readers: `finalize_grads` here, the global gradient norm (`grad_clip`), canonica
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,8 +31,9 @@ from torch import nn
 from .collectives import all_reduce
 from .parallel_state import ProcessGroup, group_size
 
-__all__ = ["KvReplica", "LocalShard", "ParamKind", "PartialGrad", "Replicated", "SharedRows", "Sharded",
-           "finalize_grads", "is_distributed", "local_rows", "local_shard", "parameter_kinds", "shared_rows"]
+__all__ = ["KvReplica", "LocalShard", "ParamKind", "PartialGrad", "REMOVED_NAMES", "Replicated", "SharedRows",
+           "Sharded", "finalize_grads", "is_distributed", "local_rows", "local_shard", "parameter_kinds",
+           "removed_name_error", "shared_rows"]
 
 
 @dataclass(frozen=True)
@@ -82,28 +82,22 @@ class KvReplica:
 ParamKind = Sharded | Replicated | PartialGrad | KvReplica
 
 
-class _LegacyPartialMeta(type):
-    def __instancecheck__(cls, obj) -> bool:
-        return isinstance(obj, (PartialGrad, KvReplica))
+# names removed in 0.4, each refused (AttributeError) with what replaces it, as AttentionConfig's REMOVED_ARGUMENTS
+REMOVED_NAMES = {
+    "Partial": "declare PartialGrad (a replicated parameter whose gradient is partial) or KvReplica (k/v replica "
+               "rows when p > num_kv_heads)",
+}
 
 
-class _LegacyPartial(metaclass=_LegacyPartialMeta):
-    """The 0.2 name `Partial`, split into PartialGrad and KvReplica: builds the one its arguments describe."""
-
-    def __new__(cls, group=None, rows=slice(None), slot=0, num_slots=1, sharded_dim=None,
-                reduced_in_backward=False):
-        if sharded_dim is None:
-            return PartialGrad(group, reduced_in_backward)
-        return KvReplica(group, rows, slot, num_slots, sharded_dim, reduced_in_backward)
+def removed_name_error(module: str, name: str) -> AttributeError:
+    """The error for `module`.`name`: what replaces it where the name was removed, else Python's own message."""
+    if name in REMOVED_NAMES:
+        return AttributeError(f"{module}.{name} was removed in 0.4: {REMOVED_NAMES[name]}.")
+    return AttributeError(f"module {module!r} has no attribute {name!r}")
 
 
 def __getattr__(name: str):
-    if name == "Partial":
-        warnings.warn("tensor_parallel.Partial is deprecated and goes in the next release: declare PartialGrad "
-                      "(a replicated parameter whose gradient is partial) or KvReplica (k/v replica rows).",
-                      DeprecationWarning, stacklevel=2)
-        return _LegacyPartial
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise removed_name_error(__name__, name)
 
 
 class SharedRows(NamedTuple):
