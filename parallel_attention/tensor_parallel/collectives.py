@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -275,6 +276,18 @@ def all_gather_objects(obj, group: ProcessGroup | None = None) -> list:
     with _issue("all_gather_object", None, group):
         dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def raise_together(problem, error: Callable[[dict[int, Any]], BaseException], group: ProcessGroup | None = None,
+                   cause: BaseException | None = None) -> None:
+    """Every rank of `group` (default: the world) raises the same error, or none does: each rank states its
+    `problem` (None: it has none; else anything picklable, such as a message), one all_gather shares them, and
+    where any rank has one, every rank raises error({rank: problem} of the ranks that have one, in rank order).
+    A rank that raised alone would leave the others waiting in their next collective until the timeout, and the
+    job's report would name whichever rank failed first. `cause`: this rank's own exception, chained."""
+    problems = {rank: found for rank, found in enumerate(all_gather_objects(problem, group)) if found is not None}
+    if problems:
+        raise error(problems) from cause
 
 
 def broadcast_object(obj, src: int = 0):
