@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from parallel_attention.tensor_parallel import CollectiveTimeoutError, init_distributed
 from parallel_attention.tensor_parallel.collective_log import enable_collective_log
-from parallel_attention.tensor_parallel.collectives import all_reduce_
+from parallel_attention.tensor_parallel.collectives import all_reduce
 from parallel_attention.tensor_parallel.parallel_state import get_tensor_model_parallel_group
 
 
@@ -30,7 +30,7 @@ def silent_peer(timeout_s: float, device: torch.device) -> dict:
     """Rank 0's all-reduce that nobody joins: what it raised, and after how long."""
     started = time.monotonic()
     try:
-        all_reduce_(torch.ones(4, device=device), get_tensor_model_parallel_group())
+        all_reduce(torch.ones(4, device=device), get_tensor_model_parallel_group())
         if device.type == "cuda":
             torch.cuda.synchronize()
         raised = "nothing"

@@ -9,9 +9,9 @@ from .hf.convert import canonical_to_hf, hf_to_canonical
 from .hf.parallelize import parallelize
 from .tensor_parallel.grad_clip import clip_grad_norm_
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, finalize_grads, manual_seed
-from .tensor_parallel.collectives import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                                          gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                                          reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
+from .tensor_parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                                       gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+                                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_parallel_region)
 from .tensor_parallel.parallel_state import (destroy_model_parallel, get_data_parallel_group, get_data_parallel_rank,
                                              get_device_mesh, get_context_parallel_group, get_context_parallel_rank,
                                              get_context_parallel_world_size, get_data_context_parallel_group,

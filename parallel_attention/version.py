@@ -1,3 +1,3 @@
 """The package version, in one place (setup.py reads it; the run guards compare it across ranks)."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

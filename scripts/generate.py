@@ -33,6 +33,7 @@ from parallel_attention.launch.agreement import disagreements
 from parallel_attention.training.data.read.data_identity import check_tokenizer
 from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
 from parallel_attention.launch.launcher_watch import stop_with_launcher
+from parallel_attention.launch.rank_zero import is_rank_zero
 from parallel_attention.launch.report_once import report_from_rank_0
 from parallel_attention.transformer import GPTModel, generate_batch
 
@@ -153,19 +154,19 @@ def decode(tokenizer, ids: list[int]) -> str:
 def main(argv: list[str]) -> int:
     one_line_warnings()
     stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
-    rank, tp = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args, step_dir, cfg, canonical, tokenizer, prompts = prepare(argv, tp)
     except (ValueError, OSError, TokenizerUnavailableError) as error:  # CheckpointError is a ValueError
         report_from_rank_0(f"error: {error}")
         return 2
     try:
-        return _generate(args, step_dir, cfg, canonical, tokenizer, prompts, rank, tp)
+        return _generate(args, step_dir, cfg, canonical, tokenizer, prompts, tp)
     finally:
         shutdown_distributed()  # on every way out: a live gloo group at exit can abort with SIGABRT
 
 
-def _generate(args, step_dir, cfg, canonical, tokenizer, prompts, rank: int, tp: int) -> int:
+def _generate(args, step_dir, cfg, canonical, tokenizer, prompts, tp: int) -> int:
     """Join the process group, check that every rank has the same arguments, decode, print on rank 0."""
     device = pa.init_distributed(tensor_model_parallel_size=tp, timeout=args.timeout_s or cfg.parallel.timeout_s)
     differing = disagreements({**vars(args), "checkpoint": str(step_dir.resolve()), "version": pa.__version__})
@@ -177,7 +178,7 @@ def _generate(args, step_dir, cfg, canonical, tokenizer, prompts, rank: int, tp:
     model.load_canonical_state_dict(canonical)
     outputs = generate_batch(model, prompts, args.max_new_tokens, args.temperature, args.top_k or None, args.seed,
                              use_cache=not args.no_cache, eos_token_id=tokenizer.eot_token, device=device)
-    if rank == 0:
+    if is_rank_zero():
         print(f"# checkpoint {step_dir} (trained at tensor_parallel_size={cfg.parallel.tensor_parallel_size}), "
               f"generating at tensor_parallel_size={tp}", file=sys.stderr)
         for i, out in enumerate(outputs):

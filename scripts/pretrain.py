@@ -12,12 +12,12 @@ report, whose root cause (rank 0) repeats the line, and exits 1: its status for 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from parallel_attention import load_config
 from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.launch.launcher_watch import stop_with_launcher
+from parallel_attention.launch.rank_zero import is_rank_zero
 from parallel_attention.launch.report_once import report_from_rank_0
 from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention.training import ConfigError, train
@@ -61,7 +61,7 @@ def _train(cfg, resume: str | None) -> int:
         return 1
     if not result.losses and result.last_step >= cfg.training.max_steps:
         return 0  # already finished: the trainer said "nothing to do" and trained nothing
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank_zero():
         final = result.val_losses.get(result.last_step)
         print(f"finished at step {result.last_step}" + (f", validation loss {final:.4f}" if final else "")
               + (f" (stopped by {result.stopped_by_signal}; resume with --resume)" if result.stopped_by_signal else "")

@@ -15,13 +15,13 @@ import parallel_attention as pa
 from distributed import run_distributed
 from launch import ROOT, environment, run_command, torchrun_command, train_losses
 from parallel_attention.tensor_parallel import CollectiveMismatchError, enable_collective_log
-from parallel_attention.tensor_parallel.collectives import (CollectiveTimeoutError, all_gather_along_dim, all_reduce_,
+from parallel_attention.tensor_parallel.collectives import (CollectiveTimeoutError, all_gather_along_dim, all_reduce,
                                                             broadcast_object)
 from test_pretrain import data_dir, tiny_args  # noqa: F401  (data_dir is a fixture)
 
 
 def _rank0_sums(group):
-    all_reduce_(torch.ones(4), group)
+    all_reduce(torch.ones(4), group)
 
 
 def _rank1_gathers(group):
@@ -31,7 +31,7 @@ def _rank1_gathers(group):
 def _mismatch_worker():
     enable_collective_log()
     group = pa.get_tensor_model_parallel_group()
-    all_reduce_(torch.ones(3), group)  # agreed: part of the history
+    all_reduce(torch.ones(3), group)  # agreed: part of the history
     broadcast_object("agreed too")
     try:
         (_rank0_sums if dist.get_rank() == 0 else _rank1_gathers)(group)
@@ -57,7 +57,7 @@ GROUP_TIMEOUT_S = 4
 
 
 def _rank0_waits(group):
-    all_reduce_(torch.ones(2), group)
+    all_reduce(torch.ones(2), group)
 
 
 def _timeout_worker():
@@ -65,7 +65,7 @@ def _timeout_worker():
     pa.destroy_model_parallel()
     pa.initialize_model_parallel(2, timeout=GROUP_TIMEOUT_S)
     group = pa.get_tensor_model_parallel_group()
-    all_reduce_(torch.ones(5), group)
+    all_reduce(torch.ones(5), group)
     if dist.get_rank() == 1:  # stops answering
         time.sleep(GROUP_TIMEOUT_S + 4)
         return None

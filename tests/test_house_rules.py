@@ -154,6 +154,7 @@ def test_no_flags_or_caches_in_forward():
 
 
 HOT_PATH = ["tensor_parallel/linear_functions.py", "tensor_parallel/layers.py", "tensor_parallel/collectives.py",
+            "tensor_parallel/mappings.py",
             "transformer/attention.py", "transformer/kernels/core_attention.py", "transformer/kernels/causal_chunks.py",
             "transformer/mlp.py"]
 # a layout flag, a device, an environment variable: each decided once, in __init__ (or where the module moves)

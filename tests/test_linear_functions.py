@@ -24,9 +24,9 @@ import parallel_attention as pa
 from parallel_attention.check.collective_counter import count_collectives
 from parallel_attention.tensor_parallel.linear_functions import local_linear
 from parallel_attention.tensor_parallel import CollectiveMismatchError, enable_collective_log
-from parallel_attention.tensor_parallel.collectives import (CollectiveTimeoutError, all_reduce_,
-                                                            copy_to_tensor_parallel_region,
-                                                            reduce_from_tensor_parallel_region)
+from parallel_attention.tensor_parallel.collectives import CollectiveTimeoutError, all_reduce
+from parallel_attention.tensor_parallel.mappings import (copy_to_tensor_parallel_region,
+                                                         reduce_from_tensor_parallel_region)
 
 S, B, H, FFN = 12, 3, 10, 20
 # float64: the sharded block sums the same products as the reference in another order (per-rank partial
@@ -94,7 +94,7 @@ def _equivalence_worker():
             expected = {"x": g_ref["x"].chunk(p, 0)[r] if sp else g_ref["x"], "w1": g_ref["w1"].chunk(p, 0)[r],
                         "b1": g_ref["b1"].chunk(p, 0)[r], "w2": g_ref["w2"].chunk(p, 1)[r], "b2": g_ref["b2"]}
             if sp:  # b2's gradient is partial (this rank's tokens): finalize_grads' sum, outside the counts
-                grads["b2"] = all_reduce_(grads["b2"].clone(), pa.get_tensor_model_parallel_group())
+                grads["b2"] = all_reduce(grads["b2"].clone(), pa.get_tensor_model_parallel_group())
             for name, value in grads.items():
                 torch.testing.assert_close(value, expected[name], **TOL, msg=f"{tag}: grad {name}")
             assert (fwd, bwd) == _expected_counts(sp), (tag, fwd, bwd)
@@ -203,7 +203,7 @@ def _guard_worker():
         if dist.get_rank() == 0:  # the async all-reduce of dX against another rank's different call
             col(d["x"].clone().requires_grad_()).sum().backward()
         else:
-            all_reduce_(torch.ones(4, dtype=torch.float64), pa.get_tensor_model_parallel_group())
+            all_reduce(torch.ones(4, dtype=torch.float64), pa.get_tensor_model_parallel_group())
     except CollectiveMismatchError as error:
         return str(error)
     return None

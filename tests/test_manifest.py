@@ -91,6 +91,23 @@ def test_required_keys_and_types_are_named(two_steps):
     assert read_manifest(root / "step_0000001")["step"] == 1
 
 
+def test_a_look_at_one_record_reads_without_the_cross_checks(tmp_path):
+    """verify=False (the data identity before a resume, a tool's look at the config): the file is still read by
+    read_manifest, upgraded to today's keys, and a missing or non-object manifest is still a CheckpointCorruptError."""
+    step = tmp_path / "step_0000003"
+    step.mkdir()
+    with pytest.raises(CheckpointCorruptError, match="is missing"):
+        read_manifest(step, verify=False)
+    (step / "manifest.json").write_text(json.dumps({"config": {"parallel": {"backend": "gloo"}}, "extra": {"a": 1}}))
+    assert read_manifest(step, verify=False) == {"config": {"parallel": {"distributed_backend": "gloo"}},
+                                                 "extra": {"a": 1}}
+    with pytest.raises(CheckpointCorruptError, match="not a"):
+        read_manifest(step)  # verified: a record alone is not a checkpoint
+    (step / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointCorruptError, match="not a"):
+        read_manifest(step, verify=False)
+
+
 # ---------------------------------------------------------------- torchrun-like: the training resume
 
 TINY = dict(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2, max_seq_len=8)

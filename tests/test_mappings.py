@@ -1,4 +1,4 @@
-"""The autograd regions of tensor_parallel.collectives: values forward and backward, and counts.
+"""The autograd regions of tensor_parallel.mappings: values forward and backward, and counts.
 
 Each rank feeds a rank-dependent input and a rank-dependent upstream gradient; the expected
 values are built here from what every member of the group fed (the docstring's promise). All
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from distributed import backend_for, device_params, local_device, run_distributed
 
 import parallel_attention as pa
-from parallel_attention.tensor_parallel import collectives as mappings
+from parallel_attention.tensor_parallel import collectives, mappings
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA; the cpu variant runs the same checks"))]
@@ -114,16 +114,16 @@ def _check_group(group, dev):
             assert torch.equal(grad, grad_expected), f"{what}: backward value"
         for dim in (0, 1):
             shard = _value(me, (2, 3, 5), 1, dev).requires_grad_()
-            full = mappings.all_gather_along_dim(shard, dim, group)
+            full = collectives.all_gather_along_dim(shard, dim, group)
             _expect_calls(calls, {"all_gather": 1} if p > 1 else {}, group, f"all_gather_along_dim({dim})")
             assert torch.equal(full, cat([_value(g, (2, 3, 5), 1, dev) for g in members], dim))
             assert not full.requires_grad, "all_gather_along_dim is documented as outside autograd"
         for op, expected in [(dist.ReduceOp.SUM, total(xs[g] for g in members)),
                              (dist.ReduceOp.MAX, torch.stack([xs[g] for g in members]).amax(0))]:
             stat = xs[me].clone()
-            assert mappings.all_reduce_(stat, group, op) is stat, "all_reduce_ works in place"
-            _expect_calls(calls, {"all_reduce": 1} if p > 1 else {}, group, f"all_reduce_({op})")
-            assert torch.equal(stat, expected), f"all_reduce_({op}) p={p} rank={me}"
+            assert collectives.all_reduce(stat, group, op) is stat, "all_reduce works in place"
+            _expect_calls(calls, {"all_reduce": 1} if p > 1 else {}, group, f"all_reduce({op})")
+            assert torch.equal(stat, expected), f"all_reduce({op}) p={p} rank={me}"
 
 
 def _mappings_worker(kind):
@@ -154,7 +154,7 @@ def test_no_group_is_identity_without_collectives(monkeypatch, device):
             out = fn(x, None)
             assert out is x
             assert torch.equal(torch.autograd.grad(out, x, up)[0], up)
-        assert torch.equal(mappings.all_gather_along_dim(x, 1, None), x)
+        assert torch.equal(collectives.all_gather_along_dim(x, 1, None), x)
     assert calls == []
 
 
@@ -175,3 +175,13 @@ def _copy_to_grad_worker():
 def test_copy_to_backward_leaves_shared_gradient_alone():
     results = run_distributed(_copy_to_grad_worker, 2)
     assert results == [{"grad_x": True, "grad_y": True, "upstream untouched": True}] * 2
+
+
+def test_the_regions_keep_their_old_path_in_collectives():
+    """0.3 documented the six region functions in `collectives`; they moved to `mappings` and still import there."""
+    from parallel_attention.tensor_parallel.collectives import reduce_scatter_to_sequence_parallel_region
+    assert reduce_scatter_to_sequence_parallel_region is mappings.reduce_scatter_to_sequence_parallel_region
+    for name in ("copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
+                 "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
+                 "gather_from_sequence_parallel_region"):
+        assert getattr(collectives, name) is getattr(mappings, name) is getattr(pa, name), name

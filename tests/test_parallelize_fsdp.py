@@ -46,7 +46,7 @@ def _two_d(name: str):
         m.parameters(), MAX_NORM, foreach=True))
     mine = ids.chunk(dp)[dp_rank]  # equal token counts: the mean of the dp ranks' losses is the full batch's
     losses, norms = _losses_and_norms(model, mine, lambda m: pa.clip_grad_norm_(m, MAX_NORM))
-    mean_losses = [float(pa.tensor_parallel.collectives.all_reduce_(torch.tensor(x), mesh["dp"].get_group())) / dp
+    mean_losses = [float(pa.tensor_parallel.collectives.all_reduce(torch.tensor(x), mesh["dp"].get_group())) / dp
                    for x in losses]
     return ref_losses, ref_norms, mean_losses, norms
 

@@ -98,15 +98,15 @@ def test_dtype_reaches_every_parameter(dtype):
         assert not wrong, wrong
 
 
-def test_the_old_partial_name_warns_and_builds_the_new_kinds():
-    """`Partial` (0.2) stays importable for one release: it warns, builds the kind its arguments describe, and
-    isinstance(kind, Partial) still holds for both new kinds."""
-    with pytest.warns(DeprecationWarning, match="PartialGrad"):
-        from parallel_attention.tensor_parallel import Partial
-    assert Partial(None) == PartialGrad(None)
-    replica = Partial(None, rows=slice(2, 4), slot=1, num_slots=2, sharded_dim=0, reduced_in_backward=True)
-    assert replica == KvReplica(None, slice(2, 4), 1, 2, 0, True)
-    assert isinstance(replica, Partial) and isinstance(PartialGrad(), Partial) and not isinstance(Replicated(), Partial)
+def test_the_old_partial_name_is_refused_naming_what_replaces_it():
+    """`Partial` (0.2, deprecated in 0.3) was removed in 0.4: asking for it names PartialGrad and KvReplica."""
+    for module in (pa.tensor_parallel, pa.tensor_parallel.param_kinds):
+        with pytest.raises(AttributeError, match=r"Partial was removed in 0\.4: declare PartialGrad .* or KvReplica"):
+            module.Partial  # noqa: B018
+        with pytest.raises(AttributeError, match=r"has no attribute 'Partal'"):
+            module.Partal  # noqa: B018
+    with pytest.raises(ImportError, match="Partial"):
+        from parallel_attention.tensor_parallel import Partial  # noqa: F401
 
 
 def test_with_no_gradient_the_norm_is_a_zero_on_the_models_device():

@@ -12,6 +12,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from launch import ROOT, torchrun
+from parallel_attention.launch.rank_zero import is_rank_zero
 from parallel_attention.launch.report_once import report_from_rank_0
 
 TORCHRUN = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "MASTER_ADDR", "MASTER_PORT",
@@ -23,6 +24,17 @@ def no_launcher(monkeypatch):
     for name in TORCHRUN:
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
+
+
+@pytest.mark.parametrize("rank, zero", [("0", True), ("1", False), (None, True)])
+def test_without_a_process_group_rank_zero_is_torchruns_rank_0(monkeypatch, rank, zero):
+    """is_rank_zero, the one test of rank 0, asks torchrun's RANK where no process group exists (before it, after
+    it, or a process outside torchrun: rank 0)."""
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    assert is_rank_zero() is zero
 
 
 @pytest.mark.parametrize("rank, said", [("0", "error: bad\n"), ("1", "")])

@@ -11,7 +11,7 @@ import torch
 
 import parallel_attention as pa
 from distributed import run_distributed
-from parallel_attention.tensor_parallel.collectives import CollectiveTimeoutError, all_reduce_
+from parallel_attention.tensor_parallel.collectives import CollectiveTimeoutError, all_reduce
 
 GROUP_TIMEOUT_S = 4
 
@@ -26,7 +26,7 @@ def _silent_rank_worker(which: str):
     group = pa.get_data_parallel_group() if which == "data" else pa.get_tensor_model_parallel_group()
     started = time.monotonic()
     with pytest.raises(CollectiveTimeoutError) as info:
-        all_reduce_(torch.ones(4), group)
+        all_reduce(torch.ones(4), group)
     return str(info.value), time.monotonic() - started
 
 

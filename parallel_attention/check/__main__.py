@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .. import __version__
 from ..launch.agreement import disagreements
 from ..launch.launcher_watch import stop_with_launcher
+from ..launch.rank_zero import is_rank_zero
 from ..launch.warning_lines import one_line_warnings
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
 from ..tensor_parallel.mesh_groups import new_groups
@@ -90,7 +91,7 @@ def _header(ctx: CheckContext, args: argparse.Namespace) -> list[str]:
 
 
 def _setup_failure(error: Exception) -> int:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank_zero():
         print(f"[FAIL] setup: {error}\ncheck: FAIL setup", flush=True)
     return 1
 

@@ -12,7 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..tensor_parallel.collectives import all_gather_along_dim, all_reduce_, reduce_scatter_to_sequence_parallel_region
+from ..tensor_parallel.collectives import all_gather_along_dim, all_reduce
+from ..tensor_parallel.mappings import reduce_scatter_to_sequence_parallel_region
 from ..tensor_parallel.parallel_state import group_rank, group_size
 from .context import CheckContext
 
@@ -20,7 +21,7 @@ from .context import CheckContext
 def _errors(group, device) -> list[str]:
     n, r = group_size(group), group_rank(group)
     errors = []
-    summed = all_reduce_(torch.full((5,), float(r + 1), device=device), group)
+    summed = all_reduce(torch.full((5,), float(r + 1), device=device), group)
     if not torch.equal(summed.cpu(), torch.full((5,), n * (n + 1) / 2)):
         errors.append(f"all-reduce gave {summed.cpu().tolist()[:2]}..., expected {n * (n + 1) / 2}")
     gathered = all_gather_along_dim(torch.full((2, 3), float(r), device=device), 0, group)
@@ -44,11 +45,11 @@ def bus_bandwidth(group, device: torch.device, nbytes: int, iters: int = 5) -> f
     if n == 1:
         return None
     buffer = torch.zeros(nbytes // 4, device=device)
-    all_reduce_(buffer, group)  # warm-up: connections and buffers are set up on first use
+    all_reduce(buffer, group)  # warm-up: connections and buffers are set up on first use
     _synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
-        all_reduce_(buffer, group)
+        all_reduce(buffer, group)
     _synchronize(device)
     return 2 * (n - 1) / n * nbytes / ((time.perf_counter() - start) / iters)
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from ..tensor_parallel import finalize_grads
-from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.collectives import all_reduce
 from ..tensor_parallel.parallel_state import get_context_parallel_group, group_size
 from ..transformer import AttentionConfig, ParallelSelfAttention
 from ..transformer.context_parallel import CONTEXT_PARALLEL_KINDS, split_for_context_parallel
 from ..transformer.documents import DocumentLayout
 from .compare import canonical_grads, grad_errors, relative_error, verdict
 from .context import BATCH, HEAD_DIM, HIDDEN, CheckContext
-from .counts import count_collectives
+from .counts import count_collective_kinds
 from .equivalence import attention_reference, random_weights
 
 
@@ -49,13 +49,13 @@ def _case(ctx: CheckContext, kind: str, documents: bool, gen) -> tuple[dict[str,
     ref_out, ref_dx, ref_grads = attention_reference(cfg, weights, x, upstream, mask)
     mine = lambda t: split_for_context_parallel(t, cp_group)  # noqa: E731
     local_x = mine(x).to(ctx.device, ctx.dtype).requires_grad_()
-    with count_collectives(cp_group) as forward:
+    with count_collective_kinds(cp_group) as forward:
         out = module(local_x, documents=layout)
-    with count_collectives(cp_group) as backward:
+    with count_collective_kinds(cp_group) as backward:
         (out.to(torch.float64) * mine(upstream).to(ctx.device)).sum().backward()
     finalize_grads(module)
     for param in module.parameters():
-        all_reduce_(param.grad, cp_group)
+        all_reduce(param.grad, cp_group)
     errors = {"output": relative_error(out, mine(ref_out)), "input grad": relative_error(local_x.grad, mine(ref_dx))}
     want_fwd, want_bwd = _expected_p2p(kind, cp)
     counts = [f"{kind} {name} {dict(got)} != {want}" for name, got, want in

@@ -20,7 +20,7 @@ import torch
 
 from ..tensor_parallel import manual_seed
 from ..transformer import AttentionConfig, ParallelSelfAttention
-from .collective_counter import count_collectives as count_calls
+from .collective_counter import count_collectives
 from .context import BATCH, CheckContext, attention_cases, my_chunk, seq_len
 
 # every spelling torch has had, counted under one name each
@@ -43,11 +43,11 @@ def expected_counts(p: int, sequence_parallel: bool) -> tuple[Counter, Counter]:
 
 
 @contextlib.contextmanager
-def count_collectives(group):
+def count_collective_kinds(group):
     """The library's counter (`collective_counter`) under the self-check's names, one per kind of collective
     (isend and send are both "send"); calls on another group count under `kind@other-group`."""
     kinds: Counter = Counter()
-    with count_calls(group) as calls:
+    with count_collectives(group) as calls:
         yield kinds
     for name, n in calls.items():
         op, at, other = name.partition("@")
@@ -64,9 +64,9 @@ def _count_block(ctx: CheckContext, kwargs: dict, sp: bool) -> tuple[Counter, Co
     module = ParallelSelfAttention(cfg, tp_group=ctx.tp_group, device=ctx.device, sequence_parallel=sp)
     x = torch.randn(seq_len(ctx.tp_size), BATCH, cfg.hidden_size, device=ctx.device, dtype=ctx.dtype)
     x = my_chunk(x, ctx, sp).requires_grad_()
-    with count_collectives(ctx.tp_group) as forward:
+    with count_collective_kinds(ctx.tp_group) as forward:
         out = module(x)
-    with count_collectives(ctx.tp_group) as backward:
+    with count_collective_kinds(ctx.tp_group) as backward:
         out.float().sum().backward()
     return forward, backward
 

@@ -17,7 +17,7 @@ from ..pipeline.layout import rank_stage
 from ..pipeline.runner import PipelineRunner
 from ..pipeline.schedules import SCHEDULES
 from ..tensor_parallel import parallel_state as ps
-from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.collectives import all_reduce
 from ..tensor_parallel.grad_clip import global_grad_norm
 from ..tensor_parallel.rng import manual_seed
 from ..transformer import GPTModel
@@ -67,10 +67,10 @@ def _case(ctx: CheckContext, schedule: str, batches, reference) -> tuple[dict[st
     with count_collectives() as counts:
         record = runner.run(lambda i: batches[i], lambda i: contextlib.nullcontext(),
                             lambda i: contextlib.nullcontext(), lambda loss: loss.backward())
-    loss = all_reduce_(record.losses, pp_group).sum() / len(batches)
+    loss = all_reduce(record.losses, pp_group).sum() / len(batches)
     tied = ps.get_embedding_group()
     if tied is not None and model.embed_tokens is not None:
-        all_reduce_(model.embed_tokens.weight.grad, tied)
+        all_reduce(model.embed_tokens.weight.grad, tied)
     norm = global_grad_norm(model, None, pp_group=pp_group, counted_elsewhere=model.pipeline_copies())
     ref_loss, ref_grads, ref_norm = reference
     errors = {f"{schedule} loss": relative_error(loss, ref_loss.cpu().double()),

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tensor_parallel.collectives import all_gather_objects, broadcast_object
+from ..launch.rank_zero import is_rank_zero
+from ..tensor_parallel.collectives import all_gather_objects, broadcast_object, raise_together
 from ..tensor_parallel.parallel_state import (ProcessGroup, get_data_parallel_group, get_global_rank,
                                               get_pipeline_parallel_group, group_rank, group_size, is_distributed,
                                               model_parallel_is_initialized, resolve_tp_group)
@@ -213,16 +214,15 @@ def raise_unless_all_passed(path: Path, failure: Exception | None) -> None:
     take the same decision."""
     verdict = None if failure is None else (isinstance(failure, CheckpointCorruptError),
                                             str(failure) if isinstance(failure, CheckpointError) else repr(failure))
-    verdicts = all_gather_objects(verdict)
-    ranks_by_message: dict[str, list[str]] = {}
-    for rank, v in enumerate(verdicts):
-        if v is not None:
-            ranks_by_message.setdefault(v[1], []).append(str(rank))
-    if not ranks_by_message:
-        return
+    raise_together(verdict, lambda verdicts: _refusal(path, verdicts), cause=failure)
+
+
+def _refusal(path: Path, verdicts: dict[int, tuple[bool, str]]) -> CheckpointError:
+    """The error every rank raises for the ranks' (corrupt?, message) verdicts, ranks with one message together."""
+    ranks_by_message = {m: [str(r) for r, (_, said) in verdicts.items() if said == m] for _, m in verdicts.values()}
     text = "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {m}" for m, r in ranks_by_message.items())
-    cls = CheckpointCorruptError if all(v[0] for v in verdicts if v is not None) else CheckpointError
-    raise cls(f"cannot load {path}: {text}") from failure
+    cls = CheckpointCorruptError if all(corrupt for corrupt, _ in verdicts.values()) else CheckpointError
+    return cls(f"cannot load {path}: {text}")
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -257,7 +257,7 @@ def load_newest_valid(ckpt_root: str | os.PathLike, attempt: Callable[[Path], di
     Any other error is raised at once: an older checkpoint would not fix it.
     """
     candidates = broadcast_object([str(p) for p in list_checkpoints(ckpt_root)])
-    if get_global_rank() == 0:
+    if is_rank_zero():
         for path in list_incomplete(ckpt_root):
             warnings.warn(f"skipping incomplete checkpoint {path}: it holds no {MANIFEST} (a save that never "
                           "finished, or another writer's); it is never loaded. Delete it once you have checked it.",
@@ -268,7 +268,7 @@ def load_newest_valid(ckpt_root: str | os.PathLike, attempt: Callable[[Path], di
             return attempt(Path(path))
         except CheckpointCorruptError as e:
             failures.append(str(e))
-            if get_global_rank() == 0:
+            if is_rank_zero():
                 warnings.warn(f"skipping corrupt checkpoint: {e}", RuntimeWarning, stacklevel=3)
     if failures:
         raise CheckpointCorruptError(f"no valid checkpoint under {ckpt_root}: " + " | ".join(failures))

@@ -115,14 +115,16 @@ def write_manifest(directory: Path, manifest: dict) -> None:
     write_atomic(directory / MANIFEST, [text.encode("utf-8")])
 
 
-def read_manifest(directory: str | os.PathLike, *, config_sections: tuple[str, ...] = ()) -> dict:
-    """The manifest of a complete checkpoint, cross-checked against its directory.
+def read_manifest(directory: str | os.PathLike, *, config_sections: tuple[str, ...] = (), verify: bool = True) -> dict:
+    """The manifest of a complete checkpoint, cross-checked against its directory: the one reader of manifest.json.
 
     CheckpointCorruptError (an older checkpoint may still be good) names what is wrong when the file
     is missing or unreadable, a required key is missing or of the wrong type, `step` is not the
     directory's step, the layout does not add up, a model shard or a `model_shapes` entry is missing
     for some tensor-parallel rank, or `config` lacks one of `config_sections` (the sections the
-    caller reads, e.g. ("model", "parallel") for a training run).
+    caller reads, e.g. ("model", "parallel") for a training run). verify=False: only read (a JSON object,
+    else CheckpointCorruptError) and upgraded, for a look at one record (the data's identity, the config)
+    ahead of the load that verifies the checkpoint, or where a missing record is not an error.
     """
     path = Path(directory) / MANIFEST
     try:
@@ -132,6 +134,8 @@ def read_manifest(directory: str | os.PathLike, *, config_sections: tuple[str, .
         raise CheckpointCorruptError(f"{path} is missing: {directory} is not a complete checkpoint.") from None
     except (OSError, ValueError) as e:
         raise CheckpointCorruptError(f"{path} is unreadable ({e}).") from e
+    if not verify and isinstance(manifest, dict):
+        return upgrade_manifest(manifest)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{path} is not a {FORMAT} manifest.")
     if manifest.get("format_version") not in READABLE_VERSIONS:

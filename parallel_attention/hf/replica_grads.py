@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.collectives import all_reduce
 from ..tensor_parallel.parallel_state import ProcessGroup
 
 
@@ -34,7 +34,7 @@ class _CompleteReplicaGrads(torch.autograd.Function):
         sizes = [part.numel() for part in parts]
         buffer = grads[0].new_zeros(ctx.num_slots, sum(sizes))
         buffer[ctx.slot] = torch.cat(parts)
-        summed = all_reduce_(buffer, ctx.group)[ctx.slot].split(sizes)
+        summed = all_reduce(buffer, ctx.group)[ctx.slot].split(sizes)
         completed = []
         for grad, total in zip(grads, summed):
             grad = grad.clone()

@@ -16,8 +16,8 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
 from ..checkpointing.tensor_io import cpu_tensors, write_atomic
+from ..launch.rank_zero import is_rank_zero
 from ..tensor_parallel.collectives import barrier
-from ..tensor_parallel.parallel_state import get_global_rank
 from .parallelize import tp_group_of
 
 
@@ -45,7 +45,7 @@ def save_pretrained(model: nn.Module, out_dir: str | Path) -> Path:
     reads it: config.json and model.safetensors with the full weights. A collective; global rank 0 writes."""
     out = Path(out_dir)
     tensors = cpu_tensors(full_hf_state_dict(model))
-    if get_global_rank() == 0:
+    if is_rank_zero():
         out.mkdir(parents=True, exist_ok=True)
         config = json.loads(model.config.to_json_string(use_diff=False))
         config["architectures"] = [type(model).__name__]

@@ -20,8 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tensor_parallel.collectives import all_gather_along_dim, copy_to_tensor_parallel_region
+from ..tensor_parallel.collectives import all_gather_along_dim
+from ..tensor_parallel.mappings import copy_to_tensor_parallel_region
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.linear_functions import column_parallel_linear
 from ..tensor_parallel.param_kinds import KvReplica, Replicated
 from ..tensor_parallel.parallel_state import group_rank, group_size
 from ..tensor_parallel.sharding import fuse_qkv, kv_heads_of_rank, row_shard, unfuse_qkv
@@ -47,7 +49,7 @@ class FusedQKVLinear(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._complete(self.weight, self.bias)
-        return self._exit(self._linear(x, weight, bias))
+        return self._exit(column_parallel_linear(x, weight, bias, self.comm))
 
     def _complete_replicas(self, weight, bias):
         tensors = (weight,) if bias is None else (weight, bias)

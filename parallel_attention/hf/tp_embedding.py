@@ -17,6 +17,7 @@ import torch
 
 from ..tensor_parallel.collectives import all_gather_along_dim
 from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from ..tensor_parallel.linear_functions import column_parallel_linear
 from ..tensor_parallel.parallel_state import group_rank, group_size
 from ..tensor_parallel.sharding import padded_vocab_size, vocab_shard, vocab_unshard
 from .tp_loss import attach_shard
@@ -56,7 +57,7 @@ class VocabParallelHead(ColumnParallelLinear):
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """p = 1: the logits are the GEMM's output over the table's first V rows (the padding is not read), so
         transformers' loss reads them directly."""
-        return self._linear(x, self.weight[:self.vocab_size], self.bias)
+        return column_parallel_linear(x, self.weight[:self.vocab_size], self.bias, self.comm)
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         full, local = vocab_major_logits(x.reshape(-1, x.shape[-1]), self.weight, self.tp_group)

@@ -11,9 +11,9 @@ Imports torch only: nothing from the rest of the package.
 
 from .audit import replica_mismatches
 from .collective_log import CollectiveMismatchError, enable_collective_log
-from .collectives import (
-    CollectiveTimeoutError,
-    all_gather_along_dim,
+from .collectives import CollectiveTimeoutError, all_gather_along_dim
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
@@ -21,7 +21,6 @@ from .collectives import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .parallel_state import (
     destroy_model_parallel,
     get_context_parallel_group,
@@ -39,7 +38,8 @@ from .parallel_state import (
     initialize_model_parallel,
     model_parallel_is_initialized,
 )
-from .param_kinds import KvReplica, PartialGrad, Replicated, Sharded, finalize_grads, parameter_kinds
+from .param_kinds import (KvReplica, PartialGrad, Replicated, Sharded, finalize_grads, parameter_kinds,
+                          removed_name_error)
 from .rng import (
     checkpoint_with_tp_rng,
     get_tensor_parallel_rng_state,
@@ -50,9 +50,5 @@ from .rng import (
 
 
 def __getattr__(name: str):
-    """`Partial` (0.2) warns and builds PartialGrad or KvReplica: param_kinds owns the alias."""
-    if name == "Partial":
-        from . import param_kinds
-
-        return param_kinds.__getattr__(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    """A name removed in 0.4 (`param_kinds.REMOVED_NAMES`: `Partial`) is refused with what replaces it."""
+    raise removed_name_error(__name__, name)

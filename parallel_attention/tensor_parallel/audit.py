@@ -47,7 +47,7 @@ def replica_entries(model: nn.Module) -> tuple[list[AuditEntry], list[AuditEntry
         if isinstance(kind, KvReplica):
             tensor_parallel.append(AuditEntry(f"{name}[k/v replica rows]", local_rows(param, kind.rows), kind.slot))
         elif not isinstance(kind, Sharded):
-            tensor_parallel.append(AuditEntry(name, local_shard(param)[0]))
+            tensor_parallel.append(AuditEntry(name, local_shard(param).tensor))
     # FSDP2's DTensors are split across the data-parallel ranks, not copied: one copy has no replica to differ from
     data_parallel = [AuditEntry(name, param) for name, param in model.named_parameters()
                      if getattr(param, "placements", None) is None]

@@ -47,7 +47,9 @@ SHOWN_CALLS = 8  # calls printed with an error
 TORCH_DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"}
 
-_SKIPPED_FILES = {os.path.join(os.path.dirname(__file__), "collectives.py"), __file__, contextlib.__file__}
+_REGIONS_FILE = os.path.join(os.path.dirname(__file__), "mappings.py")  # the regions' autograd functions
+_SKIPPED_FILES = {os.path.join(os.path.dirname(__file__), "collectives.py"), _REGIONS_FILE, __file__,
+                  contextlib.__file__}
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
@@ -81,9 +83,8 @@ def call_site() -> str:
     frame, region = sys._getframe(1), ""
     while frame is not None and (frame.f_code.co_filename in _SKIPPED_FILES
                                  or frame.f_code.co_filename.startswith(_TORCH_DIR)):
-        if frame.f_code.co_name in ("run_forward", "run_backward") and "ctx" in frame.f_locals:
-            region = f" [{type(frame.f_locals['ctx']).__name__.removesuffix('Backward')} "
-            region += f"{frame.f_code.co_name.removeprefix('run_')}]"
+        if frame.f_code.co_filename == _REGIONS_FILE and "ctx" in frame.f_locals:
+            region = f" [{type(frame.f_locals['ctx']).__name__.removesuffix('Backward')} {frame.f_code.co_name}]"
         frame = frame.f_back
     if frame is None:  # a backward pass on an autograd engine thread: no Python caller
         return f"<autograd engine thread>{region}"

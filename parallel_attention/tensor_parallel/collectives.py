@@ -1,17 +1,12 @@
 """Every collective of the package, in one module to follow: the timeout hook they all run in, the primitives (plain
-and asynchronous), the tensor-parallel regions as autograd functions, the context-parallel ring exchange and
-all-to-all, and the plain reductions and object exchanges that training and checkpointing use.
+and asynchronous), the context-parallel ring exchange and all-to-all, the pipeline's batched exchanges, and the
+plain reductions and object exchanges that training and checkpointing use. The six tensor-parallel regions, the
+autograd functions built on these primitives, are in `mappings`.
 
 Each function takes the group it runs on, returns its input unchanged when the group has one rank (or is None), and
 states what it does forward and backward. Shapes: `s` sequence, `b` batch, `h` hidden, `p` group size.
 
     name                                   forward                 backward
-    copy_to_tensor_parallel_region         identity                all-reduce
-    reduce_from_tensor_parallel_region     all-reduce              identity
-    scatter_to_tensor_parallel_region      keep my last-dim chunk  all-gather last dim
-    gather_from_tensor_parallel_region     all-gather last dim     keep my last-dim chunk
-    gather_from_sequence_parallel_region   all-gather dim 0 (s)    reduce-scatter dim 0
-    reduce_scatter_to_sequence_parallel_region  reduce-scatter dim 0  all-gather dim 0
     all_to_all_along_dims                  split dim a, piece j to rank j, concatenate along dim b; the reverse
     ring_exchange                          send to the next rank, receive from the previous, batched (no autograd:
                                            the ring's own Function rings its gradients back)
@@ -27,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -119,31 +115,27 @@ class PendingCollective:
         return self.result
 
 
-def all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """x (made contiguous) summed over `group` in place; with async_op a PendingCollective (no autograd)."""
+class CompletedCollective:
+    """A collective already waited for (or one a group of one rank needs not run): wait() returns its result."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self.result = result
+
+    def wait(self) -> torch.Tensor:
+        return self.result
+
+
+@torch.no_grad()
+def all_reduce(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """x reduced over `group` (summed by default) in place, outside autograd: the linears' reductions and statistics
+    such as the loss's max and sums. A non-contiguous x is reduced as a contiguous copy, returned. With async_op, a
+    PendingCollective of it (a CompletedCollective on a group of one rank)."""
+    if group_size(group) == 1:
+        return CompletedCollective(x) if async_op else x
     x = x.contiguous()
     with _issue("all_reduce", x, group):
         work = dist.all_reduce(x, op=op, group=group, async_op=async_op)
     return PendingCollective("all_reduce", work, group, x) if async_op else x
-
-
-def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Keep this rank's chunk of the last dim."""
-    p = group_size(group)
-    if x.shape[-1] % p != 0:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by tensor-parallel size {p}.")
-    return x.chunk(p, dim=-1)[group_rank(group)].contiguous()
-
-
-def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """All-gather the last dim, [..., n/p] -> [..., n] in rank order.
-
-    Gathered as [p, ..., n/p] (all_gather_into_tensor stacks along dim 0), then one copy into rank order along the
-    last dim (no transposed copy of the input)."""
-    p, x = group_size(group), x.contiguous()
-    out = torch.empty((p * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    all_gather_into_tensor(out, x, group)
-    return out.view(p, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], p * x.shape[-1])
 
 
 def all_gather_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: bool = False):
@@ -166,53 +158,6 @@ def reduce_scatter_first_dim(x: torch.Tensor, group: ProcessGroup, async_op: boo
     out = torch.empty((x.shape[0] // p,) + x.shape[1:], dtype=x.dtype, device=x.device)
     work = reduce_scatter_tensor(out, x, group, async_op)
     return PendingCollective("reduce_scatter", work, group, out) if async_op else out
-
-
-def _region(name: str, forward, backward):
-    """`name`(x, group): x itself on a group of one rank; else an autograd function that runs `forward(x, group)` on
-    the way in and `backward(grad, group)` back (documented by their docstrings' first lines)."""
-
-    def run_forward(ctx, x, group):
-        ctx.group = group
-        return forward(x, group)
-
-    def run_backward(ctx, grad):
-        return backward(grad, ctx.group), None
-
-    function = type(name.title().replace("_", ""), (torch.autograd.Function,),
-                    {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})
-
-    def enter(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-        return x if group_size(group) == 1 else function.apply(x, group)
-
-    words = [step.__doc__.splitlines()[0] for step in (forward, backward)]
-    enter.__name__ = enter.__qualname__ = name
-    enter.__doc__ = f"Forward: {words[0]} Backward: {words[1]}"
-    return enter
-
-
-def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Identity."""
-    return x.view_as(x)
-
-
-def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """All-reduce (the sum over the group's ranks)."""
-    # autograd may hand the same gradient to other branches, and the forward input is the caller's: reduce a copy
-    return all_reduce(x.clone(), group)
-
-
-_REGIONS = (  # the table of the module docstring, row by row: (name, forward, backward)
-    ("copy_to_tensor_parallel_region", _identity, _all_reduce_copy),
-    ("reduce_from_tensor_parallel_region", _all_reduce_copy, _identity),
-    ("scatter_to_tensor_parallel_region", _split_last_dim, _gather_last_dim),
-    ("gather_from_tensor_parallel_region", _gather_last_dim, _split_last_dim),
-    ("gather_from_sequence_parallel_region", all_gather_first_dim, reduce_scatter_first_dim),
-    ("reduce_scatter_to_sequence_parallel_region", reduce_scatter_first_dim, all_gather_first_dim),
-)
-(copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region, scatter_to_tensor_parallel_region,
- gather_from_tensor_parallel_region, gather_from_sequence_parallel_region,
- reduce_scatter_to_sequence_parallel_region) = (_region(*row) for row in _REGIONS)
 
 
 def _all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -313,15 +258,6 @@ def all_gather_along_dim(x: torch.Tensor, dim: int, group: ProcessGroup | None) 
 
 
 @torch.no_grad()
-def all_reduce_(x: torch.Tensor, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce outside autograd (for statistics such as the loss's max and sums)."""
-    if group_size(group) > 1:
-        with _issue("all_reduce", x, group):
-            dist.all_reduce(x, op=op, group=group)
-    return x
-
-
-@torch.no_grad()
 def full_tensor(x: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value on every rank of its mesh (an all-gather of FSDP2's data-parallel shards, for
     checkpoints); a plain tensor as it is. Every rank of the mesh calls it."""
@@ -342,6 +278,18 @@ def all_gather_objects(obj, group: ProcessGroup | None = None) -> list:
     return out
 
 
+def raise_together(problem, error: Callable[[dict[int, Any]], BaseException], group: ProcessGroup | None = None,
+                   cause: BaseException | None = None) -> None:
+    """Every rank of `group` (default: the world) raises the same error, or none does: each rank states its
+    `problem` (None: it has none; else anything picklable, such as a message), one all_gather shares them, and
+    where any rank has one, every rank raises error({rank: problem} of the ranks that have one, in rank order).
+    A rank that raised alone would leave the others waiting in their next collective until the timeout, and the
+    job's report would name whichever rank failed first. `cause`: this rank's own exception, chained."""
+    problems = {rank: found for rank, found in enumerate(all_gather_objects(problem, group)) if found is not None}
+    if problems:
+        raise error(problems) from cause
+
+
 def broadcast_object(obj, src: int = 0):
     """Global rank `src`'s `obj` on every rank; `obj` itself outside torch.distributed."""
     if not is_distributed():
@@ -357,10 +305,27 @@ def any_rank(flag: bool, device) -> bool:
     """True on every global rank if any rank says True (one small all-reduce)."""
     if not is_distributed():
         return flag
-    return bool(all_reduce(torch.tensor([1.0 if flag else 0.0], device=device), None, dist.ReduceOp.MAX).item())
+    flags = torch.tensor([1.0 if flag else 0.0], device=device)
+    with _issue("all_reduce", flags, None):  # on the world (all_reduce takes a group of None as one rank)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags.item())
 
 
 def barrier() -> None:
     if is_distributed():
         with _issue("barrier", None, None):
             dist.barrier()
+
+
+# the six region functions moved to `mappings` (0.4); `collectives.<name>`, where 0.3 documented them, still works
+_MOVED_TO_MAPPINGS = ("copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
+                      "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
+                      "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region")
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_MAPPINGS:
+        from . import mappings  # imported here: mappings imports this module
+
+        return getattr(mappings, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

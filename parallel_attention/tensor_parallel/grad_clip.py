@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import all_reduce_
+from .collectives import all_reduce
 from .param_kinds import KvReplica, Sharded, is_distributed, local_rows, local_shard, parameter_kinds
 from .parallel_state import ProcessGroup, group_rank, group_size
 
@@ -47,7 +47,7 @@ def _power_sum(x: torch.Tensor, q: float) -> torch.Tensor:
 def _share(grad: torch.Tensor, kind, q: float, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's share of sum |g|^q such that the sum over the tensor-parallel group counts each entry once
     (a DTensor gradient: of its local shard)."""
-    total = _power_sum(local_shard(grad)[0], q)
+    total = _power_sum(local_shard(grad).tensor, q)
     if isinstance(kind, Sharded) or math.isinf(q):
         return total
     if isinstance(kind, KvReplica):  # shared rows inside a sharded tensor
@@ -79,30 +79,31 @@ def global_grad_norm(model: nn.Module, tp_group: ProcessGroup | None, norm_type:
     q = float(norm_type)
     tp_rank, tp_size = group_rank(tp_group), group_size(tp_group)
     skip = {id(p) for p in counted_elsewhere}
-    by_shards: dict[tuple, tuple[tuple, torch.Tensor]] = {}  # per set of FSDP2 shard groups: its partial sum
+    shard_groups: dict[tuple, tuple] = {}  # per set of FSDP2 shard groups (by their ids): the groups
+    partial_sums: dict[tuple, torch.Tensor] = {}  # and the partial sum of the gradients sharded over them
     for param, kind in parameter_kinds(model).values():
         if param.grad is None or id(param) in skip:
             continue
         groups = _shard_groups(param.grad)
         key = tuple(id(g) for g in groups)
-        share = _share(param.grad, kind, q, tp_rank, tp_size)
-        by_shards[key] = (groups, _combine(by_shards[key][1] if key in by_shards else None, share, q))
+        shard_groups[key] = groups
+        partial_sums[key] = _combine(partial_sums.get(key), _share(param.grad, kind, q, tp_rank, tp_size), q)
     op = dist.ReduceOp.MAX if math.isinf(q) else dist.ReduceOp.SUM
     total = None
-    for groups, partial in by_shards.values():
-        for group in groups:
-            all_reduce_(partial, group, op)
+    for key, partial in partial_sums.items():
+        for group in shard_groups[key]:
+            all_reduce(partial, group, op)
         total = _combine(total, partial, q)
     if total is None:  # no gradient on this rank: a zero on the model's device (NCCL reduces no CPU tensor)
         total = torch.zeros((), dtype=torch.float32, device=next((p.device for p in model.parameters()), None))
-    total = all_reduce_(all_reduce_(total, tp_group, op), pp_group, op)
+    total = all_reduce(all_reduce(total, tp_group, op), pp_group, op)
     return total if math.isinf(q) else total.sqrt() if q == 2.0 else total.pow(1.0 / q)
 
 
 @torch.no_grad()
 def scale_grads_(model: nn.Module, max_norm: float, total_norm: torch.Tensor) -> None:
     """Multiply every gradient by min(1, max_norm / (total_norm + 1e-6)), in place (DTensors: their local shard)."""
-    grads = [local_shard(p.grad)[0] for p in model.parameters() if p.grad is not None]
+    grads = [local_shard(p.grad).tensor for p in model.parameters() if p.grad is not None]
     coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coefficient.to(device=g.device, dtype=g.dtype))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import collectives
+from . import mappings
 from . import linear_functions as fn
 from .linear_functions import OVERLAP_COMM
 from .param_kinds import PartialGrad, Replicated, Sharded
@@ -96,10 +96,11 @@ class ColumnParallelLinear(_TensorParallelModule):
         self._init_weight(in_features, out_features, 0, init_std, device, dtype)
         self.bias = (nn.Parameter(torch.zeros(self.out_features_per_rank, device=device, dtype=dtype))
                      if bias else None)
-        self._linear, self._exit = column_parallel_regions(self, sequence_parallel, gather_output, overlap_comm)
+        self.comm = column_communication(self.tp_group, self.tp_size, sequence_parallel, overlap_comm)
+        self._exit = self._region(mappings.gather_from_tensor_parallel_region) if gather_output else _unchanged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._exit(self._linear(x, self.weight, self.bias))
+        return self._exit(fn.column_parallel_linear(x, self.weight, self.bias, self.comm))
 
     def parameter_kinds(self) -> dict:
         return {name: Sharded(0, self.tp_group) for name, _ in self.named_parameters(recurse=False)}
@@ -134,14 +135,14 @@ class RowParallelLinear(_TensorParallelModule):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self._init_weight(in_features, out_features, 1, init_std, device, dtype)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
-        self._enter = (_identity if input_is_parallel
-                       else self._region(collectives.scatter_to_tensor_parallel_region))
+        self._enter = (_unchanged if input_is_parallel
+                       else self._region(mappings.scatter_to_tensor_parallel_region))
         # the GEMM and its exit collective fused (reduced in place); p = 1: no collective
-        self._linear = row_parallel_linear_variant(self.tp_group, self.tp_size, sequence_parallel)
-        self._add_bias = self._plus_bias if bias else _identity
+        self.comm = row_communication(self.tp_group, self.tp_size, sequence_parallel)
+        self._add_bias = self._plus_bias if bias else _unchanged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._add_bias(self._linear(self._enter(x), self.weight))
+        return self._add_bias(fn.row_parallel_linear(self._enter(x), self.weight, self.comm))
 
     def _plus_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y + self.bias
@@ -182,8 +183,8 @@ class VocabParallelEmbedding(_TensorParallelModule):
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
         self.weight = nn.Parameter(_shard_of_full(
             (num_embeddings, embedding_dim), 0, init_std, self.tp_rank, self.tp_size, device, dtype))
-        self._exit = self._region(collectives.reduce_scatter_to_sequence_parallel_region if sequence_parallel
-                                  else collectives.reduce_from_tensor_parallel_region)
+        self._exit = self._region(mappings.reduce_scatter_to_sequence_parallel_region if sequence_parallel
+                                  else mappings.reduce_from_tensor_parallel_region)
 
         self._lookup = self._lookup_my_rows if self.tp_size > 1 else self._lookup_all
 
@@ -222,35 +223,29 @@ class TiedOutputLayer(_TensorParallelModule):
                  overlap_comm: bool = OVERLAP_COMM) -> None:
         super().__init__(embedding.tp_group)
         self._embedding = [embedding]  # a list: not registered as a child module
-        self._linear, self._exit = column_parallel_regions(self, sequence_parallel, False, overlap_comm)
+        self.comm = column_communication(self.tp_group, self.tp_size, sequence_parallel, overlap_comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._exit(self._linear(x, self._embedding[0].weight, None))
+        return fn.column_parallel_linear(x, self._embedding[0].weight, None, self.comm)
 
 
-def column_parallel_regions(layer: _TensorParallelModule, sequence_parallel: bool, gather_output: bool,
-                            overlap_comm: bool):
-    """(linear, exit) functions of a column-parallel layer, chosen once: the GEMM fused with its entry region
-    and the output gather."""
-    leave = layer._region(collectives.gather_from_tensor_parallel_region) if gather_output else _identity
-    return column_parallel_linear_variant(layer.tp_group, layer.tp_size, sequence_parallel, overlap_comm), leave
-
-
-def column_parallel_linear_variant(group, tp_size: int, sequence_parallel: bool, overlap_comm: bool):
-    """(x, weight, bias) -> y: p = 1 `local_linear` (no collective); else the tensor- or sequence-parallel
-    function, its backward overlapped or waiting at once."""
+def column_communication(group, tp_size: int, sequence_parallel: bool, overlap_comm: bool) -> fn.LocalColumn:
+    """What a column-parallel linear communicates, chosen once: nothing at p = 1; else the tensor- or
+    sequence-parallel collectives, the backward waiting for each after its next GEMM (overlap_comm) or at once."""
     if tp_size == 1:
-        return fn.local_linear
-    function = fn.sequence_parallel_column_linear if sequence_parallel else fn.column_parallel_linear
-    return partial(function, group=group, wait_policy=fn.wait_after_next_gemm if overlap_comm else fn.wait_at_once)
+        return fn.LOCAL_COLUMN
+    wait_policy = fn.wait_after_next_gemm if overlap_comm else fn.wait_at_once
+    return (fn.SequenceParallelColumn if sequence_parallel else fn.TensorParallelColumn)(group, wait_policy)
 
 
-def row_parallel_linear_variant(group, tp_size: int, sequence_parallel: bool):
-    """(x, weight) -> y, without the bias: p = 1 `local_linear`; else the all-reduce or reduce-scatter function."""
+def row_communication(group, tp_size: int, sequence_parallel: bool) -> fn.LocalRow:
+    """What a row-parallel linear communicates, chosen once: nothing at p = 1; else the all-reduce or the
+    reduce-scatter of its output."""
     if tp_size == 1:
-        return fn.local_linear
-    return partial(fn.sequence_parallel_row_linear if sequence_parallel else fn.row_parallel_linear, group=group)
+        return fn.LOCAL_ROW
+    return (fn.SequenceParallelRow if sequence_parallel else fn.TensorParallelRow)(group)
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    """No region or bias to apply: x as it is."""
     return x

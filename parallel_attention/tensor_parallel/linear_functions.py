@@ -1,15 +1,18 @@
-"""The parallel linears' autograd functions: each GEMM fused with the collective of its region.
+"""The parallel linears' autograd functions: each GEMM fused with the collectives of its region.
 
-One function per variant, chosen by the layer in `__init__` (`layers.py`); none tests a flag, a device or an
-environment variable when it runs. Shapes: `s` sequence, `b` batch, `in`/`out` features, `p` TP size.
+Two autograd functions, one per kind of linear (`ColumnParallelLinearFunction`, `RowParallelLinearFunction`), so
+that a layer's forward calls its function by name; what it communicates is an object the layer chooses once in
+`__init__` (`layers.py`), one class per variant, none testing a flag, a device or an environment variable when
+it runs. Shapes: `s` sequence, `b` batch, `in`/`out` features, `p` TP size.
 
-    variant                      forward                          backward
-    local_linear (p = 1)         Y = X W^T + b                    dX = dY W; dW = dY^T X
-    column, tensor parallel      Y = X W_r^T + b_r                dX = dY W_r -> all-reduce, overlapped with dW
-    column, sequence parallel    all-gather X along s, then Y     all-gather X again (async, while dX = dY W_r
-                                 (keeps only this rank's X chunk)  runs), reduce-scatter dX (async, while dW runs)
-    row, tensor parallel         Y_r = X_r W_r^T -> all-reduce    dX_r = dY W_r; dW_r = dY^T X_r
-    row, sequence parallel       Y_r -> reduce-scatter along s    all-gather dY along s, then as above
+    variant                              forward                          backward
+    column, p = 1 (LocalColumn)          Y = X W^T + b                    dX = dY W; dW = dY^T X
+    column, TensorParallelColumn         Y = X W_r^T + b_r                dX = dY W_r -> all-reduce, while dW runs
+    column, SequenceParallelColumn       all-gather X along s, then Y     all-gather X again (async, while dX = dY W_r
+                                         (keeps only this rank's X chunk)  runs), reduce-scatter dX (async, while dW runs)
+    row, p = 1 (LocalRow)                Y = X W^T                        dX = dY W; dW = dY^T X
+    row, TensorParallelRow               Y_r = X_r W_r^T -> all-reduce    dX_r = dY W_r; dW_r = dY^T X_r
+    row, SequenceParallelRow             Y_r -> reduce-scatter along s    all-gather dY along s, then as above
 
 The sequence-parallel column keeps its [s/p, b, in] input, not the gathered [s, b, in], and gathers it again in
 backward: Korthikanti et al. 2022's activation memory, for one more all-gather per column-parallel linear per
@@ -32,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .collectives import PendingCollective, all_gather_first_dim, all_reduce, reduce_scatter_first_dim
+from .collectives import (CompletedCollective, PendingCollective, all_gather_first_dim, all_reduce,
+                          reduce_scatter_first_dim)
 from .parallel_state import ProcessGroup
 from .weight_grads import weight_grad
 
@@ -74,16 +78,6 @@ def _weight_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     return grad_weight, flat.sum(0).to(weight.dtype) if with_bias else None
 
 
-class CompletedCollective:
-    """A collective already waited for: wait() returns its result at once."""
-
-    def __init__(self, result: torch.Tensor) -> None:
-        self.result = result
-
-    def wait(self) -> torch.Tensor:
-        return self.result
-
-
 # when the backward waits for its collective (`wait_policy`, chosen once from overlap_comm)
 def wait_after_next_gemm(pending: PendingCollective) -> PendingCollective:
     """overlap_comm=True: the backward waits for the collective after its next GEMM (Megatron's async dgrad)."""
@@ -95,124 +89,130 @@ def wait_at_once(pending: PendingCollective) -> CompletedCollective:
     return CompletedCollective(pending.wait())
 
 
-class _LocalLinear(torch.autograd.Function):
-    """p = 1. Its own function rather than F.linear, which would keep a contiguous copy of a strided input (the
-    attention's context) for backward: an [s, b, h] more per layer than at p > 1."""
+class LocalColumn:
+    """p = 1: a column-parallel linear without communication."""
+
+    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_input_again(self, x: torch.Tensor) -> CompletedCollective:
+        return CompletedCollective(x)
+
+    def reduce_input_grad(self, grad_input: torch.Tensor) -> CompletedCollective:
+        return CompletedCollective(grad_input)
+
+
+class TensorParallelColumn(LocalColumn):
+    """Every rank holds the whole X: dX is all-reduced (when the backward waits for it: `wait_policy`)."""
+
+    def __init__(self, group: ProcessGroup, wait_policy) -> None:
+        self.group, self.wait_policy = group, wait_policy
+
+    def reduce_input_grad(self, grad_input: torch.Tensor):
+        return self.wait_policy(all_reduce(grad_input, self.group, async_op=True))
+
+
+class SequenceParallelColumn(TensorParallelColumn):
+    """Each rank holds its [s/p, b, in] chunk of X: all-gathered for the GEMM, gathered again for dW (only the chunk
+    is kept for backward), and dX reduce-scattered back to chunks."""
+
+    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather_first_dim(x, self.group)
+
+    def gather_input_again(self, x: torch.Tensor):
+        return self.wait_policy(all_gather_first_dim(x, self.group, async_op=True))
+
+    def reduce_input_grad(self, grad_input: torch.Tensor):
+        return self.wait_policy(reduce_scatter_first_dim(grad_input, self.group, async_op=True))
+
+
+class LocalRow:
+    """p = 1: a row-parallel linear without communication."""
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def gather_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class TensorParallelRow(LocalRow):
+    """The ranks' partial products are all-reduced; dY is whole on every rank."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        return all_reduce(y, self.group)
+
+
+class SequenceParallelRow(TensorParallelRow):
+    """The ranks' partial products are reduce-scattered along s; dY is all-gathered along s first."""
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter_first_dim(y, self.group)
+
+    def gather_output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        return all_gather_first_dim(grad, self.group)
+
+
+class ColumnParallelLinearFunction(torch.autograd.Function):
+    """Y = gather(X) W_r^T + b_r. Backward: X gathered again (nothing at p = 1 or without SP) while dX = dY W_r
+    runs, then dX reduced (`comm`) while dW = dY^T X runs. Its own function at p = 1 too, rather than F.linear,
+    which would keep a contiguous copy of a strided input (the attention's context) for backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, comm):
         ctx.save_for_backward(x, weight)
-        ctx.with_bias, ctx.input_dtype = bias is not None, x.dtype
-        return _gemm(x, weight, bias)
+        ctx.comm, ctx.with_bias, ctx.input_dtype = comm, bias is not None, x.dtype
+        return _gemm(comm.gather_input(x), weight, bias)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None
-        return (grad_input, *_weight_grads(ctx, grad, x, weight, ctx.with_bias))
-
-
-class _ColumnParallelLinear(torch.autograd.Function):
-    """Y = X W_r^T + b_r; backward: dX = dY W_r, all-reduced while dW = dY^T X runs (when it waits: `wait_policy`)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, wait_policy):
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.wait_policy, ctx.with_bias, ctx.input_dtype = group, wait_policy, bias is not None, x.dtype
-        return _gemm(x, weight, bias)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        pending = None
-        if ctx.needs_input_grad[0]:
-            grad_input = _input_grad(grad, weight, ctx.input_dtype)
-            pending = ctx.wait_policy(all_reduce(grad_input, ctx.group, async_op=True))
-        grad_weight, grad_bias = _weight_grads(ctx, grad, x, weight, ctx.with_bias)
-        return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None
-
-
-class _SequenceParallelColumnLinear(torch.autograd.Function):
-    """X [s/p, b, in] all-gathered along s, then Y = X W_r^T + b_r. Only the local chunk is kept: the backward
-    all-gathers it again while dX = dY W_r runs, then reduce-scatters dX while dW = dY^T X runs."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, wait_policy):
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.wait_policy, ctx.with_bias, ctx.input_dtype = group, wait_policy, bias is not None, x.dtype
-        return _gemm(all_gather_first_dim(x, group), weight, bias)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        gathering = ctx.wait_policy(all_gather_first_dim(x, ctx.group, async_op=True))
+        gathering = ctx.comm.gather_input_again(x)
         grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None  # meanwhile
         total = gathering.wait()
-        pending = (ctx.wait_policy(reduce_scatter_first_dim(grad_input, ctx.group, async_op=True))
-                   if grad_input is not None else None)
+        pending = ctx.comm.reduce_input_grad(grad_input) if grad_input is not None else None
         grad_weight, grad_bias = _weight_grads(ctx, grad, total, weight, ctx.with_bias)
-        return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None
+        return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None
 
 
-class _RowParallelLinear(torch.autograd.Function):
-    """Y = sum over ranks of X_r W_r^T (all-reduce); backward: dX_r = dY W_r, dW_r = dY^T X_r, no collective."""
+class RowParallelLinearFunction(torch.autograd.Function):
+    """Y = reduce(X_r W_r^T), without the bias; backward: dY gathered (under SP), dX_r = dY W_r, dW_r = dY^T X_r."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, comm):
         ctx.save_for_backward(x, weight)
-        ctx.input_dtype = x.dtype
-        return all_reduce(_gemm(x, weight), group)
+        ctx.comm, ctx.input_dtype = comm, x.dtype
+        return comm.reduce_output(_gemm(x, weight))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        grad = ctx.comm.gather_output_grad(grad)
         grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None
         return grad_input, _weight_grads(ctx, grad, x, weight, False)[0], None
 
 
-class _SequenceParallelRowLinear(torch.autograd.Function):
-    """Y = the ranks' X_r W_r^T summed and reduce-scattered along s; backward: dY all-gathered along s first."""
+LOCAL_COLUMN, LOCAL_ROW = LocalColumn(), LocalRow()
 
-    @staticmethod
-    def forward(ctx, x, weight, group):
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.input_dtype = group, x.dtype
-        return reduce_scatter_first_dim(_gemm(x, weight), group)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad = all_gather_first_dim(grad, ctx.group)
-        grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None
-        return grad_input, _weight_grads(ctx, grad, x, weight, False)[0], None
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           comm: LocalColumn) -> torch.Tensor:
+    """A column-parallel linear communicating as `comm` says (LocalColumn, TensorParallelColumn or
+    SequenceParallelColumn), X cast to the autocast dtype first."""
+    return ColumnParallelLinearFunction.apply(autocast_input(x), weight, bias, comm)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, comm: LocalRow) -> torch.Tensor:
+    """A row-parallel linear without its bias, communicating as `comm` says (LocalRow, TensorParallelRow or
+    SequenceParallelRow), X cast to the autocast dtype first."""
+    return RowParallelLinearFunction.apply(autocast_input(x), weight, comm)
 
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The linear of a layer without communication (p = 1), differentiable once."""
-    return _LocalLinear.apply(autocast_input(x), weight, bias)
-
-
-def column_parallel_linear(x, weight, bias, group: ProcessGroup, wait_policy=wait_after_next_gemm) -> torch.Tensor:
-    """[s, b, in] -> [s, b, out/p]: no collective forward, one all-reduce backward."""
-    return _ColumnParallelLinear.apply(autocast_input(x), weight, bias, group, wait_policy)
-
-
-def sequence_parallel_column_linear(x, weight, bias, group: ProcessGroup,
-                                    wait_policy=wait_after_next_gemm) -> torch.Tensor:
-    """[s/p, b, in] -> [s, b, out/p]: one all-gather forward; backward one all-gather and one reduce-scatter."""
-    return _SequenceParallelColumnLinear.apply(autocast_input(x), weight, bias, group, wait_policy)
-
-
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """[s, b, in/p] -> [s, b, out], without the bias: one all-reduce forward, none backward."""
-    return _RowParallelLinear.apply(autocast_input(x), weight, group)
-
-
-def sequence_parallel_row_linear(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """[s, b, in/p] -> [s/p, b, out], without the bias: one reduce-scatter forward, one all-gather backward."""
-    return _SequenceParallelRowLinear.apply(autocast_input(x), weight, group)
+    return column_parallel_linear(x, weight, bias, LOCAL_COLUMN)

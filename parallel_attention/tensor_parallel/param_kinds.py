@@ -22,17 +22,18 @@ Readers: `finalize_grads` here, the global gradient norm (`grad_clip`), canonica
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .collectives import all_reduce_
+from .collectives import all_reduce
 from .parallel_state import ProcessGroup, group_size
 
-__all__ = ["KvReplica", "ParamKind", "PartialGrad", "Replicated", "Sharded", "finalize_grads", "is_distributed",
-           "local_rows", "local_shard", "parameter_kinds", "shared_rows"]
+__all__ = ["KvReplica", "LocalShard", "ParamKind", "PartialGrad", "REMOVED_NAMES", "Replicated", "SharedRows",
+           "Sharded", "finalize_grads", "is_distributed", "local_rows", "local_shard", "parameter_kinds",
+           "removed_name_error", "shared_rows"]
 
 
 @dataclass(frozen=True)
@@ -81,37 +82,39 @@ class KvReplica:
 ParamKind = Sharded | Replicated | PartialGrad | KvReplica
 
 
-class _LegacyPartialMeta(type):
-    def __instancecheck__(cls, obj) -> bool:
-        return isinstance(obj, (PartialGrad, KvReplica))
+# names removed in 0.4, each refused (AttributeError) with what replaces it, as AttentionConfig's REMOVED_ARGUMENTS
+REMOVED_NAMES = {
+    "Partial": "declare PartialGrad (a replicated parameter whose gradient is partial) or KvReplica (k/v replica "
+               "rows when p > num_kv_heads)",
+}
 
 
-class _LegacyPartial(metaclass=_LegacyPartialMeta):
-    """The 0.2 name `Partial`, split into PartialGrad and KvReplica: builds the one its arguments describe."""
-
-    def __new__(cls, group=None, rows=slice(None), slot=0, num_slots=1, sharded_dim=None,
-                reduced_in_backward=False):
-        if sharded_dim is None:
-            return PartialGrad(group, reduced_in_backward)
-        return KvReplica(group, rows, slot, num_slots, sharded_dim, reduced_in_backward)
+def removed_name_error(module: str, name: str) -> AttributeError:
+    """The error for `module`.`name`: what replaces it where the name was removed, else Python's own message."""
+    if name in REMOVED_NAMES:
+        return AttributeError(f"{module}.{name} was removed in 0.4: {REMOVED_NAMES[name]}.")
+    return AttributeError(f"module {module!r} has no attribute {name!r}")
 
 
 def __getattr__(name: str):
-    if name == "Partial":
-        warnings.warn("tensor_parallel.Partial is deprecated and goes in the next release: declare PartialGrad "
-                      "(a replicated parameter whose gradient is partial) or KvReplica (k/v replica rows).",
-                      DeprecationWarning, stacklevel=2)
-        return _LegacyPartial
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise removed_name_error(__name__, name)
 
 
-def shared_rows(kind: ParamKind) -> tuple[slice, int, int] | None:
-    """(rows, slot, num_slots) of a kind whose gradient finalize_grads must sum, None for the others: a
-    PartialGrad is all rows of one slot."""
+class SharedRows(NamedTuple):
+    """The rows of a parameter whose gradient finalize_grads sums: slot `slot` of `num_slots`."""
+
+    rows: slice
+    slot: int
+    num_slots: int
+
+
+def shared_rows(kind: ParamKind) -> SharedRows | None:
+    """The rows of a kind whose gradient finalize_grads must sum, None for the others: a PartialGrad is all rows
+    of one slot."""
     if isinstance(kind, PartialGrad):
-        return slice(None), 0, 1
+        return SharedRows(slice(None), 0, 1)
     if isinstance(kind, KvReplica):
-        return kind.rows, kind.slot, kind.num_slots
+        return SharedRows(kind.rows, kind.slot, kind.num_slots)
     return None
 
 
@@ -133,17 +136,23 @@ def is_distributed(kind: ParamKind) -> bool:
     return group_size(kind.group) > 1
 
 
-def local_shard(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(this rank's part of `tensor`, the index in `tensor` of its first row): a DTensor (FSDP2 shards each
-    rank's tensor along dim 0 over the data-parallel mesh dimension) gives its local shard; a plain tensor is
-    all of itself, at row 0."""
+class LocalShard(NamedTuple):
+    """This rank's part of a tensor, and the index in the whole tensor of its first row."""
+
+    tensor: torch.Tensor
+    offset: int
+
+
+def local_shard(tensor: torch.Tensor) -> LocalShard:
+    """This rank's part of `tensor`: a DTensor (FSDP2 shards each rank's tensor along dim 0 over the
+    data-parallel mesh dimension) gives its local shard; a plain tensor is all of itself, at row 0."""
     placements = getattr(tensor, "placements", None)
     if placements is None:
-        return tensor, 0
+        return LocalShard(tensor, 0)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, placements)
-    return tensor.to_local(), (offset[0] if offset else 0)
+    return LocalShard(tensor.to_local(), offset[0] if offset else 0)
 
 
 def local_rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -173,21 +182,23 @@ def finalize_grads(module: nn.Module) -> None:
     tensor-parallel sum and the data-parallel reduce-scatter commute, so each rank sums the partial rows
     its local shard holds (`local_rows`; the ranks of one tensor-parallel group hold the same rows).
     """
-    by_group: dict[int, list[tuple]] = {}
+    groups: dict[int, ProcessGroup] = {}
+    by_group: dict[int, list[tuple[nn.Parameter, SharedRows]]] = {}
     for param, kind in parameter_kinds(module).values():
         shared = shared_rows(kind)
         if shared is not None and is_distributed(kind) and not kind.reduced_in_backward:
-            by_group.setdefault(id(kind.group), []).append((param, kind.group, *shared))
-    for entries in by_group.values():
-        views = [_grad_rows(param, rows) for param, _, rows, _, _ in entries]
-        sizes = [view.numel() * entry[4] for view, entry in zip(views, entries)]  # entry[4]: num_slots
+            groups[id(kind.group)] = kind.group
+            by_group.setdefault(id(kind.group), []).append((param, shared))
+    for key, entries in by_group.items():
+        views = [_grad_rows(param, shared.rows) for param, shared in entries]
+        sizes = [view.numel() * shared.num_slots for view, (_, shared) in zip(views, entries)]
         if not sum(sizes):  # FSDP2 left this rank no row of them (the ranks of one tp group share a dp rank)
             continue
         buffer = torch.zeros(sum(sizes), dtype=views[0].dtype, device=views[0].device)
-        offsets = [sum(sizes[:i]) + entry[3] * view.numel()  # entry[3]: this rank's slot
-                   for i, (view, entry) in enumerate(zip(views, entries))]
+        offsets = [sum(sizes[:i]) + shared.slot * view.numel()  # this rank's slot within the parameter's part
+                   for i, (view, (_, shared)) in enumerate(zip(views, entries))]
         for view, start in zip(views, offsets):
             buffer[start:start + view.numel()].copy_(view.reshape(-1))
-        all_reduce_(buffer, entries[0][1])
+        all_reduce(buffer, groups[key])
         for view, start in zip(views, offsets):
             view.copy_(buffer[start:start + view.numel()].view_as(view))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..tensor_parallel import parallel_state as ps
-from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.collectives import all_reduce
 from ..transformer.cross_entropy import IGNORE_INDEX
 from .data.read.validation_metrics import validation_record
 from .micro_batches import model_inputs
@@ -30,5 +30,5 @@ def evaluate(run) -> dict[str, float]:
         count = float((batch[1] != IGNORE_INDEX).sum())
         sums[source] += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
     run.model.train()
-    all_reduce_(sums, ps.get_data_parallel_group())
+    all_reduce(sums, ps.get_data_parallel_group())
     return validation_record(sums, [source.name for source in run.sampler.sources])

@@ -37,6 +37,7 @@ import warnings
 import torch
 
 from ..tensor_parallel import parallel_state as ps
+from ..launch.rank_zero import is_rank_zero
 from ..tensor_parallel.collectives import all_gather_objects
 from ..transformer.model_config import ModelConfig
 from .config.schema import PretrainConfig
@@ -149,7 +150,7 @@ def reported_peak(achieved: float, configured: float | None, device: torch.devic
     if peak is None or achieved <= peak:
         return peak
     key = (device, configured)
-    if key not in _RAISED and ps.get_global_rank() == 0:
+    if key not in _RAISED and is_rank_zero():
         warnings.warn(_too_fast(achieved, peak, configured, device), RuntimeWarning, stacklevel=3)
     _RAISED[key] = achieved
     return achieved

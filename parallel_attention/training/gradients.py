@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.collectives import all_reduce
 from ..tensor_parallel.grad_clip import global_grad_norm, scale_grads_
 from ..tensor_parallel.parallel_state import ProcessGroup, group_size
 
@@ -37,7 +37,7 @@ def all_reduce_data_parallel(params: list[nn.Parameter], group: ProcessGroup | N
     if current:
         buckets.append(current)
     for bucket in buckets:
-        flat = all_reduce_(torch.cat([g.reshape(-1) for g in bucket]), group).div_(world)
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in bucket]), group).div_(world)
         for g, reduced in zip(bucket, flat.split([g.numel() for g in bucket])):
             g.copy_(reduced.view_as(g))
     return len(buckets)

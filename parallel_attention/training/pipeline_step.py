@@ -26,7 +26,7 @@ import torch
 from ..pipeline.layout import rank_stage
 from ..pipeline.runner import PipelineRunner, StepRecord, measured_bubble
 from ..tensor_parallel import parallel_state as ps
-from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.collectives import all_reduce
 from ..tensor_parallel.param_kinds import local_shard
 from ..tensor_parallel.rng import dropout_coordinates
 from ..transformer.model import GPTModel
@@ -72,7 +72,7 @@ def build_runners(cfg, model: GPTModel, micro_batches: int, val_batches: list):
 
 def _all_stages(record: StepRecord) -> torch.Tensor:
     """Each micro-batch's loss on every stage (the last stage's, summed with the others' zeros)."""
-    return all_reduce_(record.losses, ps.get_pipeline_parallel_group())
+    return all_reduce(record.losses, ps.get_pipeline_parallel_group())
 
 
 def pipeline_forward_backward(run, micro_batches: list) -> torch.Tensor:
@@ -120,7 +120,7 @@ def sum_tied_embedding_grads(model: GPTModel) -> None:
     weight = model.embed_tokens.weight
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    all_reduce_(local_shard(weight.grad)[0], group)  # FSDP2: both stages hold the same data-parallel shard
+    all_reduce(local_shard(weight.grad).tensor, group)  # FSDP2: both stages hold the same data-parallel shard
 
 
 def pipeline_metrics(run) -> dict:
@@ -128,8 +128,8 @@ def pipeline_metrics(run) -> dict:
     if run.pipeline_record is None:
         return {}
     group, record = ps.get_pipeline_parallel_group(), run.pipeline_record
-    compute = all_reduce_(torch.tensor([record.compute_seconds()], dtype=torch.float64, device=run.device), group)
-    span = all_reduce_(torch.tensor([record.span_seconds()], dtype=torch.float64, device=run.device), group,
+    compute = all_reduce(torch.tensor([record.compute_seconds()], dtype=torch.float64, device=run.device), group)
+    span = all_reduce(torch.tensor([record.span_seconds()], dtype=torch.float64, device=run.device), group,
                        torch.distributed.ReduceOp.MAX)
     return {"pipeline_bubble": round(measured_bubble(compute.item(), span.item(), ps.group_size(group)), 4)}
 

@@ -21,8 +21,9 @@ import torch
 
 from ..checkpointing.checkpoint import save_checkpoint
 from ..tensor_parallel import parallel_state as ps
+from ..launch.rank_zero import is_rank_zero
 from ..tensor_parallel.collective_log import enable_collective_log
-from ..tensor_parallel.collectives import all_reduce_, any_rank
+from ..tensor_parallel.collectives import all_reduce, any_rank
 from ..tensor_parallel.param_kinds import finalize_grads
 from ..tensor_parallel.rng import dropout_coordinates, manual_seed
 from ..pipeline.runner import PipelineRunner, StepRecord
@@ -156,7 +157,7 @@ def resume_run(run: Run, where: str) -> None:
     if not say_start(run.cfg, where, manifest):  # nothing to do: no step, and nothing of the run rewritten
         return
     write_run_config(run.cfg)
-    if ps.get_global_rank() == 0:
+    if is_rank_zero():
         keep_run_tokenizer(run.cfg, run.sampler.sources)
         log = run.cfg.logging
         run.logger = MetricsLogger(run.run_dir, run.cfg.training.max_steps, run.step, log.progress_bar,
@@ -197,7 +198,7 @@ def train_step(run: Run) -> dict:
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_parallel_group()
     grad_norm = global_grad_norm(run.model, tp_group, pp_group=pp_group, counted_elsewhere=run.model.pipeline_copies())
     dp_group = ps.get_data_parallel_group()
-    loss = (all_reduce_(loss_sum, dp_group) / ps.group_size(dp_group)).item()  # the mean over data-parallel ranks
+    loss = (all_reduce(loss_sum, dp_group) / ps.group_size(dp_group)).item()  # the mean over data-parallel ranks
     if run.guard.update(run.step + 1, loss, grad_norm.item()):
         clip_gradients(run.model, run.cfg.optimizer.grad_clip, grad_norm)
         run.optimizer.step()
@@ -272,7 +273,7 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
 
 def _train_built(cfg: PretrainConfig, run: Run, resume: str | None) -> TrainResult:
     """Summary, resume, then the steps; the caller releases the run directory on every way out."""
-    if ps.get_global_rank() == 0:
+    if is_rank_zero():
         blend = describe_blend(run.sampler, cfg.training.max_steps)
         print(run_summary(cfg, run.model, ps.get_world_size(), run.device, blend), file=sys.stderr, flush=True)
     resume_run(run, resume or cfg.checkpoint.resume)

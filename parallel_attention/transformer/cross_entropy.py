@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..tensor_parallel.collectives import all_reduce_
+from ..tensor_parallel.collectives import all_reduce
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
 
 
@@ -32,7 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if padding.any():
             fill = logits.masked_fill_ if owns_logits else logits.masked_fill
             logits, owns_logits = fill(padding, float("-inf")), True
-        logits_max = all_reduce_(logits.amax(dim=-1), group, dist.ReduceOp.MAX)  # amax: no indices, 5x faster
+        logits_max = all_reduce(logits.amax(dim=-1), group, dist.ReduceOp.MAX)  # amax: no indices, 5x faster
         outside = (target < start) | (target >= start + per_rank)
         local_target = (target - start).masked_fill(outside, 0)
         # one [.., V/p] buffer for the shifted logits, their exponentials and the softmax, in place: each fresh
@@ -41,7 +41,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = logits.sub_(logits_max.unsqueeze(-1)) if owns_logits else logits - logits_max.unsqueeze(-1)
         target_logit = exp.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp.exp_()
-        stats = all_reduce_(torch.stack([exp.sum(dim=-1), target_logit]), group)
+        stats = all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), group)
         sum_exp, target_logit = stats[0], stats[1]
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), outside, local_target)
         return sum_exp.log() - target_logit

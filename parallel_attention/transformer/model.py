@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tensor_parallel import collectives, sharding
+from ..tensor_parallel import collectives, mappings, sharding
 from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..tensor_parallel.param_kinds import PartialGrad, Replicated, Sharded, parameter_kinds
@@ -256,7 +256,7 @@ class GPTModel(nn.Module):
 
     def _full_vocabulary(self, local: torch.Tensor) -> torch.Tensor:
         """[b, V_padded/p] on each rank -> [b, V] on every rank (gathered across the group), float32."""
-        return collectives.gather_from_tensor_parallel_region(local, self.tp_group)[:, :self.vocab_size].float()
+        return mappings.gather_from_tensor_parallel_region(local, self.tp_group)[:, :self.vocab_size].float()
 
     @torch.no_grad()
     def canonical_state_dict(self) -> dict[str, torch.Tensor]:

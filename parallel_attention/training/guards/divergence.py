@@ -81,7 +81,7 @@ class DivergenceGuard:
 def check_parameters_finite(model: nn.Module, step: int, device: torch.device) -> None:
     """Raise DivergenceError on every rank if any rank holds a non-finite parameter (one all-reduce)."""
     named = list(model.named_parameters())
-    finite = torch.stack([torch.isfinite(local_shard(p)[0]).all() for _, p in named]).tolist() if named else []
+    finite = torch.stack([torch.isfinite(local_shard(p).tensor).all() for _, p in named]).tolist() if named else []
     bad = [name for (name, _), ok in zip(named, finite) if not ok]
     if any_rank(bool(bad), device):
         where = f"here: {', '.join(bad[:5])}" if bad else "on another rank"

@@ -17,7 +17,7 @@ from ...checkpointing.compatibility import flatten_dict
 from ...tensor_parallel import parallel_state as ps
 from ...tensor_parallel.audit import replica_mismatches
 from ...launch.agreement import disagreements
-from ...tensor_parallel.collectives import all_gather_objects
+from ...tensor_parallel.collectives import raise_together
 from ...version import __version__
 from ..config.schema import ConfigError, PretrainConfig
 
@@ -54,11 +54,15 @@ class ReplicaMismatchError(GuardError):
 def check_replicas(model, step: int) -> None:
     """Audit the replicated parameters; raise ReplicaMismatchError on every rank, naming parameters and ranks."""
     local = replica_mismatches(model, ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group())
-    everywhere = list(dict.fromkeys(m for mismatches in all_gather_objects(local) for m in mismatches))
-    if everywhere:
-        shown = "\n".join(f"  {m}" for m in everywhere[:20]) + (f"\n  ... {len(everywhere) - 20} more"
-                                                               if len(everywhere) > 20 else "")
-        raise ReplicaMismatchError(f"step {step}: replicated parameters differ across ranks:\n{shown}\n"
-                                   "the ranks no longer train one model (faulty device or memory, or a rank that "
-                                   "skipped a collective); not saving a checkpoint: restart from the newest "
-                                   "checkpoint with --resume, and check the hardware if it happens again.")
+    raise_together(local or None, lambda found: _replica_mismatch(step, found))
+
+
+def _replica_mismatch(step: int, found: dict[int, list[str]]) -> ReplicaMismatchError:
+    """The error for the mismatches the ranks found (each named once, in rank order)."""
+    everywhere = list(dict.fromkeys(m for mismatches in found.values() for m in mismatches))
+    shown = "\n".join(f"  {m}" for m in everywhere[:20]) + (f"\n  ... {len(everywhere) - 20} more"
+                                                           if len(everywhere) > 20 else "")
+    return ReplicaMismatchError(f"step {step}: replicated parameters differ across ranks:\n{shown}\n"
+                                "the ranks no longer train one model (faulty device or memory, or a rank that "
+                                "skipped a collective); not saving a checkpoint: restart from the newest "
+                                "checkpoint with --resume, and check the hardware if it happens again.")

@@ -3,8 +3,6 @@ through the canonical state dict (at another layout), falling back past corrupt 
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -12,9 +10,10 @@ from torch import nn
 
 from ...checkpointing.checkpoint import load_checkpoint, load_newest_valid, raise_unless_all_passed
 from ...checkpointing.compatibility import check_same_model, model_shape_config, same_layout, started_before_sampling
-from ...checkpointing.format import MANIFEST, CheckpointError, list_checkpoints, read_manifest
+from ...checkpointing.format import CheckpointError, list_checkpoints, read_manifest
 from ...checkpointing.reshard import load_resharded
 from ...tensor_parallel import parallel_state as ps
+from ...launch.rank_zero import is_rank_zero
 from ...tensor_parallel.rng import manual_seed
 from ..config.schema import ConfigError, PretrainConfig
 
@@ -73,8 +72,8 @@ def resume_manifest(cfg: PretrainConfig, where: str) -> dict | None:
     if where == "none":
         return None
     try:
-        manifest = json.loads((Path(where) / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        manifest = read_manifest(where, verify=False)
+    except CheckpointError:
         return None
     return manifest if isinstance(manifest, dict) and "extra" in manifest and "step" in manifest else None
 
@@ -92,11 +91,11 @@ def keep_previous_sampling(cfg: PretrainConfig, where: str) -> None:
             return  # a fresh start: the configured sampling
         where = str(found[-1])
     try:
-        saved = json.loads((Path(where) / MANIFEST).read_text(encoding="utf-8"))["config"]
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = read_manifest(where, verify=False)["config"]
+    except (CheckpointError, KeyError, TypeError):
         return  # nothing readable: the resume itself says what is wrong
     if started_before_sampling(saved) and cfg.data.sampling != "random_windows":
         cfg.data.sampling = "random_windows"
-        if os.environ.get("RANK", "0") == "0":
+        if is_rank_zero():
             print("data.sampling: random_windows (this run was started before epochs existed and keeps its "
                   "batches; start a new logging.run_dir for data.sampling=epochs)", file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ import yaml
 
 from ...checkpointing.format import list_temporaries
 from ...checkpointing.tensor_io import write_atomic
-from ...tensor_parallel import parallel_state as ps
+from ...launch.rank_zero import is_rank_zero
 from ...tensor_parallel.collectives import broadcast_object
 from ..config.schema import ConfigError, PretrainConfig, recorded_config
 from .run_lock import RunDirInUseError, RunDirLock
@@ -34,7 +34,7 @@ class RunDirError(ConfigError):
 
 def lock_run_dir(cfg: PretrainConfig) -> None:
     """Rank 0 takes the run directory's lock; every rank raises RunDirInUseError if another run holds it."""
-    error = broadcast_object(_acquire(Path(cfg.logging.run_dir)) if ps.get_global_rank() == 0 else None)
+    error = broadcast_object(_acquire(Path(cfg.logging.run_dir)) if is_rank_zero() else None)
     if error is not None:
         raise RunDirInUseError(error)
 
@@ -70,7 +70,7 @@ def release_run_dir(cfg: PretrainConfig) -> None:
 def prepare_run_dir(cfg: PretrainConfig) -> None:
     """Rank 0 makes `<run_dir>` and `<run_dir>/checkpoints`, proves them writable and removes a dead run's
     temporaries; on failure every rank raises RunDirError naming the directory and the cause."""
-    error = broadcast_object(_make_writable(cfg) if ps.get_global_rank() == 0 else None)
+    error = broadcast_object(_make_writable(cfg) if is_rank_zero() else None)
     if error is not None:
         raise RunDirError(f"logging.run_dir={cfg.logging.run_dir!r} is not writable ({error}): nothing could be "
                           "checkpointed. Point --logging.run_dir= at a writable directory or fix its permissions.")
@@ -115,7 +115,7 @@ def remove_leftovers(run_dir: Path) -> None:
 def write_run_config(cfg: PretrainConfig) -> None:
     """Rank 0 writes config.yaml (atomically), once the run has resumed or started fresh: a refused resume
     leaves the old one."""
-    if ps.get_global_rank() == 0:
+    if is_rank_zero():
         text = yaml.safe_dump(recorded_config(cfg.to_dict()), sort_keys=False)
         write_atomic(Path(cfg.logging.run_dir) / "config.yaml", [text.encode("utf-8")])
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ...tensor_parallel import parallel_state as ps
+from ...launch.rank_zero import is_rank_zero
 from ..config.schema import PretrainConfig
 
 
@@ -31,6 +31,6 @@ def start_line(cfg: PretrainConfig, where: str, manifest: dict | None) -> str:
 
 def say_start(cfg: PretrainConfig, where: str, manifest: dict | None) -> bool:
     """Rank 0 says where the run starts; returns whether there is anything to train (the same on every rank)."""
-    if ps.get_global_rank() == 0:
+    if is_rank_zero():
         print(start_line(cfg, where, manifest), file=sys.stderr, flush=True)
     return manifest is None or not finished(cfg, manifest["step"])

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...tensor_parallel.collectives import (all_reduce_, copy_to_tensor_parallel_region,
-                                            reduce_from_tensor_parallel_region)
+from ...tensor_parallel.collectives import all_reduce
+from ...tensor_parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from ...tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
 from ..kernels.core_attention import build_core_attention
 from ..kernels.device_choice import ChosenByDevice
@@ -127,7 +127,7 @@ class ContextParallelPart:
         if self.cp == 1:
             return loss_sum / count
         total = reduce_from_tensor_parallel_region(copy_to_tensor_parallel_region(loss_sum, self.group), self.group)
-        return total / all_reduce_(count.clone(), self.group)
+        return total / all_reduce(count.clone(), self.group)
 
     def full_length(self, s_local: int) -> int:
         return s_local * self.cp

@@ -11,12 +11,11 @@ then the run says what changed.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
-from ....checkpointing.format import MANIFEST
+from ....checkpointing.format import CheckpointError, read_manifest
 from ....checkpointing.tensor_io import file_digest
 from ...config.schema import PretrainConfig
 from ...config.checks import ConfigError
@@ -120,8 +119,8 @@ def check_tokenizer(step_dir: Path, tokenizer) -> None:
     """ValueError unless `tokenizer` (byte, gpt2 or a tokenizer.json's) is the one the checkpoint in `step_dir`
     was trained with, by its recorded sha256 (or name); checkpoints older than the record pass."""
     try:
-        saved = json.loads((Path(step_dir) / MANIFEST).read_text(encoding="utf-8"))["extra"]["data_identity"]
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = read_manifest(step_dir, verify=False)["extra"]["data_identity"]
+    except (CheckpointError, KeyError, TypeError):
         return
     have, want = TokenizerIdentity.of_tokenizer(tokenizer), TokenizerIdentity.from_record(saved["tokenizer"])
     if not want.same_file(have):

@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from ....tensor_parallel.collectives import all_gather_objects
+from ....tensor_parallel.collectives import all_gather_objects, raise_together
 from ....tensor_parallel import parallel_state as ps
 from .batches import GlobalBatchSampler, run_sampler
 from ...config.schema import PretrainConfig
@@ -38,9 +38,7 @@ def agreed(check: Callable[[], T], data_dir) -> T:
         result = check()
     except REFUSALS as error:
         refusal = refusal_message(error, data_dir)
-    refusal = next((r for r in all_gather_objects(refusal) if r is not None), None)
-    if refusal is not None:
-        raise DataFileError(refusal)
+    raise_together(refusal, lambda refusals: DataFileError(next(iter(refusals.values()))))
     return result
 
 
