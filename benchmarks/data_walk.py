@@ -1,6 +1,11 @@
 """The data walk, measured: the modules of parallel_attention.training that one batch passes through, from a
 prepared data directory to the micro-batches the loss reads, in the order first entered, with the modules each is
-entered from (one entered from several is a file a reader returns to). One process, CPU, a small stdlib corpus.
+entered from. One process, CPU, a small stdlib corpus.
+
+Two walks: the preparation check (run_data.prepare_run_data: make sure the data directory exists and is the one
+the config asks for; it reads no batch) and the batch walk (run_data.open_run_sampler, then the first step's
+micro-batches). A return is entering a module again from another module than the one that first entered it: the
+reader left it and comes back to it along another path. The trainer's own calls are not counted as callers.
 
     OMP_NUM_THREADS=1 python benchmarks/data_walk.py
 """
@@ -13,14 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from parallel_attention.training import ensure_prepared, load_config  # noqa: E402
-from parallel_attention.training.data.read.run_data import build_data  # noqa: E402
+from parallel_attention.training.data.read.run_data import open_run_sampler, prepare_run_data  # noqa: E402
 
 WING = "parallel_attention.training"
 
 
-def walk(cfg) -> tuple[list[str], dict[str, set[str]]]:
-    """(modules in the order first entered, {module: the modules it was entered from}) for build_data and the first
-    step's micro-batches."""
+def walk(steps) -> tuple[list[str], dict[str, list[str]]]:
+    """(modules in the order first entered, {module: the modules it was entered from, in first-entered order})
+    while `steps()` runs."""
     order, callers = [], {}
 
     def profile(frame, event, arg):
@@ -30,15 +35,25 @@ def walk(cfg) -> tuple[list[str], dict[str, set[str]]]:
         caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
         if callee.startswith(WING) and callee != caller:
             order.append(callee) if callee not in order else None
-            callers.setdefault(callee, set()).add(caller)
+            seen = callers.setdefault(callee, [])
+            seen.append(caller) if caller not in seen and caller != "__main__" else None
 
     sys.setprofile(profile)
     try:
-        sampler, _ = build_data(cfg)
-        sampler.local_micro_batches(0, dp_rank=0, dp_size=1, micro_batch_size=cfg.training.micro_batch_size)
+        steps()
     finally:
         sys.setprofile(None)
     return order, callers
+
+
+def report(title: str, order: list[str], callers: dict[str, list[str]]) -> None:
+    short = lambda name: "(the trainer)" if name == "__main__" else name.removeprefix(WING + ".")  # noqa: E731
+    print(f"{title}: {len(order)} modules, in the order first entered (<- the modules each is entered from):")
+    for i, name in enumerate(order, 1):
+        print(f"  {i:2d}. {short(name)}  <- {', '.join(short(c) for c in callers[name]) or '(the trainer)'}")
+    again = [short(n) for n in order if len(callers[n]) > 1]
+    returns = sum(max(len(callers[n]) - 1, 0) for n in order)
+    print(f"  {returns} returns; {len(again)} modules entered from more than one: {', '.join(again) or 'none'}")
 
 
 def main() -> None:
@@ -46,14 +61,14 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", [
         f"--data.data_dir={tmp / 'data'}", "--data.source=stdlib", "--data.max_bytes=40000",
         f"--logging.run_dir={tmp / 'run'}", "--data.seq_len=32", "--model.max_seq_len=32"])
-    ensure_prepared(cfg.data)  # the data directory exists before the walk starts
-    order, callers = walk(cfg)
-    short = lambda name: "(the trainer)" if name == "__main__" else name.removeprefix(WING + ".")  # noqa: E731
-    print(f"{len(order)} modules, in the order first entered (<- the modules each is entered from):")
-    for i, name in enumerate(order, 1):
-        print(f"  {i:2d}. {short(name)}  <- {', '.join(sorted(short(c) for c in callers[name]))}")
-    again = [short(n) for n in order if len(callers[n] - {"__main__"}) > 1]
-    print(f"{len(again)} entered from more than one module (returns): {', '.join(again)}")
+    ensure_prepared(cfg.data)  # the data directory exists before either walk starts
+    report("the preparation check", *walk(lambda: prepare_run_data(cfg)))
+
+    def batch():
+        sampler, _ = open_run_sampler(cfg)
+        sampler.local_micro_batches(0, dp_rank=0, dp_size=1, micro_batch_size=cfg.training.micro_batch_size)
+
+    report("the batch walk", *walk(batch))
 
 
 if __name__ == "__main__":

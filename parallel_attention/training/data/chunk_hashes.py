@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -63,8 +64,10 @@ def file_and_chunk_sha256(path: Path, chunk_bytes: int = CHUNK_BYTES, progress=N
 class ChunkVerifier:
     """The chunks of one token file this process has verified, and the check of those it has not."""
 
-    def __init__(self, path: Path, chunk_bytes: int, hashes: list[str], itemsize: int, fix: str) -> None:
-        """`fix`: what the refusal tells the user to do (prepare again, or which cache to delete)."""
+    def __init__(self, path: Path, chunk_bytes: int, hashes: list[str], itemsize: int,
+                 fix: str | Callable[[], str]) -> None:
+        """`fix`: what the refusal tells the user to do (prepare again, or which cache to delete), or the function
+        that says it, called only when a chunk is refused."""
         self.path, self.chunk_bytes, self.hashes, self.itemsize, self.fix = Path(path), chunk_bytes, hashes, itemsize, fix
         self.verified: set[int] = set()
         self._lock = threading.Lock()  # the prefetch thread and the main thread may read at once
@@ -85,13 +88,16 @@ class ChunkVerifier:
         start = chunk * self.chunk_bytes
         if chunk >= len(self.hashes):
             raise DataFileError(f"{self.path} is read at byte {start}, past the {len(self.hashes)} chunks whose "
-                                f"hashes were recorded: the file grew after it was hashed; {self.fix}.")
+                                f"hashes were recorded: the file grew after it was hashed; {self._fix()}.")
         actual = _hash_range(f, start, self.chunk_bytes)
         if actual != self.hashes[chunk]:
             error = DataFileError(f"{self.path} has sha256 {actual} in its chunk {chunk} of {self.chunk_bytes} bytes "
                                   f"(from byte {start}), but {self.hashes[chunk]} was recorded: the file changed after "
-                                  f"it was prepared or indexed (a bad copy, a disk fault, another write); {self.fix}.")
+                                  f"it was prepared or indexed (a bad copy, a disk fault, another write); {self._fix()}.")
             if os.environ.get("RANK", "0") != "0":  # the run reports rank 0's errors: say this one where it arose
                 print(f"rank {os.environ['RANK']}: {error}", file=sys.stderr, flush=True)
             raise error
         self.verified.add(chunk)
+
+    def _fix(self) -> str:
+        return self.fix() if callable(self.fix) else self.fix

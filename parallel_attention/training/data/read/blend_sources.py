@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...config.schema import BlendEntry, DataConfig
-from ...tokenizer import KNOWN_BY_NAME, TokenizerIdentity, trains_bpe
+from ...config.schema import BlendEntry, DataConfig, PretrainConfig
+from ...tokenizer import KNOWN_BY_NAME, TokenizerIdentity, tokenizer_vocab_size, trains_bpe
 from ..token_files import DataFileError
 from .token_source import TokenSource, open_source
 
-__all__ = ["blend_entries", "describe_blend", "open_blend", "prepared_tokenizer"]
+__all__ = ["blend_entries", "describe_blend", "index_cache_root", "open_blend", "open_run_blend", "prepared_tokenizer"]
 
 
 def blend_entries(data: DataConfig) -> list[BlendEntry]:
@@ -53,11 +53,31 @@ def open_blend(data: DataConfig, tokenizer_vocab: int, index_cache: Path | None 
                                                                                               list[float]]:
     """The blend's sources, each verified against its meta.json, and their weights; `index_cache`: the root of
     the index caches of Megatron-LM prefixes (token_source.open_source)."""
-    entries = blend_entries(data)
-    sources = [open_source(e.path, data.val_fraction, (tokenizer_vocab, data.tokenizer), index_cache=index_cache)
-               for e in entries]
+    paths = [e.path for e in data.blend] or [data.data_dir]  # blend_entries, without building a BlendEntry
+    sources = [open_source(path, data.val_fraction, (tokenizer_vocab, data.tokenizer), index_cache=index_cache)
+               for path in paths]
     prepared_tokenizer(sources, data.tokenizer)
-    return sources, [e.weight for e in entries]
+    return sources, [e.weight for e in data.blend] or [1.0]
+
+
+def index_cache_root(cfg: PretrainConfig) -> Path:
+    """data.index_cache, or RUN/index_cache when it is null."""
+    return Path(cfg.data.index_cache if cfg.data.index_cache is not None else Path(cfg.logging.run_dir) / "index_cache")
+
+
+def open_run_blend(cfg: PretrainConfig) -> tuple[list[TokenSource], list[float]]:
+    """The blend's sources, each verified, their vocabulary checked against the model's."""
+    data = cfg.data
+    sources, weights = open_blend(data, tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size),
+                                  index_cache_root(cfg))
+    for source in sources:
+        if source.vocab_size > cfg.model.vocab_size:
+            tokenizer = source.meta["tokenizer"] if source.meta else data.tokenizer
+            raise DataFileError(f"the data in {source.name} was prepared with the tokenizer {tokenizer} of "
+                                f"{source.vocab_size} tokens (its meta.json) but model.vocab_size="
+                                f"{cfg.model.vocab_size}: set model.vocab_size >= {source.vocab_size}, or prepare the "
+                                "data with another tokenizer.")
+    return sources, weights
 
 
 def describe_blend(sampler, max_steps: int) -> str:

@@ -19,13 +19,11 @@ from ....tensor_parallel import parallel_state as ps
 from .batches import GlobalBatchSampler, run_sampler
 from ...config.schema import PretrainConfig
 from ..prepare.run_data_dir import ensure_prepared
-from .blend_sources import open_blend
+from .blend_sources import index_cache_root, open_run_blend
 from .index_cache import wait_for
 from ..token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message
-from .token_source import TokenSource
-from ...tokenizer import tokenizer_vocab_size
 
-__all__ = ["agreed", "build_data", "index_cache_root", "open_run_blend"]
+__all__ = ["agreed", "build_data", "index_cache_root", "open_run_blend", "open_run_sampler", "prepare_run_data"]
 
 T = TypeVar("T")
 
@@ -40,26 +38,6 @@ def agreed(check: Callable[[], T], data_dir) -> T:
         refusal = refusal_message(error, data_dir)
     raise_together(refusal, lambda refusals: DataFileError(next(iter(refusals.values()))))
     return result
-
-
-def index_cache_root(cfg: PretrainConfig) -> Path:
-    """data.index_cache, or RUN/index_cache when it is null."""
-    return Path(cfg.data.index_cache if cfg.data.index_cache is not None else Path(cfg.logging.run_dir) / "index_cache")
-
-
-def open_run_blend(cfg: PretrainConfig) -> tuple[list[TokenSource], list[float]]:
-    """The blend's sources, each verified, their vocabulary checked against the model's."""
-    data = cfg.data
-    sources, weights = open_blend(data, tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size),
-                                  index_cache_root(cfg))
-    for source in sources:
-        if source.vocab_size > cfg.model.vocab_size:
-            tokenizer = source.meta["tokenizer"] if source.meta else data.tokenizer
-            raise DataFileError(f"the data in {source.name} was prepared with the tokenizer {tokenizer} of "
-                                f"{source.vocab_size} tokens (its meta.json) but model.vocab_size="
-                                f"{cfg.model.vocab_size}: set model.vocab_size >= {source.vocab_size}, or prepare the "
-                                "data with another tokenizer.")
-    return sources, weights
 
 
 def _prepared_by_rank_0(cfg: PretrainConfig) -> None:
@@ -93,13 +71,22 @@ def _raise(error: BaseException | None) -> None:
         raise error
 
 
-def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
-    """Prepare data.data_dir once (global rank 0) unless a blend names the sources, then open every source on every
-    rank, checked against its meta.json's sha256; a refusal on any rank is every rank's. Returns the sampler and
-    the blend's sources. Nothing is written into the run directory here (data_identity.keep_run_tokenizer copies
-    the tokenizer there once the run has resumed)."""
-    data_dir = cfg.data.data_dir
+def prepare_run_data(cfg: PretrainConfig) -> None:
+    """Prepare data.data_dir once (global rank 0) unless a blend names the sources; a refusal on any rank is every
+    rank's. It makes sure the directory exists and is the one the config asks for: it reads no batch."""
     if not cfg.data.blend:
         _prepared_by_rank_0(cfg)
-    sources, weights = agreed(lambda: open_run_blend(cfg), data_dir)
+
+
+def open_run_sampler(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
+    """Open every source on every rank, checked against its meta.json's sha256 (a refusal on any rank is every
+    rank's). Returns the sampler and the blend's sources."""
+    sources, weights = agreed(lambda: open_run_blend(cfg), cfg.data.data_dir)
     return run_sampler(cfg, sources, weights), sources
+
+
+def build_data(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
+    """prepare_run_data, then open_run_sampler. Nothing is written into the run directory here
+    (data_identity.keep_run_tokenizer copies the tokenizer there once the run has resumed)."""
+    prepare_run_data(cfg)
+    return open_run_sampler(cfg)

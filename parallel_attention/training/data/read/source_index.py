@@ -19,14 +19,16 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
 from ....checkpointing.tensor_io import file_digest
 from ..chunk_hashes import CHUNK_BYTES, chunk_sha256
-from .document_index import write_streams
+from .document_index import SPLITS, load_stream, write_streams
 from .index_cache import cached
 from ..indexed_dataset import IndexedTokens
 from ..token_files import DataFileError, prepare_again, sha256_of
 
-__all__ = ["CACHE_DIR", "VERSION", "chunks_digest", "megatron_index", "prepared_index"]
+__all__ = ["CACHE_DIR", "VERSION", "chunks_digest", "index_streams", "megatron_index", "prepared_index"]
 
 CACHE_DIR = ".index_cache"
 VERSION = 2  # of the cache layout: 2 added the coarse index
@@ -91,3 +93,9 @@ def chunks_digest(info: dict) -> str:
     """One sha256 over every chunk hash of a cache's shards: what a checkpoint records of a Megatron .bin."""
     listing = [(s["chunk_bytes"], s["chunk_sha256"]) for s in info["shards"]]
     return hashlib.sha256(json.dumps(listing).encode("utf-8")).hexdigest()
+
+
+def index_streams(directory: Path) -> list[tuple[tuple[np.ndarray, ...], np.ndarray]]:
+    """The training and validation streams' arrays of the index cache `directory`, memory-mapped
+    (document_index.load_stream), in the order of document_index.SPLITS."""
+    return [load_stream(directory, split) for split in SPLITS]

@@ -14,6 +14,7 @@ built once, and each 64 MiB chunk of a .bin is verified the first time this proc
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from ..chunk_hashes import ChunkVerifier
-from .document_index import SPLITS, load_stream
 from ..indexed_dataset import IndexedTokens
-from .source_index import megatron_index, prepared_index
+from .source_index import index_streams, megatron_index, prepared_index
 from ..previous_format import read_splits
 from ..token_files import DataFileError, is_previous_format, meta_and_reason, prepare_again, verify_at_start
 
@@ -140,7 +140,7 @@ def open_source(path: str, val_fraction: float, tokenizer: tuple[int, str], veri
             return _previous_format(path, meta)
         vocab = (int(meta["vocab_size"]), f"the tokenizer {meta['tokenizer']} ({Path(path) / 'meta.json'})")
         directory, info = prepared_index(Path(path), meta, val_fraction, Path(index_cache))
-        return _from_cache(path, directory, info, vocab, meta, verify, prepare_again(path, meta))
+        return _from_cache(path, directory, info, vocab, meta, verify, functools.partial(prepare_again, path, meta))
     if Path(f"{path}.idx").is_file() or Path(f"{path}.bin").is_file():
         directory, info = megatron_index(Path(path), val_fraction, Path(index_cache))
         fix = (f"if the change is wanted, delete {directory} (the index and its hashes are then made anew); else "
@@ -152,8 +152,9 @@ def open_source(path: str, val_fraction: float, tokenizer: tuple[int, str], veri
 
 
 def _from_cache(name: str, directory: Path, info: dict, vocab: tuple[int, str], meta: dict | None, verify: bool,
-                fix: str) -> TokenSource:
-    """The source whose streams and chunk hashes its index cache `directory` holds."""
+                fix) -> TokenSource:
+    """The source whose streams and chunk hashes its index cache `directory` holds; `fix`: the refusal's fix, or the
+    function that says it (ChunkVerifier)."""
     prefixes = [Path(name) / s["prefix"] for s in meta["shards"]] if meta is not None else [Path(name)]
     shards, verifiers = [], []
     for prefix, shard in zip(prefixes, info["shards"]):
@@ -162,7 +163,7 @@ def _from_cache(name: str, directory: Path, info: dict, vocab: tuple[int, str], 
         verifiers.append(ChunkVerifier(tokens.bin_path, shard["chunk_bytes"], shard["chunk_sha256"],
                                        tokens.dtype.itemsize, fix)
                          if verify and shard["chunk_sha256"] is not None else None)
-    streams = [load_stream(directory, split) for split in SPLITS]
+    streams = index_streams(directory)
     train, val = (TokenStream(shards, segments, vocab, name, verifiers, (info["coarse"], coarse))
                   for segments, coarse in streams)
     return TokenSource(name, train, val, vocab[0], meta, info["num_documents"], info)
