@@ -91,10 +91,8 @@ def test_a_run_resumed_from_a_checkpoint_without_sampling_keeps_random_windows(t
     step.mkdir(parents=True)
     (step / "manifest.json").write_text(json.dumps({"config": {"data": saved}}))
     cfg = load_config(TINY, [f"--logging.run_dir={tmp_path / 'run'}"])
-    keep_previous_sampling(cfg, "none")
-    assert cfg.data.sampling == "epochs"  # a fresh start takes the configured sampling
-    keep_previous_sampling(cfg, "auto")
-    assert cfg.data.sampling == expected
+    assert keep_previous_sampling(cfg, "none") is cfg  # a fresh start takes the configured sampling
+    assert keep_previous_sampling(cfg, "auto").data.sampling == expected
     other = load_config(TINY)
-    keep_previous_sampling(other, str(step))
-    assert other.data.sampling == expected
+    assert keep_previous_sampling(other, str(step)).data.sampling == expected
+    assert cfg.data.sampling == other.data.sampling == "epochs"  # the validated configs are never changed

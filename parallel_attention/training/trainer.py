@@ -264,7 +264,7 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
     cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
     if resume is not None:  # --resume overrides checkpoint.resume: the same rule, before any process group
         check_resume(resume, "--resume")
-    keep_previous_sampling(cfg, resume or cfg.checkpoint.resume)
+    cfg = keep_previous_sampling(cfg, resume or cfg.checkpoint.resume)  # the sampling the run was started with
     try:
         return _train_built(cfg, build(cfg), resume)
     finally:

@@ -3,6 +3,7 @@ through the canonical state dict (at another layout), falling back past corrupt 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -78,24 +79,26 @@ def resume_manifest(cfg: PretrainConfig, where: str) -> dict | None:
     return manifest if isinstance(manifest, dict) and "extra" in manifest and "step" in manifest else None
 
 
-def keep_previous_sampling(cfg: PretrainConfig, where: str) -> None:
-    """A run started before `data.sampling` existed drew random windows: resumed, it keeps drawing them, so that it
-    sees the batches it would have seen. The checkpoint it resumes from (`auto`: the newest under the run's
-    checkpoints/) then holds a config whose data section has no `sampling` (`started_before_sampling`). Sets
-    cfg.data.sampling, the same on every rank (each reads the same manifest)."""
+def keep_previous_sampling(cfg: PretrainConfig, where: str) -> PretrainConfig:
+    """The config the run trains with: `cfg` itself, or, for a run started before `data.sampling` existed (it drew
+    random windows), a copy with data.sampling=random_windows, so that resumed it sees the batches it would have
+    seen. The checkpoint it resumes from (`auto`: the newest under the run's checkpoints/) then holds a config whose
+    data section has no `sampling` (`started_before_sampling`). `cfg` is never changed; every rank reads the same
+    manifest, so every rank chooses alike."""
     if where == "none":
-        return
+        return cfg
     if where == "auto":
         found = list_checkpoints(Path(cfg.logging.run_dir) / "checkpoints")
         if not found:
-            return  # a fresh start: the configured sampling
+            return cfg  # a fresh start: the configured sampling
         where = str(found[-1])
     try:
         saved = read_manifest(where, verify=False)["config"]
     except (CheckpointError, KeyError, TypeError):
-        return  # nothing readable: the resume itself says what is wrong
-    if started_before_sampling(saved) and cfg.data.sampling != "random_windows":
-        cfg.data.sampling = "random_windows"
-        if is_rank_zero():
-            print("data.sampling: random_windows (this run was started before epochs existed and keeps its "
-                  "batches; start a new logging.run_dir for data.sampling=epochs)", file=sys.stderr, flush=True)
+        return cfg  # nothing readable: the resume itself says what is wrong
+    if not started_before_sampling(saved) or cfg.data.sampling == "random_windows":
+        return cfg
+    if is_rank_zero():
+        print("data.sampling: random_windows (this run was started before epochs existed and keeps its "
+              "batches; start a new logging.run_dir for data.sampling=epochs)", file=sys.stderr, flush=True)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sampling="random_windows"))

@@ -28,7 +28,7 @@ def open_run_data(cfg: PretrainConfig, resume: str | None = None) -> tuple[Globa
     """(the run's sampler, its tokenizer) for data already prepared; nothing is prepared or written. The sampler
     continues the history of blends its checkpoint records (steps of an earlier blend open its sources when
     asked), as a resume of the run with this config would."""
-    keep_previous_sampling(cfg, resume or cfg.checkpoint.resume)
+    cfg = keep_previous_sampling(cfg, resume or cfg.checkpoint.resume)
     sources, weights = open_run_blend(cfg)  # what the trainer opens, its vocabulary check included
     path = prepared_tokenizer(sources, cfg.data.tokenizer)
     tokenizer = get_tokenizer(str(path) if path is not None else cfg.data.tokenizer)
