@@ -26,7 +26,6 @@ OUTSIDE = {
     "Partial": "the alias removed in 0.4 (an AttributeError names what replaces it)",
     "torch.autograd.Function": "torch", "RANK": "torchrun's environment variable",
     ".NAME.partial/": "a preparation's folder while it runs",
-    "collectives.copy_to_tensor_parallel_region": "0.3's path, served by the module __getattr__ of collectives",
     "ValueError": "Python", "assert": "Python", "isinstance": "Python", "null": "JSON", "parallel_attention": "the package itself",
     "LAYER": "tests/test_house_rules.py", "LONGER": "tests/test_house_rules.py",
     "skipped_steps": "a metrics.jsonl key", "s": "shape legend", "b": "shape legend", "h": "shape legend",

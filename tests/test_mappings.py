@@ -175,13 +175,3 @@ def _copy_to_grad_worker():
 def test_copy_to_backward_leaves_shared_gradient_alone():
     results = run_distributed(_copy_to_grad_worker, 2)
     assert results == [{"grad_x": True, "grad_y": True, "upstream untouched": True}] * 2
-
-
-def test_the_regions_keep_their_old_path_in_collectives():
-    """0.3 documented the six region functions in `collectives`; they moved to `mappings` and still import there."""
-    from parallel_attention.tensor_parallel.collectives import reduce_scatter_to_sequence_parallel_region
-    assert reduce_scatter_to_sequence_parallel_region is mappings.reduce_scatter_to_sequence_parallel_region
-    for name in ("copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
-                 "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
-                 "gather_from_sequence_parallel_region"):
-        assert getattr(collectives, name) is getattr(mappings, name) is getattr(pa, name), name

@@ -315,17 +315,3 @@ def barrier() -> None:
     if is_distributed():
         with _issue("barrier", None, None):
             dist.barrier()
-
-
-# the six region functions moved to `mappings` (0.4); `collectives.<name>`, where 0.3 documented them, still works
-_MOVED_TO_MAPPINGS = ("copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
-                      "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
-                      "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_MAPPINGS:
-        from . import mappings  # imported here: mappings imports this module
-
-        return getattr(mappings, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
