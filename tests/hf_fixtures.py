@@ -62,3 +62,43 @@ def gpt_model_logits(cfg, canonical: dict, tokens: torch.Tensor) -> torch.Tensor
         local = model(tokens)  # [s, b, V_padded / p]
     full = all_gather_along_dim(local, -1, pa.get_tensor_model_parallel_group())[..., :cfg.vocab_size]
     return full.transpose(0, 1)
+
+
+# float32, same weights: only summation orders differ (and the split across ranks), ~1e-7 relative
+LOGITS_TOLERANCE = 1e-4
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute difference, relative to the largest reference logit."""
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def gpt_logits_worker(cases, tokens: torch.Tensor):
+    """On each rank: gpt_model_logits of every (cfg, canonical) in `cases`."""
+    return [gpt_model_logits(cfg, canonical, tokens) for cfg, canonical in cases]
+
+
+def save_perturbed_hf_model(config_cls: str, model_cls: str, fields: dict, path, tokens: torch.Tensor,
+                            **save_kwargs):
+    """A seeded transformers model, every parameter perturbed (so no bias or norm weight sits at its initial value),
+    saved at `path`; returns it (eval mode) and its logits on `tokens`."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = getattr(tf, model_cls)(getattr(tf, config_cls)(**fields)).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():  # tied parameters are listed once
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(path, **save_kwargs)
+    with torch.no_grad():
+        return model, model(tokens).logits
+
+
+def hf_logits(path, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' logits on `tokens` of the model saved at `path`."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(tokens).logits

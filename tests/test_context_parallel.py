@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from attention_inputs import load_random_weights_and_data
 from distributed import run_distributed
 from fused_rows import expected_fused_rows
+from refusals import value_error_messages
 
 import parallel_attention as pa
 from parallel_attention.transformer.context_parallel import (gather_from_context_parallel, split_for_context_parallel,
@@ -60,12 +62,8 @@ def _case_worker(tp, cp, kind, nh, nkv, sp, causal, rotary, documents=False):
     cfg = pa.AttentionConfig(hidden_size=H, num_heads=nh, num_kv_heads=nkv, head_dim=D, rotary=rotary, causal=causal,
                              params_dtype=torch.float64)
     module = pa.ParallelSelfAttention(cfg, sequence_parallel=sp, context_parallel_kind=kind)
-    g = torch.Generator().manual_seed(11)  # identical weights and data on every rank
-    weights = {k: torch.randn(v.shape, generator=g, dtype=torch.float64).requires_grad_()
-               for k, v in module.canonical_state_dict().items()}
-    module.load_canonical_state_dict({k: v.detach() for k, v in weights.items()})
-    x = torch.randn(S, B, H, generator=g, dtype=torch.float64, requires_grad=True)
-    upstream = torch.randn(S, B, H, generator=g, dtype=torch.float64)
+    # identical weights and data on every rank
+    weights, x, upstream = load_random_weights_and_data(module, torch.Generator().manual_seed(11), (S, B, H))
     layout = DocumentLayout.from_ids(DOCUMENT_IDS) if documents else None
     index = torch.arange(S)
     mask, positions = (layout.mask(index, index, False), layout.positions) if documents else (None, None)
@@ -133,20 +131,15 @@ def test_causal_zigzag_gives_every_rank_the_same_block_pairs(cp):
 def _refusals_worker():
     pa.destroy_model_parallel()
     pa.initialize_model_parallel(1, context_parallel_size=2)
-    messages, ring = [], dict(context_parallel_kind="ring")
+    ring = dict(context_parallel_kind="ring")
     cfg = pa.AttentionConfig(hidden_size=H, num_heads=3, num_kv_heads=1, head_dim=D)
-    for call in (lambda: pa.ParallelSelfAttention(cfg, context_parallel_kind="all_to_all"),
-                 lambda: pa.ParallelSelfAttention(cfg, context_parallel_kind="ulysses"),
-                 lambda: pa.ParallelSelfAttention(pa.AttentionConfig(hidden_size=H, num_heads=4, head_dim=D,
-                                                                     attention_dropout=0.1), **ring),
-                 lambda: pa.ParallelSelfAttention(cfg, **ring)(torch.randn(3, B, H)),
-                 lambda: pa.ParallelSelfAttention(cfg, **ring)(torch.randn(4, B, H),
-                                                              torch.ones(1, 1, 1, 8, dtype=torch.bool))):
-        try:
-            call()
-        except ValueError as error:
-            messages.append(str(error))
-    return messages
+    return value_error_messages(
+        lambda: pa.ParallelSelfAttention(cfg, context_parallel_kind="all_to_all"),
+        lambda: pa.ParallelSelfAttention(cfg, context_parallel_kind="ulysses"),
+        lambda: pa.ParallelSelfAttention(pa.AttentionConfig(hidden_size=H, num_heads=4, head_dim=D,
+                                                            attention_dropout=0.1), **ring),
+        lambda: pa.ParallelSelfAttention(cfg, **ring)(torch.randn(3, B, H)),
+        lambda: pa.ParallelSelfAttention(cfg, **ring)(torch.randn(4, B, H), torch.ones(1, 1, 1, 8, dtype=torch.bool)))
 
 
 def test_context_parallel_refusals_name_the_values_and_the_fix():

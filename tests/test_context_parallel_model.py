@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+from refusals import value_error_messages
 
 import parallel_attention as pa
 
@@ -75,13 +76,9 @@ def _decoding_refusals_worker():
     pa.destroy_model_parallel()
     pa.initialize_model_parallel(1, context_parallel_size=2)
     model = pa.GPTModel(pa.ModelConfig(**LLAMA_LIKE))
-    tokens, messages = torch.zeros(1, 4, dtype=torch.long), []
-    for call in (lambda: model.decode(tokens, model.new_kv_cache(1, 8)), lambda: model.next_token_logits(tokens)):
-        try:
-            call()
-        except ValueError as error:
-            messages.append(str(error))
-    return messages
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    return value_error_messages(lambda: model.decode(tokens, model.new_kv_cache(1, 8)),
+                                lambda: model.next_token_logits(tokens))
 
 
 def test_decoding_under_cp_is_refused_by_name():

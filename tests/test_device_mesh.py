@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from attention_inputs import load_random_weights_and_data
 from distributed import run_distributed
 from fused_rows import expected_fused_rows
+from refusals import value_error_messages
 from torch.distributed.device_mesh import init_device_mesh
 
 import parallel_attention as pa
@@ -25,12 +27,8 @@ def _attention_against_reference(tp_group) -> None:
     cfg = pa.AttentionConfig(hidden_size=H, num_heads=NH, num_kv_heads=NKV, head_dim=6, rotary=True,
                              params_dtype=torch.float64)
     module = pa.ParallelSelfAttention(cfg, tp_group=tp_group)
-    g = torch.Generator().manual_seed(5)  # identical weights and data on every rank
-    weights = {k: torch.randn(v.shape, generator=g, dtype=torch.float64).requires_grad_()
-               for k, v in module.canonical_state_dict().items()}
-    module.load_canonical_state_dict({k: v.detach() for k, v in weights.items()})
-    x = torch.randn(S, B, H, generator=g, dtype=torch.float64, requires_grad=True)
-    upstream = torch.randn(S, B, H, generator=g, dtype=torch.float64)
+    # identical weights and data on every rank
+    weights, x, upstream = load_random_weights_and_data(module, torch.Generator().manual_seed(5), (S, B, H))
     ref = reference_attention(x, weights, NH, NKV, cfg.head_dim, True, None, True)
     ref.backward(upstream)
     x_in = x.detach().clone().requires_grad_()
@@ -73,13 +71,8 @@ def test_a_callers_mesh_drives_the_block_and_is_adopted():
 def _refusals_worker():
     pa.destroy_model_parallel()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "model"))
-    messages = []
-    for call in (lambda: pa.initialize_model_parallel(mesh=mesh),
-                 lambda: pa.ColumnParallelLinear(4, 4, tp_group=mesh)):  # 2-D: which dimension?
-        try:
-            call()
-        except ValueError as error:
-            messages.append(str(error))
+    messages = value_error_messages(lambda: pa.initialize_model_parallel(mesh=mesh),
+                                    lambda: pa.ColumnParallelLinear(4, 4, tp_group=mesh))  # 2-D: which dimension?
     return messages, pa.model_parallel_is_initialized()
 
 

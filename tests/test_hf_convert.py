@@ -21,7 +21,8 @@ transformers = pytest.importorskip(
     "transformers", reason="Hugging Face import/export tests need transformers (pip install -e .[hf])")
 
 from distributed import run_distributed  # noqa: E402
-from hf_fixtures import gpt_model_logits  # noqa: E402
+from hf_fixtures import (LOGITS_TOLERANCE, gpt_logits_worker, gpt_model_logits, hf_logits,  # noqa: E402
+                         relative_error, save_perturbed_hf_model)
 from launch import ROOT, environment, run_command, torchrun
 from parallel_attention import ModelConfig, canonical_to_hf, hf_to_canonical, load_config  # noqa: E402
 from parallel_attention.hf import read_hf_config  # noqa: E402
@@ -44,49 +45,20 @@ VARIANTS = {  # checked at p = 1, in process
 }
 
 
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
-
-
-def _save_hf_model(config_cls: str, model_cls: str, fields: dict, path: Path, **save_kwargs):
-    """A seeded, perturbed transformers model saved at `path`; returns it (eval mode) and its logits."""
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)).eval()
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in model.parameters():  # tied parameters are listed once
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    model.save_pretrained(path, **save_kwargs)
-    with torch.no_grad():
-        return model, model(_tokens()).logits
-
-
-def _hf_logits(path: Path) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
-        return model(_tokens()).logits
-
-
-def _our_logits(cfg, canonical: dict) -> torch.Tensor:
-    return gpt_model_logits(cfg, canonical, _tokens())
-
-
-def _logits_worker(cases):
-    return [_our_logits(cfg, canonical) for cfg, canonical in cases]
+TOKENS = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
 
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    # float32, same weights: only summation orders differ (and the split across ranks), ~1e-7 relative
-    error = ((ours - ref).abs().max() / ref.abs().max()).item()
-    assert error <= 1e-4, f"{what}: max error {error:.2e} relative to the largest logit"
+    error = relative_error(ours, ref)
+    assert error <= LOGITS_TOLERANCE, f"{what}: max error {error:.2e} relative to the largest logit"
 
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     """{name: (directory, transformers logits)} for the two main test models."""
     root = tmp_path_factory.mktemp("hf")
-    return {"llama": (root / "llama", _save_hf_model("LlamaConfig", "LlamaForCausalLM", LLAMA, root / "llama")[1]),
-            "gpt2": (root / "gpt2", _save_hf_model("GPT2Config", "GPT2LMHeadModel", GPT2, root / "gpt2")[1])}
+    specs = {"llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA), "gpt2": ("GPT2Config", "GPT2LMHeadModel", GPT2)}
+    return {name: (root / name, save_perturbed_hf_model(*spec, root / name, TOKENS)[1]) for name, spec in specs.items()}
 
 
 # ------------------------------------------------------------------------------ numerics
@@ -94,7 +66,7 @@ def hf_models(tmp_path_factory):
 def test_imported_logits_match_transformers(hf_models, p):
     names = sorted(hf_models)
     cases = [hf_to_canonical(hf_models[name][0]) for name in names]
-    for rank, per_model in enumerate(run_distributed(_logits_worker, p, p, cases)):
+    for rank, per_model in enumerate(run_distributed(gpt_logits_worker, p, p, cases, TOKENS)):
         for name, ours in zip(names, per_model):
             _assert_close(ours, hf_models[name][1], f"{name} p={p} rank {rank}")
 
@@ -105,7 +77,7 @@ def test_export_round_trip_is_exact(hf_models, name, tmp_path):
     cfg, canonical = hf_to_canonical(hf_dir)
     canonical_to_hf(cfg, canonical, tmp_path / "out", source_config=read_hf_config(hf_dir))
     assert read_hf_config(tmp_path / "out")["architectures"] == read_hf_config(hf_dir)["architectures"]
-    assert torch.equal(_hf_logits(tmp_path / "out"), ref)  # the same tensors, bit for bit
+    assert torch.equal(hf_logits(tmp_path / "out", TOKENS), ref)  # the same tensors, bit for bit
     cfg2, canonical2 = hf_to_canonical(tmp_path / "out")
     assert cfg2 == cfg and canonical2.keys() == canonical.keys()
     assert all(torch.equal(canonical2[k], canonical[k]) for k in canonical)
@@ -114,22 +86,23 @@ def test_export_round_trip_is_exact(hf_models, name, tmp_path):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variants_match_and_round_trip(variant, tmp_path):
     config_cls, model_cls, fields = VARIANTS[variant]
-    _, ref = _save_hf_model(config_cls, model_cls, fields, tmp_path / "hf")
+    _, ref = save_perturbed_hf_model(config_cls, model_cls, fields, tmp_path / "hf", TOKENS)
     cfg, canonical = hf_to_canonical(tmp_path / "hf")
-    _assert_close(_our_logits(cfg, canonical), ref, variant)
+    _assert_close(gpt_model_logits(cfg, canonical, TOKENS), ref, variant)
     canonical_to_hf(cfg, canonical, tmp_path / "out", source_config=read_hf_config(tmp_path / "hf"))
     assert read_hf_config(tmp_path / "out")["architectures"] == [model_cls]
-    assert torch.equal(_hf_logits(tmp_path / "out"), ref)
+    assert torch.equal(hf_logits(tmp_path / "out", TOKENS), ref)
 
 
 def test_mistral_sliding_window_bounds_the_sequence(tmp_path):
-    _save_hf_model(*VARIANTS["mistral_sliding_window"], tmp_path / "hf")
+    save_perturbed_hf_model(*VARIANTS["mistral_sliding_window"], tmp_path / "hf", TOKENS)
     cfg, _ = hf_to_canonical(tmp_path / "hf")
     assert cfg.max_seq_len == 32  # min(max_position_embeddings=64, sliding_window=32): the window never bites
 
 
 def test_sharded_files_both_ways(hf_models, tmp_path):
-    _, ref = _save_hf_model("LlamaConfig", "LlamaForCausalLM", LLAMA, tmp_path / "hf", max_shard_size="40KB")
+    _, ref = save_perturbed_hf_model("LlamaConfig", "LlamaForCausalLM", LLAMA, tmp_path / "hf", TOKENS,
+                                     max_shard_size="40KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     cfg, canonical = hf_to_canonical(tmp_path / "hf")
     single_cfg, single = hf_to_canonical(hf_models["llama"][0])
@@ -137,7 +110,7 @@ def test_sharded_files_both_ways(hf_models, tmp_path):
     canonical_to_hf(cfg, canonical, tmp_path / "out", max_shard_bytes=40_000)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    assert torch.equal(_hf_logits(tmp_path / "out"), ref)
+    assert torch.equal(hf_logits(tmp_path / "out", TOKENS), ref)
 
 
 def test_gpt2_weights_without_base_prefix(hf_models, tmp_path):
@@ -292,7 +265,7 @@ def test_script_import_tp2_then_export(hf_models, name, tmp_path, capsys):
     assert ModelConfig.from_dict(step_cfg["model"]) == expected_cfg and all(torch.equal(canonical[k], expected[k]) for k in expected)
     assert script.main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 0
     assert read_hf_config(tmp_path / "out")["architectures"] == read_hf_config(hf_dir)["architectures"]
-    assert torch.equal(_hf_logits(tmp_path / "out"), ref)
+    assert torch.equal(hf_logits(tmp_path / "out", TOKENS), ref)
     assert not (tmp_path / "out" / "MISSING").exists()
 
 

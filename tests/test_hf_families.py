@@ -22,7 +22,8 @@ transformers = pytest.importorskip(
 
 import parallel_attention as pa  # noqa: E402
 from distributed import run_distributed  # noqa: E402
-from hf_fixtures import gpt_model_logits  # noqa: E402
+from hf_fixtures import (LOGITS_TOLERANCE, gpt_logits_worker, gpt_model_logits, hf_logits,  # noqa: E402
+                         relative_error, save_perturbed_hf_model)
 from parallel_attention import GPTModel, canonical_to_hf, hf_to_canonical  # noqa: E402
 from parallel_attention.hf import read_hf_config  # noqa: E402
 
@@ -49,60 +50,25 @@ FIXTURES = {
 }
 
 
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-def _save_hf_model(config_cls: str, model_cls: str, fields: dict, path: Path) -> torch.Tensor:
-    """A seeded, perturbed transformers model saved at `path`; returns its logits."""
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)).eval()
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in model.parameters():  # tied parameters are listed once
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    model.save_pretrained(path)
-    with torch.no_grad():
-        return model(_tokens()).logits
-
-
-def _hf_logits(path: Path) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
-        return model(_tokens()).logits
-
-
-def _our_logits(cfg, canonical: dict) -> torch.Tensor:
-    return gpt_model_logits(cfg, canonical, _tokens())
-
-
-def _logits_worker(cases):
-    return [_our_logits(cfg, canonical) for cfg, canonical in cases]
-
-
-def _error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
-# float32, same weights: only summation orders differ (and the split across ranks), ~1e-7 relative
-TOLERANCE = 1e-4
+TOKENS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
     """{name: (directory, transformers logits)}."""
     root = tmp_path_factory.mktemp("families")
-    return {name: (root / name, _save_hf_model(*spec, root / name)) for name, spec in FIXTURES.items()}
+    return {name: (root / name, save_perturbed_hf_model(*spec, root / name, TOKENS)[1])
+            for name, spec in FIXTURES.items()}
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_imported_logits_match_transformers(fixtures, p):
     names = sorted(fixtures)
     cases = [hf_to_canonical(fixtures[name][0]) for name in names]
-    for rank, per_model in enumerate(run_distributed(_logits_worker, p, p, cases, timeout=300)):
+    for rank, per_model in enumerate(run_distributed(gpt_logits_worker, p, p, cases, TOKENS, timeout=300)):
         for name, ours in zip(names, per_model):
-            error = _error(ours, fixtures[name][1])
-            assert error <= TOLERANCE, f"{name} p={p} rank {rank}: max error {error:.2e} of the largest logit"
+            error = relative_error(ours, fixtures[name][1])
+            assert error <= LOGITS_TOLERANCE, f"{name} p={p} rank {rank}: max error {error:.2e} of the largest logit"
 
 
 def test_what_each_family_imports_as(fixtures):
@@ -120,9 +86,9 @@ def test_ignoring_the_llama3_scaling_would_fail(fixtures):
     """The fixture exercises the scaling: the unscaled rotary embedding misses transformers' logits."""
     hf_dir, ref = fixtures["llama3_rope_scaling"]
     cfg, canonical = hf_to_canonical(hf_dir)
-    assert _error(_our_logits(cfg, canonical), ref) <= TOLERANCE
+    assert relative_error(gpt_model_logits(cfg, canonical, TOKENS), ref) <= LOGITS_TOLERANCE
     unscaled = dataclasses.replace(cfg, rope_type="default")
-    assert _error(_our_logits(unscaled, canonical), ref) > 100 * TOLERANCE
+    assert relative_error(gpt_model_logits(unscaled, canonical, TOKENS), ref) > 100 * LOGITS_TOLERANCE
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
@@ -131,7 +97,7 @@ def test_export_loads_back_in_transformers(fixtures, name, tmp_path):
     cfg, canonical = hf_to_canonical(hf_dir)
     canonical_to_hf(cfg, canonical, tmp_path / "out", source_config=read_hf_config(hf_dir))
     assert read_hf_config(tmp_path / "out")["architectures"] == [FIXTURES[name][1]]
-    assert torch.equal(_hf_logits(tmp_path / "out"), ref)  # the same tensors and config, bit for bit
+    assert torch.equal(hf_logits(tmp_path / "out", TOKENS), ref)  # the same tensors and config, bit for bit
     cfg2, canonical2 = hf_to_canonical(tmp_path / "out")
     assert cfg2 == cfg and all(torch.equal(canonical2[k], canonical[k]) for k in canonical)
 
@@ -143,7 +109,7 @@ def test_export_without_source_infers_the_architecture(fixtures, name, tmp_path)
     canonical_to_hf(cfg, canonical, tmp_path / "out")
     expected = FIXTURES[name][1]
     assert read_hf_config(tmp_path / "out")["architectures"] == [expected]
-    assert torch.equal(_hf_logits(tmp_path / "out"), ref)
+    assert torch.equal(hf_logits(tmp_path / "out", TOKENS), ref)
 
 
 def test_script_import_tp4_then_export_qwen3(fixtures, tmp_path):
@@ -156,7 +122,7 @@ def test_script_import_tp4_then_export_qwen3(fixtures, tmp_path):
     assert script.main(["import", "--hf", str(hf_dir), "--out", str(run), "--tp", "4"]) == 0
     assert pa.load_config(run / "config.yaml").model.qk_norm is True
     assert script.main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "out")]) == 0
-    assert torch.equal(_hf_logits(tmp_path / "out"), ref)
+    assert torch.equal(hf_logits(tmp_path / "out", TOKENS), ref)
 
 
 def _edited(hf_dir: Path, tmp_path: Path, edit: dict) -> Path:

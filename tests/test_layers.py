@@ -61,18 +61,30 @@ def _close(actual, expected, what):
     torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
 
 
+def _seeded_shard(cls, seed, full_weight, split_dim, p, r, tag, *args, **kwargs):
+    """A layer built from `seed` on rank r; its weight must be exactly rank r's slice of the p = 1 weight."""
+    layer = _seeded(cls, seed, *args, **kwargs)
+    shard = full_weight.chunk(p, split_dim)[r]
+    assert torch.equal(layer.weight.detach().cpu(), shard), f"{tag}: shard is not the p=1 slice"
+    return layer
+
+
+def _linear_reference(X, W, b, bias, dY):
+    """Output and gradients (x, w, b) of the single-device F.linear, with bias b only where `bias`."""
+    return _reference(lambda x, w, bb: F.linear(x, w, bb if bias else None), [X, W, b], dY)
+
+
 def _check_column(full, data, p, r, dev):
     W, b, X, dY = full["col"], data["b_col"], data["x"], data["dy_col"]
     for gather, bias, sp in [(False, True, False), (True, True, False), (False, False, False),
                              (True, False, False), (False, True, True), (False, False, True)]:
         tag = f"column gather_output={gather} bias={bias} sequence_parallel={sp}"
-        layer = _seeded(pa.ColumnParallelLinear, SEED_COL, H, FFN, bias=bias, gather_output=gather,
-                        sequence_parallel=sp, device=dev)
-        assert torch.equal(layer.weight.detach().cpu(), W.chunk(p, 0)[r]), f"{tag}: shard is not the p=1 slice"
+        layer = _seeded_shard(pa.ColumnParallelLinear, SEED_COL, W, 0, p, r, tag, H, FFN, bias=bias,
+                              gather_output=gather, sequence_parallel=sp, device=dev)
         if bias:
             assert torch.equal(layer.bias.detach().cpu(), torch.zeros(FFN, dtype=F64).chunk(p)[r])
             layer.bias.data.copy_(b.chunk(p)[r])  # a non-zero bias, so a mis-sliced one shows
-        y_ref, (gx, gw, gb) = _reference(lambda x, w, bb: F.linear(x, w, bb if bias else None), [X, W, b], dY)
+        y_ref, (gx, gw, gb) = _linear_reference(X, W, b, bias, dY)
         x = (X.chunk(p, 0)[r] if sp else X).to(dev).clone().requires_grad_()
         y = layer(x)
         y.backward((dY if gather else dY.chunk(p, -1)[r]).to(dev))
@@ -88,12 +100,11 @@ def _check_row(full, data, p, r, dev):
     for parallel_in, bias, sp in [(False, True, False), (True, True, False), (False, False, False),
                                   (True, False, False), (True, True, True), (True, False, True)]:
         tag = f"row input_is_parallel={parallel_in} bias={bias} sequence_parallel={sp}"
-        layer = _seeded(pa.RowParallelLinear, SEED_ROW, FFN, H, bias=bias, input_is_parallel=parallel_in,
-                        sequence_parallel=sp, device=dev)
-        assert torch.equal(layer.weight.detach().cpu(), W.chunk(p, 1)[r]), f"{tag}: shard is not the p=1 slice"
+        layer = _seeded_shard(pa.RowParallelLinear, SEED_ROW, W, 1, p, r, tag, FFN, H, bias=bias,
+                              input_is_parallel=parallel_in, sequence_parallel=sp, device=dev)
         if bias:
             layer.bias.data.copy_(b)
-        y_ref, (gx, gw, gb) = _reference(lambda x, w, bb: F.linear(x, w, bb if bias else None), [X, W, b], dY)
+        y_ref, (gx, gw, gb) = _linear_reference(X, W, b, bias, dY)
         x = (X.chunk(p, -1)[r] if parallel_in else X).to(dev).clone().requires_grad_()
         y = layer(x)
         y.backward((dY.chunk(p, 0)[r] if sp else dY).to(dev))
@@ -113,8 +124,8 @@ def _check_embedding(full, data, p, r, dev):
     for tokens in [data["tokens"], data["tokens"].remainder(VOCAB // p)]:
         y_ref, (gE,) = _reference(lambda e: F.embedding(tokens, e), [E], dY)
         for sp in (False, True):  # sequence parallel: this rank keeps its [s/p, b, h] chunk of the output
-            emb = _seeded(pa.VocabParallelEmbedding, SEED_EMB, VOCAB, EMB, sequence_parallel=sp, device=dev)
-            assert torch.equal(emb.weight.detach().cpu(), E.chunk(p, 0)[r]), "embedding shard is not the p=1 slice"
+            emb = _seeded_shard(pa.VocabParallelEmbedding, SEED_EMB, E, 0, p, r, "embedding", VOCAB, EMB,
+                                sequence_parallel=sp, device=dev)
             y = emb(tokens.to(dev))
             y.backward((dY.chunk(p, 0)[r] if sp else dY).to(dev))
             _close(y.detach().cpu(), y_ref.chunk(p, 0)[r] if sp else y_ref, f"embedding sp={sp} output")

@@ -11,45 +11,41 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_distributed
 from parallel_attention.checkpointing.tensor_io import read_safetensors
 from parallel_attention.training import optimizer_state_bytes
-from parallel_attention.training.trainer import checkpoint, resume_run, train_step
+from parallel_attention.training.trainer import checkpoint, resume_run
 from test_data_parallel import build_run, data_dir, overrides  # noqa: F401  (data_dir is a fixture)
-
-
-def _steps(run, n: int) -> list[float]:
-    return [train_step(run)["loss"] for _ in range(n)]
+from zero_runs import check_resumes_and_reshards, run_checkpoint_scenario, train_steps
 
 
 def _zero_checkpoint_worker(data_dir, tmp) -> dict:
     zero0, zero1 = ["--parallel.zero_stage=0"], ["--parallel.zero_stage=1"]
     out = {}
     run = build_run(overrides(data_dir, tmp / "a", 1, *zero1))  # p1 dp2, ZeRO-1
-    out["a"] = _steps(run, 2)
+    out["a"] = train_steps(run, 2)
     checkpoint(run)
-    out["a"] += _steps(run, 2)
+    out["a"] += train_steps(run, 2)
     out["bytes_zero1"] = optimizer_state_bytes(run.optimizer)
     run = build_run(overrides(data_dir, tmp / "zero0", 1, *zero0))  # the same at zero_stage 0, for its files
-    _steps(run, 2)
+    train_steps(run, 2)
     checkpoint(run)
     out["bytes_zero0"] = optimizer_state_bytes(run.optimizer)
     out["numel"] = [p.numel() for p in run.model.parameters()]
     run = build_run(overrides(data_dir, tmp / "a", 1, *zero1))  # exact resume at the same layout
     resume_run(run, "auto")
-    out["a_resumed"] = _steps(run, 2)
+    out["a_resumed"] = train_steps(run, 2)
     out["bytes_resumed"] = optimizer_state_bytes(run.optimizer)  # loaded from the full state: still a shard
     if dist.get_rank() == 0:
         shutil.copytree(tmp / "a" / "checkpoints" / "step_0000002", tmp / "c" / "checkpoints" / "step_0000002")
     dist.barrier()
     run = build_run(overrides(data_dir, tmp / "c", 2))  # p2 dp1 from the ZeRO checkpoint: resharded
     resume_run(run, "auto")
-    out["c"] = _steps(run, 1)
+    out["c"] = train_steps(run, 1)
     checkpoint(run)  # step 3, at p = 2
-    out["c"] += _steps(run, 1)
+    out["c"] += train_steps(run, 1)
     run = build_run(overrides(data_dir, tmp / "d", 1, *zero1))  # back to p1 dp2 with ZeRO-1: resharded
     resume_run(run, str(tmp / "c" / "checkpoints" / "step_0000003"))
-    out["d"] = _steps(run, 1)
+    out["d"] = train_steps(run, 1)
     return out
 
 
@@ -60,8 +56,7 @@ def _parsed(meta: dict) -> dict:
 @pytest.fixture(scope="module")
 def zero_runs(data_dir, tmp_path_factory):
     """The scenario above on two ranks, once for the tests below: (per-rank results, its directory)."""
-    tmp = tmp_path_factory.mktemp("zero")
-    return run_distributed(_zero_checkpoint_worker, 2, 1, data_dir, tmp), tmp
+    return run_checkpoint_scenario(_zero_checkpoint_worker, data_dir, tmp_path_factory, "zero")
 
 
 def test_optimizer_state_bytes_per_rank_at_dp2(zero_runs):
@@ -76,12 +71,9 @@ def test_optimizer_state_bytes_per_rank_at_dp2(zero_runs):
 
 def test_zero_checkpoints_resume_exactly_and_reshard(zero_runs):
     ranks, tmp_path = zero_runs
-    got = {k: ranks[0][k] for k in ("a", "a_resumed", "c", "d")}
-    assert all({k: r[k] for k in got} == got for r in ranks)  # every rank logs the same mean loss
-    assert got["a_resumed"] == got["a"][2:]  # bit-exact: same weights, moments, data and float operations
+    got = check_resumes_and_reshards(ranks, ("a", "a_resumed", "c", "d"))
     # resharded runs sum the same products in another order (float32)
     assert got["c"] == pytest.approx(got["a"][2:], rel=1e-5)
-    assert got["d"] == pytest.approx(got["a"][3:], rel=1e-5)
     # consolidated on dp rank 0, the ZeRO-1 optimizer file is the unsharded run's, tensor for tensor
     sharded, sharded_meta = read_safetensors(tmp_path / "a" / "checkpoints" / "step_0000002" / "optim_tp00.safetensors")
     plain, plain_meta = read_safetensors(tmp_path / "zero0" / "checkpoints" / "step_0000002" / "optim_tp00.safetensors")
