@@ -74,6 +74,14 @@ def _linear_reference(X, W, b, bias, dY):
     return _reference(lambda x, w, bb: F.linear(x, w, bb if bias else None), [X, W, b], dY)
 
 
+def _forward_backward(layer, x, dy, dev):
+    """Run `layer` on a fresh leaf copy of x on `dev` and backpropagate dy: (the leaf, the output)."""
+    x = x.to(dev).clone().requires_grad_()
+    y = layer(x)
+    y.backward(dy.to(dev))
+    return x, y
+
+
 def _check_column(full, data, p, r, dev):
     W, b, X, dY = full["col"], data["b_col"], data["x"], data["dy_col"]
     for gather, bias, sp in [(False, True, False), (True, True, False), (False, False, False),
@@ -85,9 +93,7 @@ def _check_column(full, data, p, r, dev):
             assert torch.equal(layer.bias.detach().cpu(), torch.zeros(FFN, dtype=F64).chunk(p)[r])
             layer.bias.data.copy_(b.chunk(p)[r])  # a non-zero bias, so a mis-sliced one shows
         y_ref, (gx, gw, gb) = _linear_reference(X, W, b, bias, dY)
-        x = (X.chunk(p, 0)[r] if sp else X).to(dev).clone().requires_grad_()
-        y = layer(x)
-        y.backward((dY if gather else dY.chunk(p, -1)[r]).to(dev))
+        x, y = _forward_backward(layer, X.chunk(p, 0)[r] if sp else X, dY if gather else dY.chunk(p, -1)[r], dev)
         _close(y.detach().cpu(), y_ref if gather else y_ref.chunk(p, -1)[r], f"{tag}: output")
         _close(x.grad.cpu(), gx.chunk(p, 0)[r] if sp else gx, f"{tag}: input grad")
         _close(layer.weight.grad.cpu(), gw.chunk(p, 0)[r], f"{tag}: weight grad")
@@ -105,9 +111,7 @@ def _check_row(full, data, p, r, dev):
         if bias:
             layer.bias.data.copy_(b)
         y_ref, (gx, gw, gb) = _linear_reference(X, W, b, bias, dY)
-        x = (X.chunk(p, -1)[r] if parallel_in else X).to(dev).clone().requires_grad_()
-        y = layer(x)
-        y.backward((dY.chunk(p, 0)[r] if sp else dY).to(dev))
+        x, y = _forward_backward(layer, X.chunk(p, -1)[r] if parallel_in else X, dY.chunk(p, 0)[r] if sp else dY, dev)
         if sp and bias:  # before finalize_grads each rank holds the bias grad of its own tokens only
             _close(layer.bias.grad.cpu(), dY.chunk(p, 0)[r].sum((0, 1)), f"{tag}: partial bias grad")
         pa.finalize_grads(layer)
