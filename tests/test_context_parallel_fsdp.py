@@ -25,7 +25,7 @@ from parallel_attention.training.flops import flops_per_token, step_rates
 from parallel_attention.training.fsdp import mesh_of
 from parallel_attention.training.trainer import _train_built, checkpoint, resume_run
 from test_data_parallel import build_run, data_dir, overrides  # noqa: F401  (data_dir is a fixture)
-from test_zero import _steps
+from zero_runs import train_steps
 from test_zero3 import ZERO1, ZERO3, _compare, _layouts_worker
 
 CP2, RING, A2A = "--parallel.context_parallel_size=2", "--parallel.context_parallel_kind=ring", \
@@ -84,13 +84,13 @@ def _resume_worker(data_dir, tmp) -> dict:
     out = {}
     for name, stage, layout, other in (("cp2", ZERO3, [CP2, RING], []), ("cp1", ZERO1, [], [ZERO3, CP2, A2A])):
         run = build_run(overrides(data_dir, tmp / name, 1, stage, *layout))
-        out[name] = _steps(run, 2)
+        out[name] = train_steps(run, 2)
         checkpoint(run)
-        out[name] += _steps(run, 2)
+        out[name] += train_steps(run, 2)
         _copy_checkpoint(tmp, name, f"{name}_resumed", 2)
         run = build_run(overrides(data_dir, tmp / f"{name}_resumed", 1, *other))
         resume_run(run, "auto")
-        out[f"{name}_resumed"] = _steps(run, 2)
+        out[f"{name}_resumed"] = train_steps(run, 2)
     run = build_run(overrides(data_dir, tmp / "summary", 1, CP2, "--training.max_steps=1"))  # all_to_all: the default
     rates = step_rates(run.cfg, run.device, run.tokens_per_step, seconds=2.0)
     out["tflops"] = (rates["tflops"], flops_per_token(run.cfg.model, run.cfg.data.seq_len) * run.tokens_per_step

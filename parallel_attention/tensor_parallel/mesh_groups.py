@@ -11,7 +11,6 @@ the two copies of tied embeddings sum their gradients.
 from __future__ import annotations
 
 import datetime
-import math
 
 import torch
 import torch.distributed as dist
@@ -127,20 +126,10 @@ def data_parallel_size(p: int, c: int, pp: int = 1) -> int:
                        ("pipeline_model_parallel_size", pp)):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name}={size!r} must be a positive integer.")
-    sizes = {"tensor_model_parallel_size": p, "context_parallel_size": c}
-    if pp > 1:
-        sizes["pipeline_model_parallel_size"] = pp
-    return layout_data_parallel_size(world, sizes, alternative=f"choose sizes whose product divides {world}")
-
-
-def layout_data_parallel_size(world: int, sizes: dict[str, int], launcher: str = "",
-                              alternative: str = "change them") -> int:
-    """world // the product of `sizes` (tensor, context, pipeline): the data-parallel size. One check for the run
-    config (before any process group) and initialize_model_parallel, so both refuse a layout alike; the error
-    names each size by the caller's name for it, the product, the world and how to launch instead."""
-    product = math.prod(sizes.values())
-    if world % product != 0:
-        named = " x ".join(f"{name}={size}" for name, size in sizes.items())
-        raise ValueError(f"{named} = {product} does not divide the world size {world}: launch a multiple of "
-                         f"{product} processes{launcher} or {alternative}.")
-    return world // product
+    if world % (p * c * pp) != 0:
+        stages = f" x pipeline_model_parallel_size={pp}" if pp > 1 else ""
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor_model_parallel_size={p} x context_parallel_size={c}"
+            f"{stages} = {p * c * pp}: launch a multiple of {p * c * pp} processes or choose sizes whose product "
+            f"divides {world}.")
+    return world // (p * c * pp)

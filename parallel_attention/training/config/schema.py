@@ -18,7 +18,6 @@ import yaml
 
 from ...checkpointing.compatibility import upgrade_run_config
 from ...tensor_parallel.linear_functions import OVERLAP_COMM
-from ...tensor_parallel.mesh_groups import layout_data_parallel_size
 from ...transformer.model_config import ModelConfig
 from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_names,
                      check_ranges, check_resume)
@@ -171,10 +170,12 @@ class PretrainConfig:
         cp, pp = self.parallel.context_parallel_size, self.parallel.pipeline_parallel_size
         if world_size < 1:
             raise ValueError(f"the world size {world_size} (WORLD_SIZE) must be >= 1: launch with torchrun.")
-        sizes = {"parallel.tensor_parallel_size": p, "context_parallel_size": cp}
-        if pp > 1:
-            sizes["pipeline_parallel_size"] = pp
-        layout_data_parallel_size(world_size, sizes, launcher=" (--nproc-per-node x --nnodes)")
+        if world_size % (p * cp * pp) != 0:
+            stages = f" x pipeline_parallel_size={pp}" if pp > 1 else ""
+            raise ValueError(
+                f"parallel.tensor_parallel_size={p} x context_parallel_size={cp}{stages} does not divide the world "
+                f"size {world_size}: launch a multiple of {p * cp * pp} processes (--nproc-per-node x --nnodes) or "
+                "change them.")
         check_context_parallel(self)
         m.attention_config().per_rank_heads(p)  # heads / kv heads vs p, with its own messages
         ffn = m.resolved_ffn_hidden_size()
