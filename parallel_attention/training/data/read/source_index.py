@@ -7,7 +7,7 @@ prefix (whose directory this project never writes into) and a read-only prepared
 meta.json (its sha256), data.val_fraction, and this layout's version. A changed key builds a new cache beside the
 old; deleting a cache directory (or the whole cache root) at any time between runs only costs a rebuild.
 
-Built once (index_cache.cached), it checks what a start used to check every time: each .idx is read whole,
+Built once (under index_cache.claim's lock), it checks what a start used to check every time: each .idx is read whole,
 checked against its .bin and, for a prepared directory, against the sha256 meta.json records; a Megatron-LM
 prefix's .bin is hashed once per 64 MiB chunk (chunk_hashes), which a resume then compares (data_identity.py).
 """
@@ -24,7 +24,7 @@ import numpy as np
 from ....checkpointing.tensor_io import file_digest
 from ..chunk_hashes import CHUNK_BYTES, chunk_sha256
 from .document_index import SPLITS, load_stream, write_streams
-from .index_cache import cached
+from .index_cache import claim
 from ..indexed_dataset import IndexedTokens
 from ..token_files import DataFileError, prepare_again, sha256_of
 
@@ -66,8 +66,8 @@ def prepared_index(path: Path, meta: dict, val_fraction: float, fallback_root: P
                                    for s, shard in zip(shards, meta["shards"])]}
 
     root = path / CACHE_DIR if os.access(path, os.W_OK) else fallback_root
-    return cached(root, "prepared" if root != fallback_root else path.name, key, build,
-                  f"the index of {path}")
+    return _found_or_built(root, "prepared" if root != fallback_root else path.name, key, build,
+                           f"the index of {path}")
 
 
 def megatron_index(prefix: Path, val_fraction: float, root: Path) -> tuple[Path, dict]:
@@ -81,7 +81,16 @@ def megatron_index(prefix: Path, val_fraction: float, root: Path) -> tuple[Path,
         hashes = chunk_sha256(shard.bin_path, CHUNK_BYTES, progress)
         return {**info, "idx_sha256": file_digest(shard.idx_path)["sha256"], "shards": [_shard_info(shard, hashes, CHUNK_BYTES)]}
 
-    return cached(root, prefix.name, key, build, f"the index of {prefix}")
+    return _found_or_built(root, prefix.name, key, build, f"the index of {prefix}")
+
+
+def _found_or_built(root: Path, name: str, key: dict, build, what: str) -> tuple[Path, dict]:
+    """(directory, info) of a cache: found, waited for, or built here by `build(tmp, progress)` and stored."""
+    directory, info, claimed = claim(root, name, key, what)
+    if claimed is not None:
+        with claimed:
+            info = claimed.store(build(claimed.tmp, claimed.progress))
+    return directory, info
 
 
 def _shard_info(shard: IndexedTokens, hashes: list[str] | None, chunk_bytes: int | None) -> dict:
