@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,7 @@ def prepared_index(path: Path, meta: dict, val_fraction: float, fallback_root: P
     key = {"version": VERSION, "kind": "prepared", "path": str(path.resolve()), "val_fraction": val_fraction,
            "meta_sha256": hashlib.sha256((path / "meta.json").read_bytes()).hexdigest(), "files": files}
 
-    def build(tmp: Path, progress) -> dict:
+    def build(tmp: Path, progress) -> Generator[str, None, dict]:
         shards = []
         for shard, prefix in zip(meta["shards"], prefixes):
             idx = Path(f"{prefix}.idx")
@@ -61,7 +62,7 @@ def prepared_index(path: Path, meta: dict, val_fraction: float, fallback_root: P
                                     f"{shard['idx_sha256']}: the file changed after it was prepared (a bad copy, a "
                                     f"disk fault, another write); {prepare_again(path, meta)}.")
             shards.append(IndexedTokens(prefix))
-        info = write_streams(tmp, shards, val_fraction, str(path), progress)
+        info = yield from write_streams(tmp, shards, val_fraction, str(path))
         return {**info, "shards": [_shard_info(s, shard.get("bin_chunk_sha256"), shard.get("chunk_bytes"))
                                    for s, shard in zip(shards, meta["shards"])]}
 
@@ -75,9 +76,9 @@ def megatron_index(prefix: Path, val_fraction: float, root: Path) -> tuple[Path,
     key = {"version": VERSION, "kind": "megatron", "path": str(prefix.resolve()), "val_fraction": val_fraction,
            "chunk_bytes": CHUNK_BYTES, "files": _prefix_files(prefix)}
 
-    def build(tmp: Path, progress) -> dict:
+    def build(tmp: Path, progress) -> Generator[str, None, dict]:
         shard = IndexedTokens(prefix)
-        info = write_streams(tmp, [shard], val_fraction, str(prefix), progress)
+        info = yield from write_streams(tmp, [shard], val_fraction, str(prefix))
         hashes = chunk_sha256(shard.bin_path, CHUNK_BYTES, progress)
         return {**info, "idx_sha256": file_digest(shard.idx_path)["sha256"], "shards": [_shard_info(shard, hashes, CHUNK_BYTES)]}
 
@@ -85,11 +86,18 @@ def megatron_index(prefix: Path, val_fraction: float, root: Path) -> tuple[Path,
 
 
 def _found_or_built(root: Path, name: str, key: dict, build, what: str) -> tuple[Path, dict]:
-    """(directory, info) of a cache: found, waited for, or built here by `build(tmp, progress)` and stored."""
+    """(directory, info) of a cache: found, waited for, or built here and stored. `build(tmp, progress)` is a
+    generator that yields how far it is (reported here, which keeps the lock fresh) and returns the info."""
     directory, info, claimed = claim(root, name, key, what)
     if claimed is not None:
         with claimed:
-            info = claimed.store(build(claimed.tmp, claimed.progress))
+            steps = build(claimed.tmp, claimed.progress)
+            while True:
+                try:
+                    claimed.progress(next(steps))
+                except StopIteration as built:
+                    info = claimed.store(built.value)
+                    break
     return directory, info
 
 
