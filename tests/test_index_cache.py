@@ -80,6 +80,15 @@ def test_the_coarse_index_finds_what_a_search_of_all_starts_finds(tmp_path, monk
         assert np.array_equal(stream.windows(offsets, 8), plain.windows(offsets, 8))
 
 
+def _cache(root, name, key, build, what):
+    """index_cache.claim, then the build here when this caller holds the lock: (directory, info)."""
+    found = index_cache.claim(root, name, key, what)
+    if found[2] is None:
+        return found[:2]
+    with found[2] as slot:
+        return found[0], slot.store(build(slot.tmp, slot.progress))
+
+
 def test_one_build_while_the_others_wait_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(index_cache, "POLL_S", 0.01)
     builds, release = [], threading.Event()
@@ -91,7 +100,7 @@ def test_one_build_while_the_others_wait_and_a_failed_build_leaves_nothing(tmp_p
         return {"n": 1}
 
     results = []
-    threads = [threading.Thread(target=lambda: results.append(index_cache.cached(tmp_path, "s", {"k": 1}, build,
+    threads = [threading.Thread(target=lambda: results.append(_cache(tmp_path, "s", {"k": 1}, build,
                                                                                   "test"))) for _ in range(3)]
     for t in threads:
         t.start()
@@ -106,7 +115,7 @@ def test_one_build_while_the_others_wait_and_a_failed_build_leaves_nothing(tmp_p
         raise DataFileError("killed half way")
 
     with pytest.raises(DataFileError):
-        index_cache.cached(tmp_path, "t", {"k": 2}, broken, "test")
+        _cache(tmp_path, "t", {"k": 2}, broken, "test")
     assert sorted(p.name for p in tmp_path.iterdir()) == [results[0][0].name]  # no lock, no temporary, no cache
 
 
@@ -114,11 +123,11 @@ def test_a_stale_lock_is_taken_over(tmp_path, monkeypatch):
     monkeypatch.setattr(index_cache, "STALE_S", 0.0)
     monkeypatch.setattr(index_cache, "POLL_S", 0.01)
     key = {"k": 3}
-    directory, _ = index_cache.cached(tmp_path, "s", key, lambda tmp, progress: {}, "test")
+    directory, _ = _cache(tmp_path, "s", key, lambda tmp, progress: {}, "test")
     lock = tmp_path / f".{directory.name}.lock"
     (directory / index_cache.INFO).unlink()  # as if never finished, its builder dead
     lock.write_text("gone pid 1\n")
-    assert index_cache.cached(tmp_path, "s", key, lambda tmp, progress: {"again": True}, "test")[1]["again"]
+    assert _cache(tmp_path, "s", key, lambda tmp, progress: {"again": True}, "test")[1]["again"]
 
 
 def test_a_changed_chunk_stops_the_read_naming_file_and_chunk(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ validation.
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from pathlib import Path
 
 import numpy as np
@@ -74,9 +75,10 @@ class _Writer:
         return self.end
 
 
-def write_streams(directory: Path, shards: list[IndexedTokens], val_fraction: float, name: str,
-                  progress) -> dict:
-    """Write both splits' arrays of the documents of `shards` (in order) into `directory`; their counts."""
+def write_streams(directory: Path, shards: list[IndexedTokens], val_fraction: float,
+                  name: str) -> Generator[str, None, dict]:
+    """Write both splits' arrays of the documents of `shards` (in order) into `directory`, yielding how far it is
+    (the caller reports it: nothing here calls back into it); returns their counts (`info = yield from ...`)."""
     num_documents = sum(s.num_documents for s in shards)
     if num_documents == 0:
         raise DataFileError(f"{name} holds no documents: point data.blend at a source with text.")
@@ -97,7 +99,7 @@ def write_streams(directory: Path, shards: list[IndexedTokens], val_fraction: fl
                 for split, chosen in zip(SPLITS, (~held, held)):
                     writers[split].add(starts[chosen], lengths[chosen], index[chosen])
             document += len(starts)
-            progress(f"{document:,} of {num_documents:,} documents indexed")
+            yield f"{document:,} of {num_documents:,} documents indexed"
         base += shard.num_tokens
     tokens = {split: writer.close() for split, writer in writers.items()}
     return {"num_documents": num_documents, "coarse": COARSE,

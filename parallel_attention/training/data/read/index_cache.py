@@ -27,7 +27,7 @@ from typing import Callable
 
 from ....checkpointing.tensor_io import fsync_dir
 
-__all__ = ["INFO", "POLL_S", "REPORT_S", "STALE_S", "cached", "wait_for"]
+__all__ = ["INFO", "POLL_S", "REPORT_S", "STALE_S", "Build", "claim", "wait_for"]
 
 INFO = "info.json"
 POLL_S = 0.5
@@ -43,26 +43,23 @@ def _read_info(directory: Path, key: dict) -> dict | None:
     return info if isinstance(info, dict) and info.get("key") == key else None
 
 
-def cached(root: Path, name: str, key: dict, build: Callable[[Path, Callable[[str], None]], dict],
-           what: str) -> tuple[Path, dict]:
-    """(directory, info) of the cache of `key` under `root`: found, built here, or waited for.
-
-    `build(tmp, progress)` fills the directory `tmp` and returns its info (JSON), calling `progress(text)` as it
-    goes (that keeps its lock fresh and says how far it is); `what` names the cache in messages."""
+def claim(root: Path, name: str, key: dict, what: str) -> tuple[Path, dict | None, Build | None]:
+    """(directory, info, None) of the cache of `key` under `root` when it is there or built by another process
+    (waited for), else (directory, None, a Build) whose lock this process holds: the caller builds into
+    `build.tmp` and hands the info to `build.store`, inside `with build:`. The cache never calls the builder back,
+    so the caller keeps its own build code; `what` names the cache in messages."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()[:16]
     final, lock = root / f"{name}-{digest}", root / f".{name}-{digest}.lock"
     waiting = None
     while (info := _read_info(final, key)) is None:
         root.mkdir(parents=True, exist_ok=True)
         if _take(lock):
-            try:
-                if (info := _read_info(final, key)) is None:  # built while we took the lock
-                    info = _build(final, key, build, lock, what)
-            finally:
+            if (info := _read_info(final, key)) is not None:  # built while we took the lock
                 lock.unlink(missing_ok=True)
-            return final, info
+                return final, info, None
+            return final, None, Build(final, key, lock, what)
         waiting = _wait(lock, what, waiting)
-    return final, info
+    return final, info, None
 
 
 def wait_for(ready: Callable[[], bool], what: str) -> None:
@@ -106,31 +103,44 @@ def _wait(lock: Path, what: str, waiting: tuple[float, float] | None) -> tuple[f
     return began, reported
 
 
-def _build(final: Path, key: dict, build, lock: Path, what: str) -> dict:
-    for old in final.parent.glob(f".{final.name}.tmp-*"):  # a killed build's leftovers: only the lock holder looks
-        shutil.rmtree(old, ignore_errors=True)
-    tmp = final.parent / f".{final.name}.tmp-{secrets.token_hex(6)}"
-    tmp.mkdir()
-    began, reported = time.time(), [time.time()]
+class Build:
+    """One build of a cache, by the holder of its lock: `tmp` to fill, `progress(text)` to call as it goes (it
+    keeps the lock fresh and says how far it is), `store(info)` to put it in place; leaving `with` frees the lock
+    and removes what a failed build left."""
 
-    def progress(text: str) -> None:
+    def __init__(self, final: Path, key: dict, lock: Path, what: str) -> None:
+        for old in final.parent.glob(f".{final.name}.tmp-*"):  # a killed build's leftovers: only the lock holder
+            shutil.rmtree(old, ignore_errors=True)
+        self.final, self.key, self.lock, self.what = final, key, lock, what
+        self.tmp = final.parent / f".{final.name}.tmp-{secrets.token_hex(6)}"
+        self.tmp.mkdir()
+        self.began = self.reported = time.time()
+
+    def __enter__(self) -> Build:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.lock.unlink(missing_ok=True)
+
+    def progress(self, text: str) -> None:
         with contextlib.suppress(OSError):
-            os.utime(lock)
-        if time.time() - reported[0] >= REPORT_S:
-            print(f"{what}: building, {time.time() - began:.0f} s so far: {text}", file=sys.stderr, flush=True)
-            reported[0] = time.time()
+            os.utime(self.lock)
+        if time.time() - self.reported >= REPORT_S:
+            print(f"{self.what}: building, {time.time() - self.began:.0f} s so far: {text}", file=sys.stderr,
+                  flush=True)
+            self.reported = time.time()
 
-    try:
-        info = {**build(tmp, progress), "key": key}
-        with open(tmp / INFO, "w", encoding="utf-8") as f:  # no rename needed: tmp is private until it is renamed
+    def store(self, built: dict) -> dict:
+        """Write `built` (with the key) as the cache's info and rename the directory into place; the info."""
+        info = {**built, "key": self.key}
+        with open(self.tmp / INFO, "w", encoding="utf-8") as f:  # no rename needed: tmp is private until renamed
             f.write(json.dumps(info, indent=1))
             f.flush()
             os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if final.exists():  # a damaged cache (files deleted by hand): replaced whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return info
+        fsync_dir(self.tmp)
+        if self.final.exists():  # a damaged cache (files deleted by hand): replaced whole
+            shutil.rmtree(self.final)
+        os.rename(self.tmp, self.final)
+        fsync_dir(self.final.parent)
+        return info
