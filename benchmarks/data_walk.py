@@ -36,7 +36,7 @@ def walk(steps) -> tuple[list[str], dict[str, list[str]]]:
         if callee.startswith(WING) and callee != caller:
             order.append(callee) if callee not in order else None
             seen = callers.setdefault(callee, [])
-            seen.append(caller) if caller not in seen and caller != "__main__" else None
+            seen.append(caller) if caller not in seen and caller != __name__ else None
 
     sys.setprofile(profile)
     try:
@@ -56,19 +56,23 @@ def report(title: str, order: list[str], callers: dict[str, list[str]]) -> None:
     print(f"  {returns} returns; {len(again)} modules entered from more than one: {', '.join(again) or 'none'}")
 
 
-def main() -> None:
-    tmp = Path(tempfile.mkdtemp())
+def walks(tmp: Path) -> dict[str, tuple[list[str], dict[str, list[str]]]]:
+    """{title: walk} of the preparation check and the batch walk, on a small stdlib corpus prepared in `tmp`."""
     cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", [
         f"--data.data_dir={tmp / 'data'}", "--data.source=stdlib", "--data.max_bytes=40000",
         f"--logging.run_dir={tmp / 'run'}", "--data.seq_len=32", "--model.max_seq_len=32"])
     ensure_prepared(cfg.data)  # the data directory exists before either walk starts
-    report("the preparation check", *walk(lambda: prepare_run_data(cfg)))
 
     def batch():
         sampler, _ = open_run_sampler(cfg)
         sampler.local_micro_batches(0, dp_rank=0, dp_size=1, micro_batch_size=cfg.training.micro_batch_size)
 
-    report("the batch walk", *walk(batch))
+    return {"the preparation check": walk(lambda: prepare_run_data(cfg)), "the batch walk": walk(batch)}
+
+
+def main() -> None:
+    for title, (order, callers) in walks(Path(tempfile.mkdtemp())).items():
+        report(title, order, callers)
 
 
 if __name__ == "__main__":

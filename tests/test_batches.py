@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from parallel_attention.training.data.read.batches import GlobalBatchSampler, validation_batches
+from parallel_attention.training.data.read.batches import GlobalBatchSampler
+from parallel_attention.training.data.read.validation import validation_batches
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from parallel_attention.training.data.token_files import DataFileError
 from parallel_attention.training.data.read.token_source import open_source

@@ -8,7 +8,7 @@ import pytest
 from launch import ROOT
 from parallel_attention.training import ConfigError, load_config
 from parallel_attention.training.config.schema import recorded_config
-from parallel_attention.training.data.read.blend_sources import prepared_tokenizer
+from parallel_attention.training.data.read.token_source import prepared_tokenizer
 from parallel_attention.training.run.resume import keep_previous_sampling
 from parallel_attention.training.data.token_files import DataFileError
 from parallel_attention.training.data.read.token_source import TokenSource

@@ -220,7 +220,7 @@ def test_pretraining_on_a_zeroed_token_file_stops_at_its_first_read_with_exit_2(
 
 
 def test_data_prepared_for_a_larger_vocabulary_than_the_model_is_a_config_error(data_cfg):
-    from parallel_attention.training.data.read.run_data import open_run_blend
+    from parallel_attention.training.data.read.batches import open_run_blend
 
     cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", [f"--data.data_dir={data_cfg.data_dir}",
                                                            "--model.vocab_size=100"])

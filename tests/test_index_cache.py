@@ -14,7 +14,7 @@ import pytest
 
 from launch import ROOT, environment, metrics, run_command
 from parallel_attention.training.data import chunk_hashes
-from parallel_attention.training.data.read import document_index, index_cache, source_index
+from parallel_attention.training.data.read import index_cache, source_index
 from parallel_attention.training.data.read.data_identity import DataChangedError, check_identity, source_record
 from parallel_attention.training.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from parallel_attention.training.data.token_files import DataFileError
@@ -66,7 +66,7 @@ def test_the_cached_streams_hold_what_the_rule_gives(tmp_path, monkeypatch, leng
 
 
 def test_the_coarse_index_finds_what_a_search_of_all_starts_finds(tmp_path, monkeypatch):
-    monkeypatch.setattr(document_index, "COARSE", 3)
+    monkeypatch.setattr(source_index, "COARSE", 3)
     lengths = [int(n) for n in np.random.default_rng(1).integers(0, 9, 200)]  # empty documents: repeated starts
     source = open_source(_prefix(tmp_path / "p", lengths), 0.05, (VOCAB, "byte"), index_cache=tmp_path / "c")
     for stream in (source.train, source.val):

@@ -21,6 +21,7 @@ from parallel_attention.training.data.prepare import run_data_dir as data
 from parallel_attention.training.data.indexed_dataset import IndexedTokens
 from parallel_attention.training.data.prepare.partial_output import PartialPreparation, PreparationInUseError
 from parallel_attention.training.data.prepare.shards import prepare_shards
+from parallel_attention.training.tokenizer import TokenizerIdentity
 from parallel_attention.training.data.token_files import DataFileError, meta_and_reason, verify_files
 
 DOCUMENTS = [f"document {i}: " + "héllo wörld " * (3 + i % 11) + "\n" * (i % 2) for i in range(60)]
@@ -64,7 +65,7 @@ def test_byte_shards_hold_the_documents_and_close_at_shard_tokens(jsonl, tmp_pat
     assert meta["num_tokens"] == sum(encoded) == meta["num_train_tokens"] + meta["num_val_tokens"]
     assert (meta["num_documents"], meta["num_val_documents"], meta["num_train_documents"]) == (60, 6, 54)
     assert meta["num_val_tokens"] == sum(encoded[9::10])  # validation_mask: every tenth document
-    verify_files(out, meta)
+    verify_files(out, meta, TokenizerIdentity.from_meta(meta).data_dir_files())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "out"]  # no partial or lock left behind
 
 
@@ -189,7 +190,7 @@ def test_a_changed_shard_is_refused_naming_the_file_and_both_hashes(jsonl, tmp_p
     idx.write_bytes(bytes(data))
     with pytest.raises(DataFileError, match=f"{idx} has sha256 [0-9a-f]{{64}} but .* records "
                                             f"{meta['shards'][1]['idx_sha256']}"):
-        verify_files(tmp_path / "out", meta)
+        verify_files(tmp_path / "out", meta, TokenizerIdentity.from_meta(meta).data_dir_files())
 
 
 def test_the_script_takes_shard_tokens_and_lists_the_shards(jsonl, tmp_path, monkeypatch, capsys):

@@ -16,6 +16,7 @@ import pytest
 
 from launch import ROOT, run_command
 from parallel_attention.training.data.prepare.shards import prepare_shards
+from parallel_attention.training.tokenizer import TokenizerIdentity
 from parallel_attention.training.data.token_files import DataFileError, verify_files
 
 TEXTS = [f"record {i}: " + "a few words of text " * (3 + i % 17) for i in range(3000)]
@@ -50,7 +51,7 @@ def test_the_refusal_of_a_changed_shard_prints_the_command_that_prepares_it_agai
     data[10] ^= 1  # the same size, another token
     shard.write_bytes(bytes(data))
     with pytest.raises(DataFileError) as info:
-        verify_files(out, meta)
+        verify_files(out, meta, TokenizerIdentity.from_meta(meta).data_dir_files())
     command = re.search(r"run `([^`]*)`", str(info.value)).group(1)
     args = shlex.split(command)
     assert args[:2] == ["python", "scripts/prepare_data.py"] and args[-2:] == ["--out", str(out)]

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel_attention.training.data.read.sampling import EpochWindows, blend, draws_before, feistel_permutation
+from parallel_attention.training.data.read.batches import EpochWindows, blend, draws_before, feistel_permutation
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 100, 1000, 4097])

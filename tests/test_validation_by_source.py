@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from parallel_attention.training.data.read.batches import validation_batches, validation_batches_by_source
+from parallel_attention.training.data.read.validation import validation_batches, validation_batches_by_source
 from parallel_attention.training.data.read.token_source import open_source
-from parallel_attention.training.data.read.validation_metrics import source_labels, validation_record
+from parallel_attention.training.data.read.validation import source_labels, validation_record
 from random_prefixes import random_prefix
 
 

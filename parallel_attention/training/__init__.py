@@ -13,7 +13,8 @@ from .config.schema import (CheckpointConfig, ConfigError, DataConfig, LoggingCo
                             ParallelConfig, PretrainConfig, ScheduleConfig, TrainingConfig, config_from_dict,
                             load_config, save_config)
 from .data.prepare.corpus import Corpus, CorpusStats
-from .data.read.batches import GlobalBatchSampler, validation_batches
+from .data.read.batches import GlobalBatchSampler
+from .data.read.validation import validation_batches
 from .data.prepare.run_data_dir import ensure_prepared, prepare_data, read_meta
 from .data_parallel import wrap_data_parallel
 from .gradients import all_reduce_data_parallel, clip_gradients, global_grad_norm

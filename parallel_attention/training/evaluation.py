@@ -8,7 +8,7 @@ import torch
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_reduce
 from ..transformer.cross_entropy import IGNORE_INDEX
-from .data.read.validation_metrics import validation_record
+from .data.read.validation import validation_record
 from .micro_batches import model_inputs
 from .pipeline_step import pipeline_validation_losses
 

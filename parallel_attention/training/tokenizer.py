@@ -186,6 +186,11 @@ class TokenizerIdentity:
     def meta_fields(self) -> dict:
         return {"tokenizer": self.name, "tokenizer_sha256": self.sha256}
 
+    def data_dir_files(self) -> dict[str, str]:
+        """{file name: sha256} of what the data directory holds of this tokenizer: a trained BPE's tokenizer.json
+        (token_files verifies it with the token files), nothing for one known by name or kept elsewhere."""
+        return {"tokenizer.json": self.sha256} if trains_bpe(self.name) and self.sha256 else {}
+
     @classmethod
     def from_record(cls, record: dict) -> TokenizerIdentity:
         return cls(record.get("tokenizer"), record.get("sha256"))

@@ -35,9 +35,9 @@ from .guards.divergence import DivergenceGuard, check_parameters_finite
 from .flops import agree_peak_tflops, step_rates
 from .guards.rank_checks import check_config_agreement, check_replicas
 from .data.read.batch_prefetch import BatchPrefetcher
-from .data.read.batches import GlobalBatchSampler, run_validation
+from .data.read.batches import GlobalBatchSampler, describe_blend
 from .data.read.run_data import build_data
-from .data.read.blend_sources import describe_blend
+from .data.read.validation import run_validation
 from .data.read.data_identity import check_identity, keep_run_tokenizer, run_data_identity
 from .data_parallel import reduce_gradients, wrap_data_parallel
 from .gradients import clip_gradients, global_grad_norm

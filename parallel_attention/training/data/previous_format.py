@@ -1,16 +1,21 @@
-"""Data format 1, the previous release's prepared directory, kept readable in this one place: `train.bin` and
+"""The previous releases' data, kept readable in this one place: data format 1 and the random windows of runs started
+before epochs existed.
+
+Data format 1 is the previous release's prepared directory: `train.bin` and
 `val.bin` split when the data was prepared, with `train.idx` / `val.idx` document offsets (which directories
 prepared before offsets were kept lack), and a meta.json without "format_version". The format-2 path (shards of
 Megatron-LM's indexed format) asks one question, token_files.is_previous_format, and hands such a directory to the
-functions here; a run on format-2 data never enters this module."""
+functions here; a run on format-2 data never enters this module. `random_window_offsets` is how runs started before
+0.3 drew their windows (data.sampling=random_windows, which run.resume.keep_previous_sampling sets for them)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import torch
 
-__all__ = ["SPLITS", "offsets_problem", "read_splits", "recorded_hashes", "recorded_sizes"]
+__all__ = ["SPLITS", "offsets_problem", "random_window_offsets", "read_splits", "recorded_hashes", "recorded_sizes"]
 
 SPLITS = ("train", "val")
 
@@ -53,3 +58,10 @@ def read_splits(path: str, meta: dict) -> list[tuple[np.ndarray, Path, np.ndarra
                             dtype=np.int64) if documents else np.zeros(1, dtype=np.int64)
         splits.append((tokens, Path(path) / f"{split}.bin", starts, np.diff(np.append(starts, count))))
     return splits
+
+
+def random_window_offsets(seed: int, step: int, count: int, high: int) -> np.ndarray:
+    """The window offsets in [0, high) of the `count` samples of `step`, drawn with replacement from a generator
+    seeded with (seed, step), exactly as runs started before 0.3 drew them."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % (1 << 63))
+    return torch.randint(0, high, (count,), generator=generator).numpy()

@@ -135,42 +135,40 @@ def _yaml(value) -> str:
     return "null" if value is None else str(value)
 
 
-def verify_files(data_dir, meta: dict) -> None:
+def verify_files(data_dir, meta: dict, tokenizer_files: dict[str, str]) -> None:
     """DataFileError unless every file a run reads has the sha256 meta.json records: each shard's .bin and .idx
     (format 2), or train/val .bin (the previous format, which recorded no hash for its .idx files: their offsets
-    are checked instead), and the trained BPE's tokenizer.json."""
+    are checked instead), and `tokenizer_files` (TokenizerIdentity.data_dir_files of meta.json's tokenizer)."""
     data_dir = Path(data_dir)
-    for name, recorded in recorded_hashes(meta).items():
+    for name, recorded in recorded_hashes(meta, tokenizer_files).items():
         _check_sha256(data_dir / name, recorded, data_dir, meta)
     if is_previous_format(meta):
         _check_offsets(data_dir, meta)
 
 
-def verify_at_start(data_dir, meta: dict) -> None:
-    """What a start verifies, without reading the corpus: the trained BPE's tokenizer.json, and the files whose
+def verify_at_start(data_dir, meta: dict, tokenizer_files: dict[str, str]) -> None:
+    """What a start verifies, without reading the corpus: `tokenizer_files` (the trained BPE's tokenizer.json:
+    TokenizerIdentity.data_dir_files of meta.json's tokenizer, which the caller owns), and the files whose
     hash meta.json records only whole (data prepared before chunk hashes, checked as verify_files does). A .bin
     with `bin_chunk_sha256` is verified chunk by chunk as it is read (chunk_hashes.py), each .idx when the
     source's index cache is built (source_index.py)."""
     data_dir = Path(data_dir)
     chunked = {f"{s['prefix']}.{kind}" for s in meta.get("shards", []) if s.get("bin_chunk_sha256") is not None
                for kind in ("bin", "idx")}
-    for name, recorded in recorded_hashes(meta).items():
+    for name, recorded in recorded_hashes(meta, tokenizer_files).items():
         if name not in chunked:
             _check_sha256(data_dir / name, recorded, data_dir, meta)
     if is_previous_format(meta):
         _check_offsets(data_dir, meta)
 
 
-def recorded_hashes(meta: dict) -> dict[str, str]:
-    """{file name: sha256} of every hashed file meta.json names."""
+def recorded_hashes(meta: dict, tokenizer_files: dict[str, str]) -> dict[str, str]:
+    """{file name: sha256} of every hashed file meta.json names, `tokenizer_files` with them."""
     if is_previous_format(meta):
         hashes = previous_format.recorded_hashes(meta)
     else:
         hashes = {f"{s['prefix']}.{kind}": s[f"{kind}_sha256"] for s in meta["shards"] for kind in ("bin", "idx")}
-    identity = TokenizerIdentity.from_meta(meta)
-    if trains_bpe(identity.name) and identity.sha256:
-        hashes["tokenizer.json"] = identity.sha256
-    return hashes
+    return {**hashes, **tokenizer_files}
 
 
 def _check_sha256(path: Path, recorded: str, data_dir: Path, meta: dict) -> None:

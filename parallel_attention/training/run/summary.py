@@ -91,7 +91,7 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
     """A few lines: model size, parallel layout, batch and tokens per step, data, outputs, precision, peak.
 
     `model` is this rank's GPTModel (anything with `parameters()` and `canonical_shapes()`); `blend` describes
-    each source of the data (blend_sources.describe_blend)."""
+    each source of the data (batches.describe_blend)."""
     run_dir, o = Path(cfg.logging.run_dir), cfg.optimizer
     rows = {
         "model": _size_line(model),

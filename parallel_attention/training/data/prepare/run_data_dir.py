@@ -56,5 +56,6 @@ def ensure_prepared(data_cfg) -> dict:
         if is_previous_format(meta):  # it split train/val when it was prepared
             wanted["val_fraction"] = data_cfg.val_fraction
         refuse_other_settings(data_dir, meta, wanted)
-        verify_at_start(data_dir, meta)  # on rank 0 first: it fills the hash cache that the other ranks then read
+        # on rank 0 first: it fills the hash cache that the other ranks then read
+        verify_at_start(data_dir, meta, TokenizerIdentity.from_meta(meta).data_dir_files())
     return meta

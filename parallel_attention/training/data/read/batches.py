@@ -1,33 +1,148 @@
-"""Batches from a blend of token sources, as a pure function of (seed, step).
+"""Batches from a blend of token sources, as a pure function of (seed, step), and the blend opened for them.
 
 The global batch of step t is samples [t B, (t + 1) B) of the run (B = training.global_batch_size). Each sample's
-source comes from the blend order and its window from that source's epoch order (`sampling`), or, with
-`data.sampling: random_windows` (runs started before epochs existed), from a generator seeded with (seed, step).
+source comes from the blend order and its window from that source's epoch order (the two rules below), or, with
+`data.sampling: random_windows` (runs started before epochs existed), from previous_format.random_window_offsets.
 Data-parallel rank r takes rows [r B/dp, (r + 1) B/dp): ranks of one tensor-parallel group see identical batches,
 the union over dp ranks is the same global batch for any layout, and a resumed run, at any data-parallel size,
-sees exactly the batches it would have seen.
+sees exactly the batches it would have seen. Both rules are evaluated for any sample index directly:
+
+- **Epochs without replacement** (`EpochWindows`). A source's training stream of T tokens is cut into
+  n = (T - 1) // s windows of s + 1 tokens: window w covers tokens [w s, w s + s], so consecutive windows share
+  only the label token and no token is an input twice. Sample k of the source is window perm_e(k mod n) of
+  epoch e = k // n, where perm_e is a seeded permutation of [0, n): every window is read once before any repeats.
+  The permutation is a Feistel network on the smallest even-bit domain >= n, cycle-walked into [0, n): a bijection
+  evaluated per index in O(1) memory, and its output depends only on this code (numpy's and torch's generators
+  do not promise the same stream across releases, which would break a resume after an upgrade).
+- **Blending** (`blend`). Source j's k-th sample is due at "time" (k + 1/2) / w_j; the samples of a run, in order,
+  are the due events sorted by time (ties by source index). After n samples source j has drawn
+  c_j = round(w_j T) for the time T of the n-th event, which keeps |c_j - w_j n| <= 1/2 for two sources and
+  < 1 for three (in general <= 1/2 + w_j (m - 2) / 2 for m sources). Megatron-LM's greedy rule gives the same
+  bound but is sequential; this order is evaluated for any sample range in O(count + m).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ....transformer.cross_entropy import IGNORE_INDEX
 from ....transformer.documents import mask_cross_document_labels
-from .sampling import EpochWindows, blend, draws_before
-from .token_source import TokenSource, TokenStream
+from ...config.schema import PretrainConfig
+from ..previous_format import random_window_offsets
+from .token_source import TokenSource, TokenStream, index_cache_root, open_blend
 
-if TYPE_CHECKING:
-    from ...config.schema import PretrainConfig
-
-__all__ = ["GlobalBatchSampler", "SampleRows", "SAMPLINGS", "run_sampler", "run_validation", "validation_batches",
-           "validation_batches_by_source"]
+__all__ = ["EpochWindows", "GlobalBatchSampler", "SampleRows", "SAMPLINGS", "blend", "check_fits", "describe_blend",
+           "draws_before", "feistel_permutation", "open_run_blend", "read_micro_batches", "read_rows", "run_sampler",
+           "splitmix64"]
 
 SAMPLINGS = ("epochs", "random_windows")
+
+
+_MASK64 = (1 << 64) - 1
+_ROUNDS = 6
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """Steele, Lea and Flood's 64-bit finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _round_keys(key: tuple[int, ...]) -> list[np.uint64]:
+    state = 0
+    for part in key:
+        state = int(splitmix64(np.array([(state ^ (part & _MASK64)) & _MASK64], dtype=np.uint64))[0])
+    return [np.uint64(int(splitmix64(np.array([state + r], dtype=np.uint64))[0])) for r in range(_ROUNDS)]
+
+
+def feistel_permutation(index: np.ndarray, n: int, key: tuple[int, ...]) -> np.ndarray:
+    """perm(index) for a seeded permutation `perm` of [0, n) named by `key` (a tuple of integers)."""
+    index = np.asarray(index, dtype=np.uint64)
+    if n <= 1:
+        return np.zeros_like(index)
+    half = max(1, math.ceil(math.log2(n) / 2))  # the domain 4**half >= n, so cycle-walking takes < 4 rounds
+    mask, keys = np.uint64((1 << half) - 1), _round_keys(key)
+    out = index.copy()
+    todo = np.ones(out.shape, dtype=bool)
+    while todo.any():
+        x = out[todo]
+        left, right = x >> np.uint64(half), x & mask
+        for round_key in keys:
+            left, right = right, left ^ (splitmix64(right ^ round_key) & mask)
+        out[todo] = (left << np.uint64(half)) | right
+        todo = out >= np.uint64(n)
+    return out
+
+
+class EpochWindows:
+    """The windows of one source's training stream, read in a seeded order per epoch, without replacement."""
+
+    def __init__(self, num_tokens: int, seq_len: int, seed: int, source_index: int) -> None:
+        self.seq_len, self.seed, self.source_index = seq_len, seed, source_index
+        self.num_windows = (num_tokens - 1) // seq_len
+
+    def offsets(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token offset of each sample's window in the stream, its epoch) for the source's sample indices."""
+        samples = np.asarray(samples, dtype=np.int64)
+        epochs, positions = np.divmod(samples, self.num_windows)
+        windows = np.empty_like(samples)
+        for epoch in np.unique(epochs):
+            chosen = epochs == epoch
+            windows[chosen] = feistel_permutation(positions[chosen], self.num_windows,
+                                                  (self.seed, self.source_index, int(epoch))).astype(np.int64)
+        return windows * self.seq_len, epochs
+
+
+def _first_due(weight: float, time: float) -> int:
+    """The smallest k >= 0 whose due time (k + 1/2) / weight is >= time (exact for the float comparison used)."""
+    k = max(0, math.ceil(time * weight - 0.5))
+    while k > 0 and (k - 0.5) / weight >= time:
+        k -= 1
+    while (k + 0.5) / weight < time:
+        k += 1
+    return k
+
+
+def _events(weights: np.ndarray, start: int, count: int):
+    """(draws of each source before the window, sources and their sample indices in order, global index of the
+    window's first event), for a window of due events that covers samples [start, start + count)."""
+    margin = len(weights) + 2
+    low, high = max(0.0, start - margin), start + count + margin
+    while True:
+        before = np.array([_first_due(w, low) for w in weights], dtype=np.int64)
+        upto = np.array([_first_due(w, high) for w in weights], dtype=np.int64)
+        if before.sum() <= start and upto.sum() >= start + count:
+            break
+        low, high, margin = max(0.0, low - margin), high + margin, 2 * margin
+    sources = np.concatenate([np.full(u - b, j, dtype=np.int64) for j, (b, u) in enumerate(zip(before, upto))])
+    draws = np.concatenate([np.arange(b, u, dtype=np.int64) for b, u in zip(before, upto)])
+    due = (draws + 0.5) / weights[sources]
+    order = np.lexsort((sources, due))
+    return before, sources[order], draws[order], int(before.sum())
+
+
+def _normalised(weights) -> np.ndarray:
+    weights = np.asarray(weights, dtype=np.float64)
+    return weights / weights.sum()
+
+
+def blend(weights, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(source, that source's sample index) of samples start .. start + count - 1 of the blend."""
+    _, sources, draws, first = _events(_normalised(weights), start, count)
+    return sources[start - first:start - first + count], draws[start - first:start - first + count]
+
+
+def draws_before(weights, n: int) -> np.ndarray:
+    """How many of the first `n` samples of the blend each source gave."""
+    before, sources, _, first = _events(_normalised(weights), n, 0)
+    return before + np.bincount(sources[:n - first], minlength=len(before))
 
 
 @dataclass
@@ -44,7 +159,7 @@ class SampleRows:
         return SampleRows(self.source[rows], self.draw[rows], self.epoch[rows], self.offset[rows])
 
 
-def _check_fits(stream: TokenStream, seq_len: int, split: str) -> None:
+def check_fits(stream: TokenStream, seq_len: int, split: str) -> None:
     if stream.num_tokens < seq_len + 1:
         raise ValueError(f"the {split} tokens of {stream.name} number {stream.num_tokens}, fewer than seq_len+1="
                          f"{seq_len + 1}: use a shorter data.seq_len, a larger corpus or another data.val_fraction.")
@@ -72,8 +187,8 @@ def read_rows(streams: list[TokenStream], rows: SampleRows, length: int,
     return torch.from_numpy(tokens), None if docs is None else torch.from_numpy(docs)
 
 
-def _micro_batches(streams: list[TokenStream], rows: SampleRows, length: int, micro_batch_size: int,
-                   document_masking: bool) -> list[tuple[torch.Tensor, ...]]:
+def read_micro_batches(streams: list[TokenStream], rows: SampleRows, length: int, micro_batch_size: int,
+                       document_masking: bool) -> list[tuple[torch.Tensor, ...]]:
     """(tokens [mb, s], labels [mb, s]) per micro-batch, labels shifted by one; with document masking
     (tokens, labels, document_ids [mb, s]) whose labels that predict the next document's first token are
     IGNORE_INDEX (packed documents: data.document_masking)."""
@@ -97,7 +212,7 @@ class GlobalBatchSampler:
             raise ValueError(f"data.sampling=random_windows reads a single source, and data.blend names "
                              f"{len(sources)}: use data.sampling=epochs for a blend.")
         for source in sources:
-            _check_fits(source.train, seq_len, "training")
+            check_fits(source.train, seq_len, "training")
         self.sources, self.weights = sources, np.asarray(weights, dtype=np.float64)
         self.streams = [source.train for source in sources]
         self.seq_len, self.global_batch_size, self.seed = seq_len, global_batch_size, seed
@@ -127,10 +242,9 @@ class GlobalBatchSampler:
         if step < self.first_step:
             return self.phase_at(step).rows(step)
         first = (step - self.first_step) * self.global_batch_size
-        if self.sampling == "random_windows":  # the previous release's draw, kept exactly for its runs
-            generator = torch.Generator().manual_seed((self.seed * 1_000_003 + step) % (1 << 63))
-            high = self.streams[0].num_tokens - self.seq_len  # last valid start + 1
-            offsets = torch.randint(0, high, (self.global_batch_size,), generator=generator).numpy()
+        if self.sampling == "random_windows":  # high: the last valid start + 1
+            offsets = random_window_offsets(self.seed, step, self.global_batch_size,
+                                            self.streams[0].num_tokens - self.seq_len)
             draws = np.arange(first, first + self.global_batch_size, dtype=np.int64)
             return SampleRows(np.zeros_like(draws), draws, draws // self.windows[0].num_windows, offsets)
         sources, draws = blend(self.weights, first, self.global_batch_size)
@@ -153,7 +267,7 @@ class GlobalBatchSampler:
         per_rank = _rows_per_rank(self.global_batch_size, dp_rank, dp_size, micro_batch_size)
         phase = self.phase_at(step)
         mine = phase.rows(step)[slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
-        return _micro_batches(phase.streams, mine, self.seq_len + 1, micro_batch_size, self.document_masking)
+        return read_micro_batches(phase.streams, mine, self.seq_len + 1, micro_batch_size, self.document_masking)
 
     def epochs(self, steps_done: int) -> dict[str, float]:
         """Each source's epochs read after `steps_done` steps (1.25: a quarter into its second epoch)."""
@@ -171,68 +285,15 @@ def run_sampler(cfg: PretrainConfig, sources: list[TokenSource], weights: list[f
                               cfg.training.seed, cfg.data.document_masking, cfg.data.sampling)
 
 
-def _validation_rows(sources: list[TokenSource], weights: list[float], seq_len: int,
-                     total: int) -> tuple[list[TokenStream], SampleRows]:
-    """The validation streams, and the `total` rows of the fixed validation set: the blend order shares them among
-    the sources by weight; each source's windows are evenly spaced over its validation stream."""
-    streams = [source.val for source in sources]
-    for stream in streams:
-        _check_fits(stream, seq_len, "validation")
-    chosen, draws = blend(weights, 0, total)
-    offsets = np.empty_like(draws)
-    for j, stream in enumerate(streams):
-        count = int((chosen == j).sum())
-        starts = np.linspace(0, stream.num_tokens - seq_len - 1, count).round().astype(np.int64)
-        offsets[chosen == j] = starts[draws[chosen == j]]
-    return streams, SampleRows(chosen, draws, np.zeros_like(draws), offsets)
+def open_run_blend(cfg: PretrainConfig) -> tuple[list[TokenSource], list[float]]:
+    """The blend's sources as a run of `cfg` opens them (token_source.open_blend), and their weights."""
+    return open_blend(cfg.data, index_cache_root(cfg), cfg.model.vocab_size)
 
 
-def run_validation(cfg: PretrainConfig, sources: list[TokenSource], weights, dp_rank: int,
-                   dp_size: int) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
-    """The (source, micro-batch) parts a run of `cfg` evaluates on this data-parallel rank."""
-    return validation_batches_by_source(sources, weights, cfg.data.seq_len, cfg.training.micro_batch_size,
-                                        cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size,
-                                        document_masking=cfg.data.document_masking)
-
-
-def validation_batches(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,
-                       num_batches: int, *, dp_rank: int = 0, dp_size: int = 1,
-                       document_masking: bool = False) -> list[tuple[torch.Tensor, ...]]:
-    """This data-parallel rank's part of a fixed validation set of `num_batches` x `batch_size` windows.
-
-    None depends on the layout: the trainer passes `batch_size = training.micro_batch_size`, whatever the
-    data-parallel size. Rank r takes rows [r*b//dp, (r+1)*b//dp) of every batch (fewer than one row per rank leaves
-    some ranks without that batch), so sum the token losses and the token counts over the ranks, then divide, for a
-    mean that is the same for every layout.
-    """
-    return [batch for _, batch in _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank,
-                                                    dp_size, document_masking, by_source=False)]
-
-
-def validation_batches_by_source(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,
-                                 num_batches: int, *, dp_rank: int = 0, dp_size: int = 1,
-                                 document_masking: bool = False) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
-    """The rows of `validation_batches`, each rank's share of a batch split by source: (source index,
-    micro-batch) pairs, for a validation loss per source (validation_metrics.py). A source of one gives the very
-    micro-batches of `validation_batches`."""
-    return _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank, dp_size,
-                             document_masking, by_source=True)
-
-
-def _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank, dp_size, document_masking,
-                      by_source: bool) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size}).")
-    streams, rows = _validation_rows(sources, weights, seq_len, batch_size * num_batches)
-    first, last = dp_rank * batch_size // dp_size, (dp_rank + 1) * batch_size // dp_size
-    parts = []
-    for b in range(num_batches):
-        mine = rows[slice(b * batch_size + first, b * batch_size + last)]
-        groups = [(int(j), mine.source == j) for j in np.unique(mine.source)] if by_source else \
-            [(-1, np.ones(len(mine.source), dtype=bool))]
-        for j, chosen in groups:
-            part = SampleRows(*(field[chosen] for field in (mine.source, mine.draw, mine.epoch, mine.offset)))
-            if len(part.source):
-                parts += [(j, batch) for batch in _micro_batches(streams, part, seq_len + 1, len(part.source),
-                                                                 document_masking)]
-    return parts
+def describe_blend(sampler, max_steps: int) -> str:
+    """One line per source of a GlobalBatchSampler: its path, normalised weight, training tokens, and the epochs of
+    it that `max_steps` steps read (the sampler's own count)."""
+    share = sampler.weights / sampler.weights.sum()
+    epochs = sampler.epochs(max_steps)
+    return "; ".join(f"{s.name} weight {w:.3g}, {s.train.num_tokens:,} train tokens, {epochs[s.name]:.2f} epochs"
+                     for s, w in zip(sampler.sources, share))

@@ -5,7 +5,7 @@ The history is a list of phases, each recorded in every checkpoint (data identit
 
     {"step": S, "global_batch_size": B, "sources": [{"path", "sha256", "weight", "key", "first_draw"}, ...]}
 
-Phase p trains steps [S_p, S_p+1): the k-th sample from S_p on is sample k of its own blend order (sampling.py), and
+Phase p trains steps [S_p, S_p+1): the k-th sample from S_p on is sample k of its own blend order (batches.py), and
 source j's d-th draw there reads window `first_draw_j + d` of that source's epochs, in the window order named by
 `key_j`: the source's index in the blend it first appeared in. So a source continues its epoch where it stopped (no
 window repeats before its epoch ends), a removed source is no longer drawn, an added one starts at its first
@@ -19,9 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .batches import GlobalBatchSampler
-from .blend_sources import describe_blend
-from .sampling import draws_before
+from .batches import GlobalBatchSampler, describe_blend, draws_before
 
 __all__ = ["continue_blend", "continue_run_blend", "describe_change", "extend_history", "first_history",
            "read_history", "windows_read"]

@@ -19,7 +19,7 @@ from ....checkpointing.format import CheckpointError, read_manifest
 from ....checkpointing.tensor_io import file_digest
 from ...config.schema import PretrainConfig
 from ...config.checks import ConfigError
-from .blend_sources import blend_entries, prepared_tokenizer
+from .token_source import blend_entries, prepared_tokenizer
 from .blend_history import continue_run_blend
 from .source_index import chunks_digest
 from .token_source import TokenSource

@@ -16,14 +16,13 @@ from typing import Callable, TypeVar
 
 from ....tensor_parallel.collectives import all_gather_objects, raise_together
 from ....tensor_parallel import parallel_state as ps
-from .batches import GlobalBatchSampler, run_sampler
+from .batches import GlobalBatchSampler, open_run_blend, run_sampler
 from ...config.schema import PretrainConfig
 from ..prepare.run_data_dir import ensure_prepared
-from .blend_sources import index_cache_root, open_run_blend
 from .index_cache import wait_for
 from ..token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message
 
-__all__ = ["agreed", "build_data", "index_cache_root", "open_run_blend", "open_run_sampler", "prepare_run_data"]
+__all__ = ["agreed", "build_data", "open_run_sampler", "prepare_run_data"]
 
 T = TypeVar("T")
 

@@ -1,4 +1,5 @@
-"""The index cache of one source: its streams' arrays (document_index) and its token files' chunk hashes.
+"""The index of one source: its training and validation streams as arrays on disk, and its token files' chunk
+hashes, built once into its index cache.
 
 Where: beside a prepared directory (`DIR/.index_cache/`, when the directory is writable) or, for a Megatron-LM
 prefix (whose directory this project never writes into) and a read-only prepared directory, under
@@ -7,9 +8,26 @@ prefix (whose directory this project never writes into) and a read-only prepared
 meta.json (its sha256), data.val_fraction, and this layout's version. A changed key builds a new cache beside the
 old; deleting a cache directory (or the whole cache root) at any time between runs only costs a rebuild.
 
-Built once (under index_cache.claim's lock), it checks what a start used to check every time: each .idx is read whole,
-checked against its .bin and, for a prepared directory, against the sha256 meta.json records; a Megatron-LM
+Built once (under index_cache.claim's lock), it checks what a start used to check every time: each .idx is read
+whole, checked against its .bin and, for a prepared directory, against the sha256 meta.json records; a Megatron-LM
 prefix's .bin is hashed once per 64 MiB chunk (chunk_hashes), which a resume then compares (data_identity.py).
+
+The streams' arrays are written in pieces and memory-mapped when read. A stream (token_source.TokenStream) is a list
+of segments, one per document: segment k is the document `document[k]`, whose tokens start at `source[k]` in the
+source's token space, and it starts at `starts[k]` in the stream (`starts[-1]` is the stream's length). These are 24
+bytes a document: 24 GB at 10^9 documents, too much for every rank to hold. So they are written once, document piece
+by document piece (memory O(1) in the corpus), as `.npy` files (`train_starts.npy`, `train_source.npy`,
+`train_document.npy`, and `val_*`), which every rank opens with np.load(mmap_mode="r"): a step's read touches only
+the pages its windows need (a binary search in `starts`), and a rank's memory no longer grows with the corpus.
+
+Beside them, `train_coarse.npy` holds every COARSE-th entry of `starts` (a few MB at 10^9 documents), read
+into memory: a window's segment is found in it first, then in one COARSE-entry slice of `starts`, so a lookup
+reads a page or two of the map instead of the ~30 scattered ones of a binary search over all of it (each a read
+on a network filesystem).
+
+The values are those the previous in-memory build held, so batches are unchanged: every ~1/val_fraction-th
+document is validation (document_split); a source of a single document gives its last val_fraction of tokens to
+validation.
 """
 
 from __future__ import annotations
@@ -24,15 +42,19 @@ import numpy as np
 
 from ....checkpointing.tensor_io import file_digest
 from ..chunk_hashes import CHUNK_BYTES, chunk_sha256
-from .document_index import SPLITS, load_stream, write_streams
+from ..document_split import validation_range
 from .index_cache import claim
 from ..indexed_dataset import IndexedTokens
-from ..token_files import DataFileError, prepare_again, sha256_of
+from ..token_files import DataFileError, prepare_again
 
-__all__ = ["CACHE_DIR", "VERSION", "chunks_digest", "index_streams", "megatron_index", "prepared_index"]
+__all__ = ["CACHE_DIR", "COARSE", "SPLITS", "VERSION", "chunks_digest", "index_streams", "megatron_index",
+           "open_tokens", "prepared_index", "write_streams"]
 
 CACHE_DIR = ".index_cache"
 VERSION = 2  # of the cache layout: 2 added the coarse index
+SPLITS = ("train", "val")
+COARSE = 4096  # entries of `starts` per entry of the in-memory coarse index
+_FIELDS = ("starts", "source", "document")
 
 
 def _file_key(path: Path) -> list[int]:
@@ -57,7 +79,7 @@ def prepared_index(path: Path, meta: dict, val_fraction: float, fallback_root: P
         shards = []
         for shard, prefix in zip(meta["shards"], prefixes):
             idx = Path(f"{prefix}.idx")
-            if (actual := sha256_of(idx)) != shard["idx_sha256"]:
+            if (actual := file_digest(idx)["sha256"]) != shard["idx_sha256"]:
                 raise DataFileError(f"{idx} has sha256 {actual} but {path / 'meta.json'} records "
                                     f"{shard['idx_sha256']}: the file changed after it was prepared (a bad copy, a "
                                     f"disk fault, another write); {prepare_again(path, meta)}.")
@@ -80,7 +102,8 @@ def megatron_index(prefix: Path, val_fraction: float, root: Path) -> tuple[Path,
         shard = IndexedTokens(prefix)
         info = yield from write_streams(tmp, [shard], val_fraction, str(prefix))
         hashes = chunk_sha256(shard.bin_path, CHUNK_BYTES, progress)
-        return {**info, "idx_sha256": file_digest(shard.idx_path)["sha256"], "shards": [_shard_info(shard, hashes, CHUNK_BYTES)]}
+        return {**info, "idx_sha256": file_digest(shard.idx_path)["sha256"],
+                "shards": [_shard_info(shard, hashes, CHUNK_BYTES)]}
 
     return _found_or_built(root, prefix.name, key, build, f"the index of {prefix}")
 
@@ -106,6 +129,75 @@ def _shard_info(shard: IndexedTokens, hashes: list[str] | None, chunk_bytes: int
             "chunk_sha256": hashes}
 
 
+def _count_validation(num_documents: int, val_fraction: float, piece: int = 1 << 24) -> int:
+    return sum(int(np.count_nonzero(validation_range(num_documents, val_fraction, lo, min(lo + piece, num_documents))))
+               for lo in range(0, num_documents, piece))
+
+
+class _Writer:
+    """One split's three arrays, appended in order to .npy files whose header (their final shape) comes first:
+    plain writes, so the build's memory holds one piece, not the pages of a growing map."""
+
+    def __init__(self, directory: Path, split: str, count: int) -> None:
+        self.files = []
+        for field in _FIELDS:
+            f = open(directory / f"{split}_{field}.npy", "wb")
+            shape = (count + 1,) if field == "starts" else (count,)
+            np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": shape})
+            self.files.append(f)
+        self.files[0].write(np.zeros(1, dtype="<i8").tobytes())
+        self.end, self.written = 0, 1  # the stream's length so far; entries of `starts` written
+        self.coarse, self.path = [np.zeros(1, dtype=np.int64)], directory / f"{split}_coarse.npy"
+
+    def add(self, source: np.ndarray, lengths: np.ndarray, documents: np.ndarray) -> None:
+        ends = self.end + np.cumsum(lengths, dtype=np.int64)
+        for f, values in zip(self.files, (ends, source, documents)):
+            f.write(np.ascontiguousarray(values, dtype="<i8").tobytes())
+        if len(ends):
+            self.end = int(ends[-1])
+            self.coarse.append(ends[(self.written + np.arange(len(ends))) % COARSE == 0])
+            self.written += len(ends)
+
+    def close(self) -> int:
+        np.save(self.path, np.concatenate(self.coarse))
+        for f in self.files:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        return self.end
+
+
+def write_streams(directory: Path, shards: list[IndexedTokens], val_fraction: float,
+                  name: str) -> Generator[str, None, dict]:
+    """Write both splits' arrays of the documents of `shards` (in order) into `directory`, yielding how far it is
+    (the caller reports it: nothing here calls back into it); returns their counts (`info = yield from ...`)."""
+    num_documents = sum(s.num_documents for s in shards)
+    if num_documents == 0:
+        raise DataFileError(f"{name} holds no documents: point data.blend at a source with text.")
+    num_val = 1 if num_documents == 1 else _count_validation(num_documents, val_fraction)
+    writers = {split: _Writer(directory, split, count)
+               for split, count in zip(SPLITS, (num_documents - num_val if num_documents > 1 else 1, num_val))}
+    document, base = 0, 0
+    for shard in shards:
+        for bounds in shard.boundaries():
+            starts, lengths = bounds[:-1] + base, np.diff(bounds)
+            index = np.arange(document, document + len(starts), dtype=np.int64)
+            if num_documents == 1 and len(starts):  # one document: its tokens are cut instead
+                cut = max(1, int(round(int(lengths[0]) * val_fraction)))
+                writers["train"].add(starts, lengths - cut, index)
+                writers["val"].add(starts + lengths - cut, np.array([cut]), index)
+            elif len(starts):
+                held = validation_range(num_documents, val_fraction, document, document + len(starts))
+                for split, chosen in zip(SPLITS, (~held, held)):
+                    writers[split].add(starts[chosen], lengths[chosen], index[chosen])
+            document += len(starts)
+            yield f"{document:,} of {num_documents:,} documents indexed"
+        base += shard.num_tokens
+    tokens = {split: writer.close() for split, writer in writers.items()}
+    return {"num_documents": num_documents, "coarse": COARSE,
+            **{f"num_{split}_tokens": tokens[split] for split in SPLITS}}
+
+
 def chunks_digest(info: dict) -> str:
     """One sha256 over every chunk hash of a cache's shards: what a checkpoint records of a Megatron .bin."""
     listing = [(s["chunk_bytes"], s["chunk_sha256"]) for s in info["shards"]]
@@ -114,5 +206,16 @@ def chunks_digest(info: dict) -> str:
 
 def index_streams(directory: Path) -> list[tuple[tuple[np.ndarray, ...], np.ndarray]]:
     """The training and validation streams' arrays of the index cache `directory`, memory-mapped
-    (document_index.load_stream), in the order of document_index.SPLITS."""
-    return [load_stream(directory, split) for split in SPLITS]
+    , in the order of document_index.SPLITS."""
+    return [_load_stream(directory, split) for split in SPLITS]
+
+
+def _load_stream(directory: Path, split: str) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """((starts, source, document) of `split`, memory-mapped read-only; its coarse index, in memory)."""
+    return (tuple(np.load(directory / f"{split}_{field}.npy", mmap_mode="r") for field in _FIELDS),
+            np.load(directory / f"{split}_coarse.npy"))
+
+
+def open_tokens(prefixes: list[Path]) -> list[IndexedTokens]:
+    """Each shard's tokens, memory-mapped, for reading once its index cache is there (which checked each .idx)."""
+    return [IndexedTokens(prefix, check_index=False) for prefix in prefixes]

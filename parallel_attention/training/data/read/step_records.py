@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from functools import partial
 
-from .batches import GlobalBatchSampler, read_rows, run_sampler
+from .batches import GlobalBatchSampler, open_run_blend, read_rows, run_sampler
 from ...config.schema import PretrainConfig
-from .run_data import open_run_blend
-from .blend_sources import blend_entries, prepared_tokenizer
+from .token_source import blend_entries, prepared_tokenizer
 from .blend_history import continue_blend, read_history
 from .data_identity import data_identity, source_sha256
 from ...run.resume import keep_previous_sampling, resume_manifest

@@ -1,4 +1,5 @@
-"""One source of a blend, opened for reading: its documents, split into a training and a validation stream.
+"""A run's sources, opened for reading: each one's documents, split into a training and a validation stream, and
+the blend of them checked against one tokenizer.
 
 A source is a directory this project prepared (shards of Megatron-LM's indexed format and a meta.json, or the
 previous release's train.bin / val.bin), or a Megatron-LM prefix (`/data/pile/pile_text_document` for the
@@ -10,6 +11,10 @@ through `TokenStream`: windows may cross document boundaries, and each token's d
 
 Opening reads no corpus: the per-document arrays come memory-mapped from the source's index cache (source_index),
 built once, and each 64 MiB chunk of a .bin is verified the first time this process reads from it (chunk_hashes).
+
+Every source of a blend must be tokenized alike: a blend of directories prepared with different tokenizers would
+train on ids that mean different things. A prepared directory's meta.json names its tokenizer and the sha256 of its
+file; a Megatron-LM prefix names none, so its ids are checked against the run's vocabulary as they are read.
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
+from ...config.schema import BlendEntry, DataConfig, PretrainConfig
+from ...tokenizer import KNOWN_BY_NAME, TokenizerIdentity, tokenizer_vocab_size, trains_bpe
 from ..chunk_hashes import ChunkVerifier
-from ..indexed_dataset import IndexedTokens
-from .source_index import index_streams, megatron_index, prepared_index
+from .source_index import index_streams, megatron_index, open_tokens, prepared_index
 from ..previous_format import read_splits
 from ..token_files import DataFileError, is_previous_format, meta_and_reason, prepare_again, verify_at_start
 
-__all__ = ["TokenSource", "TokenStream", "open_source"]
+__all__ = ["TokenSource", "TokenStream", "blend_entries", "index_cache_root", "open_blend", "open_source",
+           "prepared_tokenizer"]
 
 
 class TokenStream:
@@ -135,7 +142,7 @@ def open_source(path: str, val_fraction: float, tokenizer: tuple[int, str], veri
         if meta is None:
             raise DataFileError(f"{path} holds no complete prepared data ({why}): {prepare_again(path)}.")
         if verify:
-            verify_at_start(path, meta)
+            verify_at_start(path, meta, TokenizerIdentity.from_meta(meta).data_dir_files())
         if is_previous_format(meta):
             return _previous_format(path, meta)
         vocab = (int(meta["vocab_size"]), f"the tokenizer {meta['tokenizer']} ({Path(path) / 'meta.json'})")
@@ -157,8 +164,7 @@ def _from_cache(name: str, directory: Path, info: dict, vocab: tuple[int, str], 
     function that says it (ChunkVerifier)."""
     prefixes = [Path(name) / s["prefix"] for s in meta["shards"]] if meta is not None else [Path(name)]
     shards, verifiers = [], []
-    for prefix, shard in zip(prefixes, info["shards"]):
-        tokens = IndexedTokens(prefix, check_index=False)
+    for tokens, shard in zip(open_tokens(prefixes), info["shards"]):
         shards.append((tokens.tokens, tokens.bin_path))
         verifiers.append(ChunkVerifier(tokens.bin_path, shard["chunk_bytes"], shard["chunk_sha256"],
                                        tokens.dtype.itemsize, fix)
@@ -175,3 +181,58 @@ def _previous_format(path: str, meta: dict) -> TokenSource:
     streams = [TokenStream.in_memory([(tokens, bin_path)], starts, lengths, np.arange(len(starts)), vocab, path)
                for tokens, bin_path, starts, lengths in read_splits(path, meta)]
     return TokenSource(path, *streams, vocab[0], meta, int(meta.get("num_documents", 0)))
+
+
+def blend_entries(data: DataConfig) -> list[BlendEntry]:
+    """data.blend, or data.data_dir as a blend of one."""
+    return list(data.blend) or [BlendEntry(path=data.data_dir, weight=1.0)]
+
+
+def prepared_tokenizer(sources: list[TokenSource], spec: str) -> Path | None:
+    """The tokenizer.json the prepared sources were made with (for data.tokenizer=bpe, the first prepared
+    directory's own), after checking every prepared source against `spec`; None for byte / gpt2 or no meta."""
+    prepared = [s for s in sources if s.meta is not None]
+    if trains_bpe(spec):  # each directory trained its own: the first one's is the run's
+        path = Path(prepared[0].name) / "tokenizer.json" if prepared else None
+        wanted = TokenizerIdentity(spec, TokenizerIdentity.from_meta(prepared[0].meta).sha256) if prepared else None
+    else:  # as meta.json records it: byte / gpt2 by name, a tokenizer.json by its absolute path and sha256
+        wanted = TokenizerIdentity.of_spec(spec)
+        path = Path(wanted.name) if wanted.sha256 is not None else None
+    for source in prepared:
+        have = TokenizerIdentity.from_meta(source.meta)
+        if wanted is not None and (have.sha256 != wanted.sha256 or (_by_name(spec) and have.name != spec)):
+            raise DataFileError(
+                f"{source.name} was prepared with the tokenizer {have.name} (sha256 {have.sha256}, its meta.json) but "
+                f"this run's data.tokenizer={spec!r} is {wanted.name} (sha256 {wanted.sha256}): every source of a run "
+                "must use one tokenizer; set data.tokenizer to the one the data was prepared with, or prepare the "
+                "source again with this one (scripts/prepare_data.py --tokenizer ...).")
+    return path
+
+
+def _by_name(spec: str) -> bool:
+    """Whether meta.json records `spec` under its own name (byte, gpt2, bpe), not as a path that differs by machine."""
+    return spec in KNOWN_BY_NAME or trains_bpe(spec)
+
+
+def open_blend(data: DataConfig, index_cache: Path | None, model_vocab_size: int) -> tuple[list[TokenSource],
+                                                                                          list[float]]:
+    """The blend's sources, each verified against its meta.json and checked against the run's tokenizer and the
+    model's vocabulary, and their weights; `index_cache`: the root of the index caches of Megatron-LM prefixes
+    (open_source)."""
+    paths = [e.path for e in data.blend] or [data.data_dir]  # blend_entries, without building a BlendEntry
+    vocab = (tokenizer_vocab_size(data.tokenizer, data.bpe_vocab_size), data.tokenizer)
+    sources = [open_source(path, data.val_fraction, vocab, index_cache=index_cache) for path in paths]
+    prepared_tokenizer(sources, data.tokenizer)
+    for source in sources:
+        if source.vocab_size > model_vocab_size:
+            tokenizer = source.meta["tokenizer"] if source.meta else data.tokenizer
+            raise DataFileError(f"the data in {source.name} was prepared with the tokenizer {tokenizer} of "
+                                f"{source.vocab_size} tokens (its meta.json) but model.vocab_size="
+                                f"{model_vocab_size}: set model.vocab_size >= {source.vocab_size}, or prepare the "
+                                "data with another tokenizer.")
+    return sources, [e.weight for e in data.blend] or [1.0]
+
+
+def index_cache_root(cfg: PretrainConfig) -> Path:
+    """data.index_cache, or RUN/index_cache when it is null."""
+    return Path(cfg.data.index_cache if cfg.data.index_cache is not None else Path(cfg.logging.run_dir) / "index_cache")
