@@ -2,14 +2,15 @@
 prepared data directory to the micro-batches the loss reads, in the order first entered, with the modules each is
 entered from. One process, CPU, a small stdlib corpus.
 
-Two walks: the preparation check (run_data.prepare_run_data: make sure the data directory exists and is the one
-the config asks for; it reads no batch) and the batch walk (run_data.open_run_sampler, then the first step's
-micro-batches). A return is entering a module again from another module than the one that first entered it: the
+Three walks: the preparation check (run_data.prepare_run_data: make sure the data directory exists and is the one
+the config asks for; it reads no batch), the batch walk (run_data.open_run_sampler, then the first step's
+micro-batches) and the same from a Megatron-LM prefix (a blend of one .bin + .idx pair). A return is entering a module again from another module than the one that first entered it: the
 reader left it and comes back to it along another path. The trainer's own calls are not counted as callers.
 
     OMP_NUM_THREADS=1 python benchmarks/data_walk.py
 """
 
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -57,17 +58,25 @@ def report(title: str, order: list[str], callers: dict[str, list[str]]) -> None:
 
 
 def walks(tmp: Path) -> dict[str, tuple[list[str], dict[str, list[str]]]]:
-    """{title: walk} of the preparation check and the batch walk, on a small stdlib corpus prepared in `tmp`."""
+    """{title: walk} of the preparation check and the batch walk, on a small stdlib corpus prepared in `tmp`, and
+    of the batch walk from a Megatron-LM prefix (a copy of that corpus's first shard)."""
+    overrides = [f"--logging.run_dir={tmp / 'run'}", "--data.seq_len=32", "--model.max_seq_len=32"]
     cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", [
-        f"--data.data_dir={tmp / 'data'}", "--data.source=stdlib", "--data.max_bytes=40000",
-        f"--logging.run_dir={tmp / 'run'}", "--data.seq_len=32", "--model.max_seq_len=32"])
-    ensure_prepared(cfg.data)  # the data directory exists before either walk starts
+        f"--data.data_dir={tmp / 'data'}", "--data.source=stdlib", "--data.max_bytes=40000", *overrides])
+    meta = ensure_prepared(cfg.data)  # the data directory exists before either walk starts
+    prefix = tmp / "megatron" / "corpus"
+    prefix.parent.mkdir()
+    for kind in ("bin", "idx"):
+        shutil.copy(tmp / "data" / f"{meta['shards'][0]['prefix']}.{kind}", f"{prefix}.{kind}")
+    megatron = load_config(ROOT / "configs" / "gpt_tiny.yaml", [f"--data.blend=[{{path: {prefix}, weight: 1}}]",
+                                                               *overrides])
 
-    def batch():
-        sampler, _ = open_run_sampler(cfg)
-        sampler.local_micro_batches(0, dp_rank=0, dp_size=1, micro_batch_size=cfg.training.micro_batch_size)
+    def batch(config):
+        sampler, _ = open_run_sampler(config)
+        sampler.local_micro_batches(0, dp_rank=0, dp_size=1, micro_batch_size=config.training.micro_batch_size)
 
-    return {"the preparation check": walk(lambda: prepare_run_data(cfg)), "the batch walk": walk(batch)}
+    return {"the preparation check": walk(lambda: prepare_run_data(cfg)), "the batch walk": walk(lambda: batch(cfg)),
+            "the batch walk from a Megatron-LM prefix": walk(lambda: batch(megatron))}
 
 
 def main() -> None:

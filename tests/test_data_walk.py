@@ -1,6 +1,7 @@
 """The data walk stays short and never turns back (docs/architecture.md, "data/"): following one batch from a
-prepared data directory to the micro-batches the loss reads enters at most 10 modules of parallel_attention.training,
-each from one module only; the preparation check enters each of its modules from one module only too."""
+prepared data directory (or a Megatron-LM prefix) to the micro-batches the loss reads enters at most 10 modules of
+parallel_attention.training, each from one module only; the preparation check enters each of its modules from one
+module only too."""
 
 import sys
 
@@ -15,6 +16,7 @@ def test_the_data_walk_enters_few_modules_and_returns_to_none(tmp_path, capsys):
     for title, (order, callers) in found.items():
         again = {name: entered_from for name, entered_from in callers.items() if len(entered_from) > 1}
         assert not again, f"{title}: modules entered from more than one module: {again}"
-    batch_order, _ = found["the batch walk"]
-    assert "parallel_attention.training.data.read.batches" in batch_order  # the walk did read a batch
-    assert len(batch_order) <= 10, f"the batch walk enters {len(batch_order)} modules: {batch_order}"
+    for title in ("the batch walk", "the batch walk from a Megatron-LM prefix"):
+        order, _ = found[title]
+        assert "parallel_attention.training.data.read.batches" in order  # the walk did read a batch
+        assert len(order) <= 10, f"{title} enters {len(order)} modules: {order}"

@@ -10,7 +10,8 @@ old; deleting a cache directory (or the whole cache root) at any time between ru
 
 Built once (under index_cache.claim's lock), it checks what a start used to check every time: each .idx is read
 whole, checked against its .bin and, for a prepared directory, against the sha256 meta.json records; a Megatron-LM
-prefix's .bin is hashed once per 64 MiB chunk (chunk_hashes), which a resume then compares (data_identity.py).
+prefix's .bin is hashed once per 64 MiB chunk (chunk_hashes), which a resume then compares (data_identity.py),
+and every chunk is verified the first time a process reads from it (`ChunkVerifier`).
 
 The streams' arrays are written in pieces and memory-mapped when read. A stream (token_source.TokenStream) is a list
 of segments, one per document: segment k is the document `document[k]`, whose tokens start at `source[k]` in the
@@ -35,20 +36,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import threading
 from collections.abc import Generator
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ....checkpointing.tensor_io import file_digest
-from ..chunk_hashes import CHUNK_BYTES, chunk_sha256
+from ..chunk_hashes import CHUNK_BYTES, hash_chunks, hash_range
 from ..document_split import validation_range
 from .index_cache import claim
 from ..indexed_dataset import IndexedTokens
 from ..token_files import DataFileError, prepare_again
 
-__all__ = ["CACHE_DIR", "COARSE", "SPLITS", "VERSION", "chunks_digest", "index_streams", "megatron_index",
-           "open_tokens", "prepared_index", "write_streams"]
+__all__ = ["CACHE_DIR", "COARSE", "SPLITS", "VERSION", "ChunkVerifier", "chunks_digest", "index_streams",
+           "megatron_index", "open_tokens", "prepared_index", "write_streams"]
 
 CACHE_DIR = ".index_cache"
 VERSION = 2  # of the cache layout: 2 added the coarse index
@@ -75,7 +79,7 @@ def prepared_index(path: Path, meta: dict, val_fraction: float, fallback_root: P
     key = {"version": VERSION, "kind": "prepared", "path": str(path.resolve()), "val_fraction": val_fraction,
            "meta_sha256": hashlib.sha256((path / "meta.json").read_bytes()).hexdigest(), "files": files}
 
-    def build(tmp: Path, progress) -> Generator[str, None, dict]:
+    def build(tmp: Path) -> Generator[str, None, dict]:
         shards = []
         for shard, prefix in zip(meta["shards"], prefixes):
             idx = Path(f"{prefix}.idx")
@@ -98,10 +102,10 @@ def megatron_index(prefix: Path, val_fraction: float, root: Path) -> tuple[Path,
     key = {"version": VERSION, "kind": "megatron", "path": str(prefix.resolve()), "val_fraction": val_fraction,
            "chunk_bytes": CHUNK_BYTES, "files": _prefix_files(prefix)}
 
-    def build(tmp: Path, progress) -> Generator[str, None, dict]:
+    def build(tmp: Path) -> Generator[str, None, dict]:
         shard = IndexedTokens(prefix)
         info = yield from write_streams(tmp, [shard], val_fraction, str(prefix))
-        hashes = chunk_sha256(shard.bin_path, CHUNK_BYTES, progress)
+        _, hashes = yield from hash_chunks(shard.bin_path, CHUNK_BYTES)
         return {**info, "idx_sha256": file_digest(shard.idx_path)["sha256"],
                 "shards": [_shard_info(shard, hashes, CHUNK_BYTES)]}
 
@@ -109,12 +113,12 @@ def megatron_index(prefix: Path, val_fraction: float, root: Path) -> tuple[Path,
 
 
 def _found_or_built(root: Path, name: str, key: dict, build, what: str) -> tuple[Path, dict]:
-    """(directory, info) of a cache: found, waited for, or built here and stored. `build(tmp, progress)` is a
+    """(directory, info) of a cache: found, waited for, or built here and stored. `build(tmp)` is a
     generator that yields how far it is (reported here, which keeps the lock fresh) and returns the info."""
     directory, info, claimed = claim(root, name, key, what)
     if claimed is not None:
         with claimed:
-            steps = build(claimed.tmp, claimed.progress)
+            steps = build(claimed.tmp)
             while True:
                 try:
                     claimed.progress(next(steps))
@@ -219,3 +223,47 @@ def _load_stream(directory: Path, split: str) -> tuple[tuple[np.ndarray, ...], n
 def open_tokens(prefixes: list[Path]) -> list[IndexedTokens]:
     """Each shard's tokens, memory-mapped, for reading once its index cache is there (which checked each .idx)."""
     return [IndexedTokens(prefix, check_index=False) for prefix in prefixes]
+
+
+class ChunkVerifier:
+    """The chunks of one token file this process has verified, and the check of those it has not."""
+
+    def __init__(self, path: Path, chunk_bytes: int, hashes: list[str], itemsize: int,
+                 fix: str | Callable[[], str]) -> None:
+        """`fix`: what the refusal tells the user to do (prepare again, or which cache to delete), or the function
+        that says it, called only when a chunk is refused."""
+        self.path, self.chunk_bytes, self.hashes, self.itemsize = Path(path), chunk_bytes, hashes, itemsize
+        self.fix = fix
+        self.verified: set[int] = set()
+        self._lock = threading.Lock()  # the prefetch thread and the main thread may read at once
+
+    def check_tokens(self, positions: np.ndarray) -> None:
+        """Verify every chunk that holds one of the token `positions` (indices into the file), once."""
+        if len(self.verified) == len(self.hashes) or positions.size == 0:
+            return
+        chunks = np.unique(np.asarray(positions, dtype=np.int64) * self.itemsize // self.chunk_bytes)
+        todo = [int(c) for c in chunks if int(c) not in self.verified]
+        if todo:
+            with self._lock, open(self.path, "rb") as f:
+                for chunk in todo:
+                    if chunk not in self.verified:
+                        self._check(f, chunk)
+
+    def _check(self, f, chunk: int) -> None:
+        start = chunk * self.chunk_bytes
+        if chunk >= len(self.hashes):
+            raise DataFileError(f"{self.path} is read at byte {start}, past the {len(self.hashes)} chunks whose "
+                                f"hashes were recorded: the file grew after it was hashed; {self._fix()}.")
+        actual = hash_range(f, start, self.chunk_bytes)
+        if actual != self.hashes[chunk]:
+            error = DataFileError(f"{self.path} has sha256 {actual} in its chunk {chunk} of {self.chunk_bytes} bytes "
+                                  f"(from byte {start}), but {self.hashes[chunk]} was recorded: the file changed after "
+                                  f"it was prepared or indexed (a bad copy, a disk fault, another write); "
+                                  f"{self._fix()}.")
+            if os.environ.get("RANK", "0") != "0":  # the run reports rank 0's errors: say this one where it arose
+                print(f"rank {os.environ['RANK']}: {error}", file=sys.stderr, flush=True)
+            raise error
+        self.verified.add(chunk)
+
+    def _fix(self) -> str:
+        return self.fix() if callable(self.fix) else self.fix

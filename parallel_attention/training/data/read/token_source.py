@@ -10,7 +10,8 @@ through `TokenStream`: windows may cross document boundaries, and each token's d
 `data.document_masking` still masks them.
 
 Opening reads no corpus: the per-document arrays come memory-mapped from the source's index cache (source_index),
-built once, and each 64 MiB chunk of a .bin is verified the first time this process reads from it (chunk_hashes).
+built once, and each 64 MiB chunk of a .bin is verified the first time this process reads from it
+(source_index.ChunkVerifier).
 
 Every source of a blend must be tokenized alike: a blend of directories prepared with different tokenizers would
 train on ids that mean different things. A prepared directory's meta.json names its tokenizer and the sha256 of its
@@ -28,8 +29,7 @@ import numpy as np
 
 from ...config.schema import BlendEntry, DataConfig, PretrainConfig
 from ...tokenizer import KNOWN_BY_NAME, TokenizerIdentity, tokenizer_vocab_size, trains_bpe
-from ..chunk_hashes import ChunkVerifier
-from .source_index import index_streams, megatron_index, open_tokens, prepared_index
+from .source_index import ChunkVerifier, index_streams, megatron_index, open_tokens, prepared_index
 from ..previous_format import read_splits
 from ..token_files import DataFileError, is_previous_format, meta_and_reason, prepare_again, verify_at_start
 
