@@ -40,8 +40,6 @@ __all__ = ["EpochWindows", "GlobalBatchSampler", "SampleRows", "SAMPLINGS", "ble
            "splitmix64"]
 
 SAMPLINGS = ("epochs", "random_windows")
-
-
 _MASK64 = (1 << 64) - 1
 _ROUNDS = 6
 
@@ -286,7 +284,8 @@ def run_sampler(cfg: PretrainConfig, sources: list[TokenSource], weights: list[f
 
 
 def open_run_blend(cfg: PretrainConfig) -> tuple[list[TokenSource], list[float]]:
-    """The blend's sources as a run of `cfg` opens them (token_source.open_blend), and their weights."""
+    """The blend's sources as a run of `cfg` opens them (token_source.open_blend), and their weights. Opened here,
+    by the module that reads them, so that a reader enters token_source from one place (docs/architecture.md)."""
     return open_blend(cfg.data, index_cache_root(cfg), cfg.model.vocab_size)
 
 
