@@ -11,6 +11,7 @@ the two copies of tied embeddings sum their gradients.
 from __future__ import annotations
 
 import datetime
+import math
 
 import torch
 import torch.distributed as dist
@@ -126,10 +127,20 @@ def data_parallel_size(p: int, c: int, pp: int = 1) -> int:
                        ("pipeline_model_parallel_size", pp)):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name}={size!r} must be a positive integer.")
-    if world % (p * c * pp) != 0:
-        stages = f" x pipeline_model_parallel_size={pp}" if pp > 1 else ""
-        raise ValueError(
-            f"world size {world} is not a multiple of tensor_model_parallel_size={p} x context_parallel_size={c}"
-            f"{stages} = {p * c * pp}: launch a multiple of {p * c * pp} processes or choose sizes whose product "
-            f"divides {world}.")
-    return world // (p * c * pp)
+    stages = {"pipeline_model_parallel_size": pp} if pp > 1 else {}
+    return layout_data_parallel_size(
+        world, {"tensor_model_parallel_size": p, "context_parallel_size": c, **stages},
+        "world size {world} is not a multiple of {named} = {product}: launch a multiple of {product} processes or "
+        "choose sizes whose product divides {world}.")
+
+
+def layout_data_parallel_size(world: int, sizes: dict[str, int], refusal: str) -> int:
+    """world // the product of `sizes` (tensor x context [x pipeline] parallel): the data-parallel size. The one
+    check of a layout against the world, for initialize_model_parallel and for the run config (before any process
+    group); each caller keeps its own words, which name the sizes as its users set them: `refusal` is formatted
+    with `named` ("name=size x ..."), `product` and `world`."""
+    product = math.prod(sizes.values())
+    if world % product != 0:
+        named = " x ".join(f"{name}={size}" for name, size in sizes.items())
+        raise ValueError(refusal.format(named=named, product=product, world=world))
+    return world // product

@@ -18,6 +18,7 @@ import yaml
 
 from ...checkpointing.compatibility import upgrade_run_config
 from ...tensor_parallel.linear_functions import OVERLAP_COMM
+from ...tensor_parallel.mesh_groups import layout_data_parallel_size
 from ...transformer.model_config import ModelConfig
 from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_names,
                      check_ranges, check_resume)
@@ -170,18 +171,16 @@ class PretrainConfig:
         cp, pp = self.parallel.context_parallel_size, self.parallel.pipeline_parallel_size
         if world_size < 1:
             raise ValueError(f"the world size {world_size} (WORLD_SIZE) must be >= 1: launch with torchrun.")
-        if world_size % (p * cp * pp) != 0:
-            stages = f" x pipeline_parallel_size={pp}" if pp > 1 else ""
-            raise ValueError(
-                f"parallel.tensor_parallel_size={p} x context_parallel_size={cp}{stages} does not divide the world "
-                f"size {world_size}: launch a multiple of {p * cp * pp} processes (--nproc-per-node x --nnodes) or "
-                "change them.")
+        stages = {"pipeline_parallel_size": pp} if pp > 1 else {}
+        dp = layout_data_parallel_size(
+            world_size, {"parallel.tensor_parallel_size": p, "context_parallel_size": cp, **stages},
+            "{named} does not divide the world size {world}: launch a multiple of {product} processes "
+            "(--nproc-per-node x --nnodes) or change them.")
         check_context_parallel(self)
         m.attention_config().per_rank_heads(p)  # heads / kv heads vs p, with its own messages
         ffn = m.resolved_ffn_hidden_size()
         if ffn % p != 0:
             raise ValueError(f"model.ffn_hidden_size={ffn} is not divisible by tensor_parallel_size={p}.")
-        dp = world_size // (p * cp * pp)
         if t.global_batch_size % (t.micro_batch_size * dp) != 0:
             raise ValueError(
                 f"training.global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size="
