@@ -23,6 +23,11 @@ F64 = torch.float64
 # Sharded and reference compute the same float64 sums in a different order (per-rank partial sums,
 # then a collective): rounding differs by a few ulps of values of order 1-10, far below 1e-12.
 TOL = dict(rtol=1e-12, atol=1e-12)
+# the linears' cases: (gather_output or input_is_parallel, bias, sequence_parallel)
+COLUMN_CASES = [(False, True, False), (True, True, False), (False, False, False), (True, False, False),
+                (False, True, True), (False, False, True)]
+ROW_CASES = [(False, True, False), (True, True, False), (False, False, False), (True, False, False),
+             (True, True, True), (True, False, True)]
 
 
 def _seeded(cls, seed, *args, **kwargs):
@@ -82,13 +87,19 @@ def _forward_backward(layer, x, dy, dev):
     return x, y
 
 
+def _seeded_linears(kind, cls, seed, full_weight, split_dim, p, r, sizes, option, cases, dev):
+    """Rank r's shard of a linear for each case (`option`'s value, bias, sequence_parallel), built from `seed` and
+    checked against the p = 1 weight: yields (value, bias, sequence_parallel, tag, layer)."""
+    for value, bias, sp in cases:
+        tag = f"{kind} {option}={value} bias={bias} sequence_parallel={sp}"
+        yield value, bias, sp, tag, _seeded_shard(cls, seed, full_weight, split_dim, p, r, tag, *sizes, bias=bias,
+                                                  sequence_parallel=sp, device=dev, **{option: value})
+
+
 def _check_column(full, data, p, r, dev):
     W, b, X, dY = full["col"], data["b_col"], data["x"], data["dy_col"]
-    for gather, bias, sp in [(False, True, False), (True, True, False), (False, False, False),
-                             (True, False, False), (False, True, True), (False, False, True)]:
-        tag = f"column gather_output={gather} bias={bias} sequence_parallel={sp}"
-        layer = _seeded_shard(pa.ColumnParallelLinear, SEED_COL, W, 0, p, r, tag, H, FFN, bias=bias,
-                              gather_output=gather, sequence_parallel=sp, device=dev)
+    for gather, bias, sp, tag, layer in _seeded_linears("column", pa.ColumnParallelLinear, SEED_COL, W, 0, p, r,
+                                                        (H, FFN), "gather_output", COLUMN_CASES, dev):
         if bias:
             assert torch.equal(layer.bias.detach().cpu(), torch.zeros(FFN, dtype=F64).chunk(p)[r])
             layer.bias.data.copy_(b.chunk(p)[r])  # a non-zero bias, so a mis-sliced one shows
@@ -103,11 +114,8 @@ def _check_column(full, data, p, r, dev):
 
 def _check_row(full, data, p, r, dev):
     W, b, X, dY = full["row"], data["b_row"], data["x_row"], data["dy"]
-    for parallel_in, bias, sp in [(False, True, False), (True, True, False), (False, False, False),
-                                  (True, False, False), (True, True, True), (True, False, True)]:
-        tag = f"row input_is_parallel={parallel_in} bias={bias} sequence_parallel={sp}"
-        layer = _seeded_shard(pa.RowParallelLinear, SEED_ROW, W, 1, p, r, tag, FFN, H, bias=bias,
-                              input_is_parallel=parallel_in, sequence_parallel=sp, device=dev)
+    for parallel_in, bias, sp, tag, layer in _seeded_linears("row", pa.RowParallelLinear, SEED_ROW, W, 1, p, r,
+                                                             (FFN, H), "input_is_parallel", ROW_CASES, dev):
         if bias:
             layer.bias.data.copy_(b)
         y_ref, (gx, gw, gb) = _linear_reference(X, W, b, bias, dY)
