@@ -20,10 +20,14 @@ primitives of `collectives`. Shapes: `s` sequence, `b` batch, `h` hidden, `p` gr
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .collectives import all_gather_first_dim, all_gather_into_tensor, all_reduce, reduce_scatter_first_dim
 from .parallel_state import ProcessGroup, group_rank, group_size
+
+_Op = Callable[[torch.Tensor, ProcessGroup], torch.Tensor]  # what a region runs on the way in or back
 
 
 def _split_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -51,108 +55,63 @@ def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return all_reduce(x.clone(), group)
 
 
-class CopyToModelParallelRegion(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce_copy(grad, ctx.group), None
+def _unchanged_view(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """x's values as a new view: what an autograd function returns for "identity"."""
+    return x.view_as(x)
 
 
-class ReduceFromModelParallelRegion(torch.autograd.Function):
-    """Forward: all-reduce. Backward: identity."""
+class _Region(torch.autograd.Function):
+    """A region's autograd function: forward returns `forward_op(x, group)`, backward `backward_op(grad, group)` (on
+    the group forward saw), where a region class names its two ops as `ops = (forward_op, backward_op)`: the six
+    regions below, one line each, the module docstring's table row by row.
 
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce_copy(x, group)
+    __init_subclass__ gives each region its own staticmethod forward and backward, closed over its two ops, rather
+    than one inherited forward that looks its ops up: torch.compile traces an autograd function through a plain
+    static forward, and gives up on the call where forward is a classmethod or finds its class through ctx."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.view_as(grad), None
+    ops: tuple[_Op, _Op]  # (forward_op, backward_op)
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        forward_op, backward_op = cls.ops
 
-class ScatterToModelParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's chunk of the last dim. Backward: all-gather the last dim."""
+        def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+            ctx.group = group
+            return forward_op(x, group)
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
+        def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return backward_op(grad, ctx.group), None
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
+        cls.forward, cls.backward = staticmethod(forward), staticmethod(backward)
 
-
-class GatherFromModelParallelRegion(torch.autograd.Function):
-    """Forward: all-gather the last dim. Backward: keep this rank's chunk of the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+    @classmethod
+    def enter(cls, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        """x itself where the group has one rank (or is None): no autograd node, no collective; else the region."""
+        return x if group_size(group) == 1 else cls.apply(x, group)
 
 
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Forward: all-gather [s/p, ...] into [s, ...]. Backward: reduce-scatter dim 0."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_first_dim(grad, ctx.group), None
+class CopyToModelParallelRegion(_Region): ops = (_unchanged_view, _all_reduce_copy)
 
 
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward: sum the ranks' [s, ...], keep this rank's [s/p, ...]. Backward: all-gather dim 0."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_first_dim(grad, ctx.group), None
+class ReduceFromModelParallelRegion(_Region): ops = (_all_reduce_copy, _unchanged_view)
 
 
-def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: identity. Backward: all-reduce."""
-    return x if group_size(group) == 1 else CopyToModelParallelRegion.apply(x, group)
+class ScatterToModelParallelRegion(_Region): ops = (_split_last_dim, _gather_last_dim)
 
 
-def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: all-reduce. Backward: identity."""
-    return x if group_size(group) == 1 else ReduceFromModelParallelRegion.apply(x, group)
+class GatherFromModelParallelRegion(_Region): ops = (_gather_last_dim, _split_last_dim)
 
 
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: [..., n] -> this rank's [..., n/p]. Backward: all-gather the last dim."""
-    return x if group_size(group) == 1 else ScatterToModelParallelRegion.apply(x, group)
+class GatherFromSequenceParallelRegion(_Region): ops = (all_gather_first_dim, reduce_scatter_first_dim)
 
 
-def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: all-gather the last dim, [..., n/p] -> [..., n]. Backward: keep this rank's chunk."""
-    return x if group_size(group) == 1 else GatherFromModelParallelRegion.apply(x, group)
+class ReduceScatterToSequenceParallelRegion(_Region): ops = (reduce_scatter_first_dim, all_gather_first_dim)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: all-gather [s/p, ...] into [s, ...]. Backward: reduce-scatter dim 0."""
-    return x if group_size(group) == 1 else GatherFromSequenceParallelRegion.apply(x, group)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Forward: sum the ranks' [s, ...], keep [s/p, ...]. Backward: all-gather dim 0."""
-    return x if group_size(group) == 1 else ReduceScatterToSequenceParallelRegion.apply(x, group)
+# the entry functions: the region's autograd function applied, or x itself on a group of one rank
+copy_to_tensor_parallel_region = CopyToModelParallelRegion.enter
+reduce_from_tensor_parallel_region = ReduceFromModelParallelRegion.enter
+scatter_to_tensor_parallel_region = ScatterToModelParallelRegion.enter
+gather_from_tensor_parallel_region = GatherFromModelParallelRegion.enter
+gather_from_sequence_parallel_region = GatherFromSequenceParallelRegion.enter
+reduce_scatter_to_sequence_parallel_region = ReduceScatterToSequenceParallelRegion.enter
