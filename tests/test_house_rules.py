@@ -163,10 +163,14 @@ PER_CALL_TESTS = {"sequence_parallel", "overlap", "overlap_comm", "comm_chunks",
 
 
 def _hot_functions(tree: ast.Module) -> list[ast.FunctionDef]:
-    """Every forward and backward in the module (nn.Module or autograd.Function), and the module's own functions
-    they call, transitively: the code that runs on every call."""
+    """Every forward and backward in the module (nn.Module or autograd.Function), the module's functions a class
+    names in its body (a region's `ops`, which its forward and backward run), and the module's own functions they
+    call, transitively: the code that runs on every call."""
     by_name = {fn.name: fn for fn in _functions(tree)}
     todo = [fn for fn in _functions(tree) if fn.name in ("forward", "backward")]
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for assign in (n for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None):
+            todo += [by_name[n.id] for n in ast.walk(assign.value) if isinstance(n, ast.Name) and n.id in by_name]
     seen: dict[int, ast.FunctionDef] = {}
     while todo:
         fn = todo.pop()
@@ -200,6 +204,8 @@ def test_the_hot_path_rule_sees_a_flag_in_a_helper():
                      "def _helper(ctx, g):\n    return g if ctx.sequence_parallel else g.device.type\n")
     assert {fn.name: _per_call_tests(fn) for fn in _hot_functions(tree)} == {
         "backward": set(), "_helper": {"sequence_parallel", "device_type"}}
+    named = ast.parse("class R:\n    ops = (_gather, len)\ndef _gather(x, group):\n    return x if x.is_cuda else x\n")
+    assert {fn.name: _per_call_tests(fn) for fn in _hot_functions(named)} == {"_gather": {"is_cuda"}}
 
 
 def test_no_environment_variable_of_our_own():
