@@ -150,7 +150,7 @@ def verify_at_start(data_dir, meta: dict, tokenizer_files: dict[str, str]) -> No
     """What a start verifies, without reading the corpus: `tokenizer_files` (the trained BPE's tokenizer.json:
     TokenizerIdentity.data_dir_files of meta.json's tokenizer, which the caller owns), and the files whose
     hash meta.json records only whole (data prepared before chunk hashes, checked as verify_files does). A .bin
-    with `bin_chunk_sha256` is verified chunk by chunk as it is read (chunk_hashes.py), each .idx when the
+    with `bin_chunk_sha256` is verified chunk by chunk as it is read (source_index.ChunkVerifier), each .idx when the
     source's index cache is built (source_index.py)."""
     data_dir = Path(data_dir)
     chunked = {f"{s['prefix']}.{kind}" for s in meta.get("shards", []) if s.get("bin_chunk_sha256") is not None

@@ -19,10 +19,9 @@ from ....checkpointing.format import CheckpointError, read_manifest
 from ....checkpointing.tensor_io import file_digest
 from ...config.schema import PretrainConfig
 from ...config.checks import ConfigError
-from .token_source import blend_entries, prepared_tokenizer
 from .blend_history import continue_run_blend
 from .source_index import chunks_digest
-from .token_source import TokenSource
+from .token_source import TokenSource, blend_entries, prepared_tokenizer
 from ...tokenizer import TokenizerIdentity, copy_tokenizer
 
 __all__ = ["DataChangedError", "check_identity", "check_tokenizer", "data_identity", "keep_run_tokenizer",

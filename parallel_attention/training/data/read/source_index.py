@@ -209,8 +209,8 @@ def chunks_digest(info: dict) -> str:
 
 
 def index_streams(directory: Path) -> list[tuple[tuple[np.ndarray, ...], np.ndarray]]:
-    """The training and validation streams' arrays of the index cache `directory`, memory-mapped
-    , in the order of document_index.SPLITS."""
+    """The training and validation streams' arrays of the index cache `directory`, memory-mapped, in the order of
+    SPLITS."""
     return [_load_stream(directory, split) for split in SPLITS]
 
 

@@ -40,7 +40,7 @@ __all__ = ["TokenSource", "TokenStream", "blend_entries", "index_cache_root", "o
 class TokenStream:
     """Segments of a source's token space read as one stream: segment k is the tokens
     [segment_source[k], segment_source[k] + segment_starts[k + 1] - segment_starts[k]) of the source, from its
-    document segment_document[k], and starts at segment_starts[k] in the stream (document_index.py)."""
+    document segment_document[k], and starts at segment_starts[k] in the stream (source_index.py)."""
 
     def __init__(self, shards: list[tuple[np.ndarray, Path]], segments: tuple, vocab: tuple[int, str], name: str,
                  verifiers: list[ChunkVerifier | None] | None = None,
@@ -48,7 +48,7 @@ class TokenStream:
         """shards: each shard's tokens and file; segments: (segment_starts, segment_source, segment_document),
         memory-mapped or in memory; vocab: (size, where that size comes from) for the id check; verifiers: each
         shard's chunk verifier (None: its file was verified at start); coarse: (stride, segment_starts[::stride])
-        for memory-mapped starts (document_index.py), None to search them whole."""
+        for memory-mapped starts (source_index.py), None to search them whole."""
         self.shards, (self.vocab_size, self.vocab_from), self.name = shards, vocab, name
         self.coarse = coarse
         self.verifiers = verifiers or [None] * len(shards)

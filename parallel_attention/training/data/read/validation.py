@@ -64,7 +64,7 @@ def validation_batches_by_source(sources: list[TokenSource], weights: list[float
                                  num_batches: int, *, dp_rank: int = 0, dp_size: int = 1,
                                  document_masking: bool = False) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
     """The rows of `validation_batches`, each rank's share of a batch split by source: (source index,
-    micro-batch) pairs, for a validation loss per source (validation_metrics.py). A source of one gives the very
+    micro-batch) pairs, for a validation loss per source (validation_record). A source of one gives the very
     micro-batches of `validation_batches`."""
     return _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank, dp_size,
                              document_masking, by_source=True)
