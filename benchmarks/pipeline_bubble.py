@@ -72,16 +72,17 @@ class SleepStage(torch.nn.Module):
 def _run(rank: int, stages: int, micro: int, seconds: float, repeats: int, init: str, out) -> None:
     from parallel_attention.pipeline.runner import PipelineRunner, measured_bubble
     from parallel_attention.pipeline.schedules import bubble_formula
+    from parallel_attention.tensor_parallel.mesh_groups import pipeline_link_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=stages,
                             timeout=datetime.timedelta(seconds=120))
-    activations, grads = dist.new_group(list(range(stages))), dist.new_group(list(range(stages)))
+    pp_group, links = dist.new_group(list(range(stages))), pipeline_link_groups(torch.arange(stages)[None], None)
     results, memory = {}, {}
     for name in SCHEDULES:
         v = 2 if name == "interleaved_1f1b" else 1
         model = SleepStage(seconds / v, rank == 0, rank == stages - 1, v, rank, stages)
-        runner = PipelineRunner(model, name, micro, activations, grads, v)
+        runner = PipelineRunner(model, name, micro, pp_group, links, v)
         runner.agree_shapes(SHAPE, torch.float32)
         bubbles = []
         for _ in range(repeats):
@@ -96,7 +97,7 @@ def _run(rank: int, stages: int, micro: int, seconds: float, repeats: int, init:
         results[name] = {"measured": round(statistics.median(bubbles), 4),
                          "formula": round(bubble_formula(name, stages, micro, v), 4)}
     for name in ("gpipe", "1f1b"):
-        memory[name] = {f"m={n}": _stage_peak_bytes(name, stages, n, activations, grads, rank)
+        memory[name] = {f"m={n}": _stage_peak_bytes(name, stages, n, pp_group, links, rank)
                         for n in (micro, 2 * micro)}
     if rank == 0:
         out.put((results, memory))
@@ -111,7 +112,7 @@ class _null:
         return False
 
 
-def _stage_peak_bytes(name: str, stages: int, micro: int, activations, grads, rank: int) -> int:
+def _stage_peak_bytes(name: str, stages: int, micro: int, pp_group, links, rank: int) -> int:
     """This stage's peak bytes of tensors saved for backward during one step (0 ms sleeps): measured by
     autograd's saved-tensor hooks, each tensor counted from when it is saved until it is freed."""
     import weakref
@@ -130,7 +131,7 @@ def _stage_peak_bytes(name: str, stages: int, micro: int, activations, grads, ra
         return t
 
     runner = PipelineRunner(SleepStage(0.0, rank == 0, rank == stages - 1, 1, rank, stages), name, micro,
-                            activations, grads)
+                            pp_group, links)
     runner.agree_shapes(SHAPE, torch.float32)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         runner.run(lambda i: {"tokens": torch.zeros(2, 16)}, lambda i: _null(), lambda i: _null(),

@@ -62,7 +62,7 @@ def _case(ctx: CheckContext, schedule: str, batches, reference) -> tuple[dict[st
         ps.get_pipeline_parallel_rank()
     v = 2 if schedule == "interleaved_1f1b" else 1
     model = _model(ctx, rank_stage(_layers(p), p, v, None, rank), ctx.solo_group, _layers(p))
-    runner = PipelineRunner(model, schedule, len(batches), pp_group, ps.get_pipeline_gradient_group(), v)
+    runner = PipelineRunner(model, schedule, len(batches), pp_group, ps.get_pipeline_links(), v)
     runner.agree_shapes((SEQ, 2, 32), ctx.dtype)
     with count_collectives() as counts:
         record = runner.run(lambda i: batches[i], lambda i: contextlib.nullcontext(),

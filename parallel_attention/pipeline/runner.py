@@ -1,12 +1,12 @@
 """Runs one step's schedule on this pipeline rank: each action's forward or backward on its model chunk, and the
 sends and receives between neighbouring stages that the action lists imply.
 
-Communication, all through `collectives.exchange` (one batch_isend_irecv per group and direction of a moment):
-after each action, the sends it produced go out together with the receive the next action needs (Megatron's
-send_forward_recv_backward and friends, derived from the lists instead of written per schedule). The rank waits
-for the receive at once and for its sends at the end of the step. Activations travel on the pipeline group,
-gradients on its twin (`grad_group`): at pp = 2 both directions join the same two ranks, and NCCL matches messages
-by order, not by tag, per communicator.
+Communication follows the step's plan (`messages.moments`, which `nccl_model` replays under NCCL's semantics):
+between two actions the rank posts what the last one produced and the receive the next one needs, each alone on
+its one-way link (`parallel_state.get_pipeline_links`: activations to the next stage, gradients to the previous,
+one group of two per ordered pair and direction), through `collectives.exchange`; it waits for the receive, then
+for the sends of the moment before, whose buffers go. Nothing of an exchange outlives it: a stage holds what its
+schedule keeps for its backwards and one moment's sends, whatever the number of micro-batches.
 
 Shapes are agreed once, before the first step (`agree_shapes`): every stage states what it sends and expects, and
 a disagreement raises on every rank, naming both stages, instead of a receive that waits for a message that
@@ -22,9 +22,10 @@ from typing import Callable
 
 import torch
 
-from ..tensor_parallel.collectives import all_gather_objects, exchange
+from ..tensor_parallel.collectives import PendingExchange, all_gather_objects, exchange
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
 from ..tensor_parallel.weight_grads import deferred_weight_grads, run_weight_grads
+from .messages import Message, moments
 from .schedules import Action, build_schedule
 
 
@@ -70,14 +71,16 @@ def measured_bubble(compute_seconds: float, longest_span: float, stages: int) ->
 
 
 class PipelineRunner:
-    """This rank's part of the pipeline: the model holding its chunks, the schedule, the groups."""
+    """This rank's part of the pipeline: the model holding its chunks, the schedule, the groups (the pipeline group,
+    and the links to its neighbours: `parallel_state.get_pipeline_links()`, None at pp = 1)."""
 
     def __init__(self, model: torch.nn.Module, schedule: str, micro_batches: int, pp_group: ProcessGroup | None,
-                 grad_group: ProcessGroup | None, chunks: int = 1) -> None:
+                 links: dict[tuple[str, str], ProcessGroup] | None, chunks: int = 1) -> None:
         self.model, self.v, self.m = model, chunks, micro_batches
         self.p, self.rank = group_size(pp_group), group_rank(pp_group)
-        self.groups = {"activation": pp_group, "gradient": grad_group}
+        self.pp_group, self.links = pp_group, links or {}
         self.actions = build_schedule(schedule, self.p, micro_batches, self.rank, chunks)
+        self.plan = moments(self.actions, self.rank, self.p, chunks)
         self.defers_weight_grads = any(action.kind == "W" for action in self.actions)
         self.shape: tuple | None = None
         self.dtype: torch.dtype | None = None
@@ -92,7 +95,7 @@ class PipelineRunner:
     def agree_shapes(self, shape: tuple, dtype: torch.dtype) -> None:
         """Every stage states the activation [s, b, h] (per rank) and dtype it exchanges; all must agree, or every
         rank raises PipelineShapeError naming the stages."""
-        said = all_gather_objects((tuple(shape), str(dtype)), self.groups["activation"])
+        said = all_gather_objects((tuple(shape), str(dtype)), self.pp_group)
         if len(set(said)) > 1:
             described = "; ".join(f"stage {s}: {list(sh)} {dt}" for s, (sh, dt) in enumerate(said))
             raise PipelineShapeError(f"the pipeline stages disagree on the activation they exchange ({described}): "
@@ -100,57 +103,51 @@ class PipelineRunner:
                                      "training.micro_batch_size, model.hidden_size, parallel.*).")
         self.shape, self.dtype = tuple(shape), dtype
 
-    # ------------------------------------------------------------------ the messages an action implies
-    def _receive(self, action: Action):
-        """(kind, group rank of the peer) of what `action` needs to receive before it runs, or None."""
-        if action.kind == "F" and not self._first(action.chunk):
-            return "activation", (self.rank - 1) % self.p
-        if action.kind == "B" and not self._last(action.chunk):
-            return "gradient", (self.rank + 1) % self.p
-        return None
+    # ------------------------------------------------------------------ the messages of the plan
+    def _send(self, message: Message) -> torch.Tensor:
+        """The tensor `message` carries: a forward's output (kept for its backward while gradients are on) or a
+        backward's input gradient (its input goes)."""
+        key, state = (message.sent_by // self.p, message.micro), self.state
+        if message.link.kind == "activation":
+            return (state["outputs"][key] if torch.is_grad_enabled() else state["outputs"].pop(key)).detach()
+        return state["inputs"].pop(key).grad
 
-    def _send(self, action: Action):
-        """(kind, peer, tensor) that `action` produced for a neighbour, or None."""
-        key, state = (action.chunk, action.micro), self.state
-        if action.kind == "F" and not self._last(action.chunk):
-            out = state["outputs"][key] if torch.is_grad_enabled() else state["outputs"].pop(key)
-            return "activation", (self.rank + 1) % self.p, out.detach()
-        if action.kind == "B" and not self._first(action.chunk):
-            return "gradient", (self.rank - 1) % self.p, state["inputs"].pop(key).grad
-        return None
+    def _post(self, message: Message) -> PendingExchange:
+        """`message` posted alone on its link (a group of two: the peer is the other rank), named by the link."""
+        link = message.link
+        end = "send" if link.source == self.rank else "receive"
+        group = self.links[(link.kind, end)]
+        peer = 1 - group_rank(group)
+        if end == "receive":
+            return exchange([], [(torch.empty(self.shape, dtype=self.dtype, device=self._device()), peer)], group,
+                            str(link))
+        tensor = self._send(message)
+        if tuple(tensor.shape) != self.shape:
+            raise PipelineShapeError(f"pipeline stage {self.rank} would send its {link.kind} of shape "
+                                     f"{list(tensor.shape)} where the stages agreed on {list(self.shape)}.")
+        return exchange([(tensor, peer)], [], group, str(link))
 
-    def _communicate(self, send, receive, events: list[Event]) -> torch.Tensor | None:
-        """Post the sends and the receive, one exchange per group, then wait for the receive: the sends complete
-        when the neighbour posts its receive, which may come only after this rank's next actions (interleaved:
-        two ranks that each waited for their own send would wait for each other); `run` waits for them last."""
-        posted, received = [], None
-        for kind, group in self.groups.items():
-            sends = [(t, peer) for k, peer, t in ([send] if send else []) if k == kind]
-            for t, _ in sends:
-                if tuple(t.shape) != self.shape:
-                    raise PipelineShapeError(f"pipeline stage {self.rank} would send its {kind} of shape "
-                                             f"{list(t.shape)} where the stages agreed on {list(self.shape)}.")
-            receives = []
-            if receive is not None and receive[0] == kind:
-                received = torch.empty(self.shape, dtype=self.dtype, device=self._device())
-                receives = [(received, receive[1])]
-            if sends or receives:
-                peers = sorted({peer for _, peer in sends + receives})
-                what = f"pipeline {kind} exchange of stage {self.rank} with stage {', '.join(map(str, peers))}"
-                posted.append(exchange(sends, receives, group, what))
-        self._fill_with_weight_gradients(posted, events)
+    def _communicate(self, k: int, events: list[Event]) -> torch.Tensor | None:
+        """Moment k of the plan (0: before the first action; k: after action k - 1): post its sends and its
+        receive, fill the wait for the receive with deferred weight gradients, wait for it, then retire the sends
+        the moment names (waited for: their buffers go). Returns the received tensor, or None."""
+        moment = self.plan[k]
+        posted = {message: self._post(message) for message in moment.posted()}
+        self.in_flight.update((message, posted[message]) for message in moment.sends)
+        receiving = posted.get(moment.receive)
+        self._fill_with_weight_gradients(receiving, events)
         started = time.perf_counter()
-        for pending in posted:
-            pending.wait_received()
-        self.in_flight += posted
-        if posted:
+        received = receiving.wait()[0] if receiving is not None else None
+        for message in moment.retire:
+            self.in_flight.pop(message).wait()
+        if posted or moment.retire:
             events.append(Event("wait", started, time.perf_counter()))
         return received
 
-    def _fill_with_weight_gradients(self, posted: list, events: list[Event]) -> None:
+    def _fill_with_weight_gradients(self, receiving: PendingExchange | None, events: list[Event]) -> None:
         """Zero bubble: while a receive has not arrived, compute the oldest deferred weight gradient instead of
         waiting (the schedule's own W comes later and finds it done). The bubble is filled where it opens."""
-        while self.ready_weights and not all(pending.received_yet() for pending in posted):
+        while self.ready_weights and receiving is not None and not receiving.received_yet():
             key = self.ready_weights.pop(0)
             started = time.perf_counter()
             run_weight_grads(self.state["weights"].pop(key))
@@ -166,20 +163,15 @@ class PipelineRunner:
         `forward_context(i)` / `backward_context(i)` what its forward / backward run inside (autocast, dropout
         coordinates), `backward_loss(loss)` runs the backward of the step's share of a loss (loss / m: the fp16
         scaler scales it). Returns each micro-batch's loss (the last stage's) and the step's events."""
-        self.contexts, self.in_flight, self.ready_weights = (forward_context, backward_context, backward_loss), [], []
+        self.contexts, self.in_flight, self.ready_weights = (forward_context, backward_context, backward_loss), {}, []
         self.state = {"inputs": {}, "outputs": {}, "weights": {}}  # by (chunk, micro-batch), until their backward
         record = StepRecord(torch.zeros(self.m, device=self._device()))
-        received = self._communicate(None, self._receive(self.actions[0]), record.events)
+        received = self._communicate(0, record.events)
         for k, action in enumerate(self.actions):
             started = time.perf_counter()
             if getattr(self, f"_{action.kind.lower()}")(action, received, inputs, record) is not False:
                 record.events.append(Event(str(action), started, time.perf_counter()))
-            following = self.actions[k + 1] if k + 1 < len(self.actions) else None
-            received = self._communicate(self._send(action),
-                                         self._receive(following) if following else None, record.events)
-        for pending in self.in_flight:  # the last sends, received by now or soon: nothing is left posted
-            pending.wait()
-        self.in_flight = []
+            received = self._communicate(k + 1, record.events)  # the last moment retires every send left
         return record
 
     def _f(self, action, received, inputs, record) -> None:

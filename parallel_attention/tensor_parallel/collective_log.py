@@ -6,7 +6,11 @@ number on its group, and the call site: the first stack frame outside this packa
 per-rank ring buffer. Before the real collective the ranks of its group all-gather a small signature of it (op,
 dtype, shape, number on the group): the guard's own exchange, which runs outside the hooks (through
 `collectives.gather_into`, and on a mismatch torch's all_gather_object). A disagreement becomes a report of each
-rank's first diverging call, a timeout the calls that led to it.
+rank's first diverging call, a timeout the calls that led to it. An exchange (a batch of point-to-point operations:
+the pipeline's, the ring's) is recorded but not cross-checked: its two ends post it at different points of their
+schedules, so a check that waited for the peer's post would make each send a rendezvous (torch's DETAIL check too),
+and two pipeline stages that each posted a send first would wait for each other. The pipeline agrees its shapes
+before its first exchange and checks each send against them.
 
 What each layer catches (the README's "Failure modes" lists them for users):
 - the signature exchange: another op, shape or dtype on one rank at the same point of the group's sequence,
@@ -142,7 +146,7 @@ def enable_collective_log(size: int = RECENT_CALLS) -> None:
     dist.set_debug_level_from_env()  # torch read the variable at import
     global _GUARD
     _GUARD = _Guard(CollectiveLog(size))
-    collectives.install_hooks(_GUARD.issuing, _GUARD.awaiting)
+    collectives.install_hooks(_GUARD.issuing, _GUARD.awaiting, _GUARD.posting)
 
 
 def disable_collective_log() -> None:
@@ -158,7 +162,7 @@ def active_log() -> CollectiveLog | None:
 
 
 class _Guard:
-    """The contexts the guard puts around each collective and each asynchronous wait()."""
+    """The contexts the guard puts around each collective, each exchange's post and each asynchronous wait()."""
 
     def __init__(self, log: CollectiveLog) -> None:
         self.log = log
@@ -172,6 +176,14 @@ class _Guard:
         if calls is not None:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(calls)))
             raise CollectiveMismatchError(mismatch_report(call.group, ranks, calls))
+        with self.awaiting(op, group):
+            yield
+
+    @contextlib.contextmanager
+    def posting(self, op: str, x: torch.Tensor | None, group: ProcessGroup | None):
+        """Record the exchange, then post it (a timeout lists recent calls); no cross-check (the module's
+        docstring says why)."""
+        self.log.record(op, x, group, describe_group(group))
         with self.awaiting(op, group):
             yield
 

@@ -12,10 +12,11 @@ states what it does forward and backward. Shapes: `s` sequence, `b` batch, `h` h
                                            the ring's own Function rings its gradients back)
     exchange                               any sends and receives as one batch_isend_irecv (pipeline stages)
 
-Every call runs inside `issuing(op, tensor, group)`, and an asynchronous one's wait() inside `awaiting(op, group)`:
-by default `named_timeouts`, which turns a backend's bare timeout into CollectiveTimeoutError naming the operation
-and the group; the collective guard (`collective_log.enable_collective_log`) installs its own contexts through
-`install_hooks`, which record each call and cross-check it with the group's other ranks before it runs.
+Every call runs inside `issuing(op, tensor, group)` (an exchange's post inside the posting hook), and an
+asynchronous one's wait() inside `awaiting(op, group)`: by default `named_timeouts`, which turns a backend's bare
+timeout into CollectiveTimeoutError naming the operation and the group; the collective guard
+(`collective_log.enable_collective_log`) installs its own contexts through `install_hooks`, which record each call
+and cross-check it with the group's other ranks (before it runs; an exchange's, when it is waited for).
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ def _plain(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
 
 _issue = _plain  # (op, tensor or None, group) -> the context a collective runs in
 _await = named_timeouts  # (op, group) -> the context an asynchronous collective's wait() runs in
+_post = _plain  # (op, tensor or None, group) -> the context an exchange (point-to-point batch) is posted in
 
 
-def install_hooks(issue=None, await_=None) -> None:
-    """From now on every collective runs in `issue(op, tensor or None, group)` and every asynchronous one's wait()
-    in `await_(op, group)`, both context managers (the collective guard's); None: the plain timeout hook."""
-    global _issue, _await
-    _issue, _await = issue or _plain, await_ or named_timeouts
+def install_hooks(issue=None, await_=None, post=None) -> None:
+    """From now on every collective runs in `issue(op, tensor or None, group)`, every exchange is posted in
+    `post(op, tensor or None, group)` and every asynchronous wait() runs in `await_(op, group)`, all context
+    managers (the collective guard's); None: the plain timeout hook."""
+    global _issue, _await, _post
+    _issue, _await, _post = issue or _plain, await_ or named_timeouts, post or _plain
 
 
 def issuing(op: str, x: torch.Tensor | None, group: ProcessGroup | None):
@@ -232,7 +235,7 @@ def exchange(sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.T
            for t, dst in sends]
     ops += [dist.P2POp(c10d.irecv, t, dist.get_global_rank(group, src) if group else src, group)
             for t, src in receives]
-    with _issue(op, sends[0][0] if sends else None, group):
+    with _post(op, ops[0].tensor if ops else None, group):  # a receive's buffer has the shape of the send
         works = dist.batch_isend_irecv(ops) if ops else []
     return PendingExchange(op, works, group, [op_.tensor for op_ in ops[:len(sends)]], [t for t, _ in receives])
 

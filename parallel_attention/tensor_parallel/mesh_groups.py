@@ -24,7 +24,9 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 ADOPTABLE = (MESH_DIMS, ("dp", "cp", "tp"), ("pp", "dp", "tp"), ("dp", "tp"))
 DP_CP = "dp_cp"  # the flattened dp x cp group of gradient reduction (not a mesh dimension)
 EMBEDDING = "embedding"  # the first and the last pipeline stage (tied embeddings; None at pp = 1)
-PP_GRADIENTS = "pp_gradients"  # the pipeline group's twin, for the gradients going back (None at pp = 1)
+# this rank's one-way pipeline links (None at pp = 1): (kind, this rank's end) -> the group's name among the groups
+PP_LINKS = {("activation", "send"): "pp_activation_send", ("activation", "receive"): "pp_activation_receive",
+            ("gradient", "send"): "pp_gradient_send", ("gradient", "receive"): "pp_gradient_receive"}
 
 
 def group_timeout(group: ProcessGroup | None) -> datetime.timedelta | None:
@@ -55,18 +57,45 @@ def build_mesh(sizes: dict[str, int], timeout) -> tuple[DeviceMesh, dict[str, Pr
 
 
 def derived_groups(ranks: torch.Tensor, cp_is_one: bool, dp_group, timeout) -> dict[str, ProcessGroup | None]:
-    """DP_CP, EMBEDDING and PP_GRADIENTS of the [pp, dp, cp, tp] rank grid. At cp = 1 the dp x cp group is the dp
+    """DP_CP, EMBEDDING and the PP_LINKS of the [pp, dp, cp, tp] rank grid. At cp = 1 the dp x cp group is the dp
     group itself (no extra groups, DDP on the group it always had); at pp = 1 there is no embedding group and no
-    twin of the pipeline group (activations go forward on the pipeline group, gradients back on the twin: at pp 2
-    both directions join the same two ranks, and NCCL matches messages by order within a communicator)."""
+    pipeline link."""
     pp, dp, cp, tp = ranks.shape
     dp_cp = dp_group if cp_is_one else new_groups(ranks.flatten(1, 2).movedim(1, -1).reshape(-1, dp * cp),
                                                   timeout, DP_CP)
     if pp == 1:
-        return {DP_CP: dp_cp, EMBEDDING: None, PP_GRADIENTS: None}
+        return {DP_CP: dp_cp, EMBEDDING: None, **dict.fromkeys(PP_LINKS.values())}
     ends = torch.stack([ranks[0], ranks[-1]], dim=-1).reshape(-1, 2)
     return {DP_CP: dp_cp, EMBEDDING: new_groups(ends, timeout, EMBEDDING),
-            PP_GRADIENTS: new_groups(ranks.movedim(0, -1).reshape(-1, pp), timeout, PP_GRADIENTS)}
+            **{PP_LINKS[key]: group for key, group in pipeline_link_groups(ranks.movedim(0, -1).reshape(-1, pp),
+                                                                            timeout).items()}}
+
+
+def pipeline_link_groups(rows: torch.Tensor, timeout) -> dict[tuple[str, str], ProcessGroup]:
+    """This rank's four one-way links, by (kind, this rank's end) as PP_LINKS names them, of the pipelines whose global ranks are `rows` ([n, p], in
+    stage order): activations go from stage s to s+1, gradients from s to s-1 (mod p), each ordered pair and
+    direction on its own group of two. NCCL runs a communicator's operations in order, so a communicator that
+    carried both directions could hold a send behind a receive that the peer's own send blocks; one that carries
+    one kind one way cannot (`pipeline/messages.py`). Each group is warmed as it is made (`warm_up`)."""
+    p, me, links = rows.shape[1], dist.get_rank(), {}
+    for kind, step in (("activation", 1), ("gradient", -1)):
+        for s in range(p):
+            group = new_groups(torch.stack([rows[:, s], rows[:, (s + step) % p]], dim=-1), timeout,
+                               f"pp_{kind}_link")
+            if group is not None:
+                warm_up(group)
+                links[(kind, "send" if me in rows[:, s].tolist() else "receive")] = group
+    return links
+
+
+def warm_up(group: ProcessGroup) -> None:
+    """One collective of all the group's ranks, right where it is made. A group made lazily (a caller's mesh built
+    without a bound device) creates its communicator at its first operation, which blocks until every member
+    joins: there, in the one order in which every rank makes the groups, not at a pipeline exchange in the middle
+    of a schedule. And torch allows a batch of point-to-point operations as a group's first collective only when
+    every rank of the group takes part. Group creation, like this warm-up, is this module's own business; every
+    other collective goes through `collectives`."""
+    dist.all_reduce(torch.zeros(1, device=device_type()), group=group)
 
 
 def splits_in_one_call() -> bool:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh_groups import (DP_CP, EMBEDDING, PP_GRADIENTS, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size,
+from .mesh_groups import (DP_CP, EMBEDDING, PP_LINKS, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size,
                           group_timeout)
 
 ProcessGroup = dist.ProcessGroup
@@ -101,7 +101,7 @@ def describe_group(group: ProcessGroup | None) -> str:
     """"tensor-parallel group (global ranks [0, 1])", for error messages."""
     words = {"tp": "tensor-parallel", "dp": "data-parallel", "cp": "context-parallel", "pp": "pipeline-parallel",
              DP_CP: "data x context-parallel", EMBEDDING: "tied-embedding (first and last stage)",
-             PP_GRADIENTS: "pipeline-parallel (gradients)"}
+             **dict.fromkeys(PP_LINKS.values(), "pipeline link")}
     if _STATE is not None:
         for name, mine in _STATE.groups.items():
             if group is mine:
@@ -176,9 +176,12 @@ def get_pipeline_parallel_rank() -> int:
     return group_rank(get_pipeline_parallel_group())
 
 
-def get_pipeline_gradient_group() -> ProcessGroup | None:
-    """The pipeline group's twin (same ranks), on which gradients travel back between stages (None at pp = 1)."""
-    return _group(PP_GRADIENTS)
+def get_pipeline_links() -> dict[tuple[str, str], ProcessGroup] | None:
+    """This rank's one-way links with its pipeline neighbours, by (kind, end): ("activation", "send") to the next
+    stage, ("activation", "receive") from the previous, ("gradient", "send") to the previous, ("gradient",
+    "receive") from the next (mod pp: the interleaved schedule wraps around); None at pp = 1."""
+    links = {key: _group(name) for key, name in PP_LINKS.items()}
+    return None if any(group is None for group in links.values()) else links
 
 
 def get_embedding_group() -> ProcessGroup | None:

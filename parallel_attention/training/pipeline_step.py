@@ -61,7 +61,7 @@ def build_runners(cfg, model: GPTModel, micro_batches: int, val_batches: list):
     if len(rows) != 1:
         raise ValueError(f"the validation batches have {sorted(rows)} rows: a pipeline needs them equal (set "
                          "training.eval_batches to a multiple of the data-parallel size).")
-    groups = ps.get_pipeline_parallel_group(), ps.get_pipeline_gradient_group()
+    groups = ps.get_pipeline_parallel_group(), ps.get_pipeline_links()
     runners = (PipelineRunner(model, par.pipeline_schedule, micro_batches, *groups, par.virtual_pipeline_stages),
                PipelineRunner(model, "forward_only", len(val_batches), *groups, par.virtual_pipeline_stages))
     dtype = next(model.parameters()).dtype  # the residual stream stays in the parameters' dtype under autocast
