@@ -137,7 +137,7 @@ many_gpus() {
     step ring_cp 150 "${torchrun[@]}" benchmarks/_gpu_check_ring.py --kv-mib 64
     step selfcheck_tp 120 "${torchrun[@]}" -m parallel_attention.check --tp "$GPUS" --timeout 90
     step selfcheck_cp 120 "${torchrun[@]}" -m parallel_attention.check --tp 1 --cp "$GPUS" --timeout 90
-    step selfcheck_pp 90 "${torchrun[@]}" -m parallel_attention.check --tp 1 --pp "$GPUS" --timeout 60
+    step selfcheck_pp 90 "${torchrun[@]}" -m parallel_attention.check --tp 1 --pp "$GPUS" --pp-message-mib 64 --timeout 60
     step hang_named 60 "${torchrun[@]}" benchmarks/_gpu_check_hang.py --timeout-s 20
 }
 

@@ -10,7 +10,9 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_distributed
+from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -50,16 +52,17 @@ class _PeakBytes(TorchDispatchMode):
 
 
 def _pipeline(timeout: float | None = None) -> None:
-    """The pp 2 groups (tp 1) on this world of two."""
+    """The pipeline groups (tp 1) over this whole world."""
     pa.destroy_model_parallel()
-    pa.initialize_model_parallel(1, timeout=timeout, pipeline_model_parallel_size=2)
+    pa.initialize_model_parallel(1, timeout=timeout, pipeline_model_parallel_size=dist.get_world_size())
 
 
 def _model(schedule: str, seq: int) -> GPTModel:
     """This stage of a tiny GPT (the same weights at every layout)."""
     manual_seed(7)
     cfg = ModelConfig(vocab_size=32, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=2, max_seq_len=seq)
-    return GPTModel(cfg, stage=rank_stage(LAYERS, 2, _chunks(schedule), None, ps.get_pipeline_parallel_rank()))
+    pp = ps.group_size(ps.get_pipeline_parallel_group())
+    return GPTModel(cfg, stage=rank_stage(LAYERS, pp, _chunks(schedule), None, ps.get_pipeline_parallel_rank()))
 
 
 def _chunks(schedule: str) -> int:
@@ -98,18 +101,22 @@ def _peak_bytes(schedule: str, ms: tuple[int, ...], seq: int) -> dict[int, int]:
 
 def _memory_worker() -> dict:
     _pipeline()
+    with torch.no_grad():
+        evaluation = _peak_bytes("forward_only", (2, 32), 16)
     return {"flat": _peak_bytes("1f1b", (2, 8, 32), 16), "gpipe": _peak_bytes("gpipe", (2, 8), 16),
-            "long": _peak_bytes("1f1b", (4, 32), 2048)}
+            "long": _peak_bytes("1f1b", (4, 32), 2048), "evaluation": evaluation}
 
 
 def test_the_memory_a_step_allocates_does_not_grow_with_the_micro_batches():
     """1F1B at pp 2: each stage's peak allocated bytes over a step is the same at m = 2, 8 and 32 (within less than
     one activation: the step's vector of m losses differs), and at 2,048 tokens m = 32 stays within 1.15x of
-    m = 4 (the issue's bar); gpipe, which holds every micro-batch by design, grows (the measure sees memory)."""
+    m = 4 (the issue's bar); so is evaluation's at m = 2 and 32; gpipe, which holds every micro-batch by design,
+    grows (the measure sees memory)."""
     activation = 16 * HIDDEN * 4
     for stage in run_distributed(_memory_worker, 2, 1, timeout=600):
         flat = stage["flat"]
         assert max(flat.values()) - min(flat.values()) < activation, flat
+        assert stage["evaluation"][32] - stage["evaluation"][2] < activation, stage["evaluation"]
         assert stage["gpipe"][8] > stage["gpipe"][2] + 5 * activation, stage["gpipe"]
         assert stage["long"][32] <= 1.15 * stage["long"][4], stage["long"]
 
@@ -129,6 +136,21 @@ def test_every_schedule_runs_under_the_guard_with_the_same_losses():
     for without, guarded, calls in run_distributed(_guard_worker, 2, 1, timeout=300, fresh=True):
         assert guarded == without  # bit-identical
         assert calls > 4 * len(SCHEDULES), calls  # every exchange went through the guard
+
+
+def _mesh_worker() -> tuple[list, list]:
+    """pp 4, on our mesh and on a caller's (whose groups torch makes; the links are made and warmed from its
+    ranks): the same losses."""
+    _pipeline()
+    ours = [_step(*_runner(s, 8, 16)).tolist() for s in ("1f1b", "zero_bubble")]
+    pa.destroy_model_parallel()
+    pa.initialize_model_parallel(mesh=init_device_mesh("cpu", (4, 1, 1, 1), mesh_dim_names=("pp", "dp", "cp", "tp")))
+    return ours, [_step(*_runner(s, 8, 16)).tolist() for s in ("1f1b", "zero_bubble")]
+
+
+def test_a_callers_mesh_gets_warmed_links_and_runs_at_pp_4():
+    for ours, callers in run_distributed(_mesh_worker, 4, 1, timeout=300):
+        assert callers == ours
 
 
 GROUP_TIMEOUT_S = 4

@@ -1,15 +1,20 @@
 """The runner's messages replayed through a model of NCCL's semantics (`pipeline/nccl_model.py`): the plan the runner
 follows (`pipeline/messages.py`) finishes at every schedule and size, and the same model finds the deadlock of the
-plan it replaced (interleaved 1f1b with more micro-batches than stages, messages larger than NCCL's buffers).
-Pure Python, in-process."""
+plan it replaced (interleaved 1f1b with more micro-batches than stages, messages larger than NCCL's buffers); the
+buffers a stage holds for its messages, which the run summary counts, do not grow with the micro-batches. Pure
+Python, in-process."""
 
 from __future__ import annotations
 
 import pytest
 
-from parallel_attention.pipeline.messages import incoming, moments, outgoing
+from launch import ROOT
+
+from parallel_attention.pipeline.messages import buffers_in_flight, incoming, moments, outgoing
 from parallel_attention.pipeline.nccl_model import Post, Wait, replay, runner_program
 from parallel_attention.pipeline.schedules import SCHEDULES, build_schedule
+from parallel_attention.training.config.schema import load_config
+from parallel_attention.training.run.pipeline_summary import buffer_row
 
 CASES = [(name, p, m, v) for name in (*SCHEDULES, "forward_only") for p in (2, 3, 4, 8) for v in (1, 2)
          for m in range(1 if name == "forward_only" else p, 4 * p + 1)
@@ -88,3 +93,17 @@ def test_every_link_carries_one_kind_one_way():
                     assert message.link.target == (s + step) % p
                 if moment.receive is not None:
                     assert moment.receive.link.target == s
+
+
+def test_the_buffers_in_flight_do_not_grow_with_m_except_under_gpipe_and_the_summary_counts_them():
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1), ("forward_only", 2)):
+        counts = {m: [buffers_in_flight(build_schedule(name, 4, m, s, v), s, 4, v, name != "forward_only")
+                      for s in range(4)] for m in (8, 32)}
+        assert (counts[8] != counts[32]) == (name == "gpipe"), (name, counts)
+    # 1f1b stage s: its p - s - 1 warm-up inputs and the steady state's, a gradient received, a send posted while
+    # the one before completes
+    assert [buffers_in_flight(build_schedule("1f1b", 4, 16, s), s, 4, 1) for s in range(4)] == [3, 6, 5, 2]
+    cfg = load_config(ROOT / "configs" / "llama_70b_pp.yaml")
+    row = buffer_row(cfg, cfg.gradient_accumulation_steps(128))["pipeline buffers"]
+    assert row.startswith("at most 3, 10, 9, 8, 7, 6, 5, 2 activations in flight on stages 0-7"), row
+

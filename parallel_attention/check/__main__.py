@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="context-parallel size: also check CP attention of both kinds on (dp, cp, tp) groups")
     parser.add_argument("--pp", type=int, default=1,
                         help="pipeline-parallel size: also check every pipeline schedule on (pp, dp) groups")
+    parser.add_argument("--pp-message-mib", type=float, default=None,
+                        help="size of each message between stages in the --pp check (default: 64 MiB on GPU, beyond "
+                             "NCCL's buffering, where a send waits for its receive; the smallest, 4 KiB, on CPU)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="parameter dtype of the checked modules (the reference is always float64 on CPU)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -127,7 +130,8 @@ def _check(args: argparse.Namespace, tp: int, start: float) -> int:
     if args.pp > 1:  # its own (pp, dp) groups, tp 1: each stage against the whole model on its rank
         destroy_model_parallel()
         initialize_model_parallel(1, timeout=args.timeout, pipeline_model_parallel_size=args.pp)
-        results.append(run_guarded("pipeline", check_pipeline, build_context(args, device)))
+        message_mib = args.pp_message_mib or (64 if device.type == "cuda" else 0)
+        results.append(run_guarded("pipeline", check_pipeline, build_context(args, device), int(message_mib * 2**20)))
     results = agree(results)
     if ctx.global_rank == 0:
         lines = _header(ctx, args) + [f"# done in {time.perf_counter() - start:.1f} s"] + report_lines(results)

@@ -1,7 +1,9 @@
 """(g) Pipeline parallelism (`--pp P`): a tied-embedding GPTModel of max(4, 2P) layers cut into P stages trains one
 step under every schedule and gives what the whole model gives on one rank: the loss, every stage's gradients and
 the global gradient norm; and each stage exchanges exactly the activations and gradients its neighbours expect
-(counted).
+(counted). Each message is `--pp-message-mib` large (the micro-batches' rows make it so): on NCCL, 64 MiB by
+default, beyond its buffering, where a send completes only when its receive has started and an order that could
+hang does hang.
 
 Both models are built from the same seed: each part of the model draws its initial weights from its own seeded
 generator (`transformer.pipeline_stage`), so the stages hold exactly the whole model's weights without loading any.
@@ -27,7 +29,7 @@ from .collective_counter import count_collectives
 from .compare import relative_error, verdict
 from .context import CheckContext
 
-SEQ, VOCAB = 16, 96
+SEQ, VOCAB, HIDDEN = 16, 96, 32
 
 
 def _layers(p: int) -> int:
@@ -37,24 +39,33 @@ def _layers(p: int) -> int:
 
 def _model(ctx: CheckContext, stage, group, layers: int) -> GPTModel:
     manual_seed(ctx.seed)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=layers, num_heads=4, max_seq_len=SEQ,
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=layers, num_heads=4, max_seq_len=SEQ,
                       tie_embeddings=True)
     return GPTModel(cfg, tp_group=group, device=ctx.device, dtype=ctx.dtype, stage=stage)
 
 
-def _micro_batches(ctx: CheckContext, m: int) -> list[dict]:
+def message_rows(message_bytes: int, dtype: torch.dtype) -> int:
+    """Rows of a micro-batch whose [SEQ, rows, HIDDEN] activation is `message_bytes` large (2 at least)."""
+    return max(2, message_bytes // (SEQ * HIDDEN * dtype.itemsize))
+
+
+def _micro_batches(ctx: CheckContext, m: int, rows: int) -> list[dict]:
     gen = torch.Generator().manual_seed(ctx.seed + 11)
-    return [{"tokens": torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(ctx.device),
-             "labels": torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(ctx.device)} for _ in range(m)]
+    return [{"tokens": torch.randint(0, VOCAB, (rows, SEQ), generator=gen).to(ctx.device),
+             "labels": torch.randint(0, VOCAB, (rows, SEQ), generator=gen).to(ctx.device)} for _ in range(m)]
 
 
 def _reference(ctx: CheckContext, batches: list[dict]) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """The whole model on this rank alone: mean loss over the micro-batches, gradients by name, their norm."""
+    """The whole model on this rank alone: mean loss over the micro-batches, gradients by name, their norm (each
+    micro-batch's backward at once, so that one micro-batch's activations are held at a time)."""
     p = ps.group_size(ps.get_pipeline_parallel_group())
     model = _model(ctx, PipelineStage(), ctx.solo_group, _layers(p))
-    loss = sum(model(**b) for b in batches) / len(batches)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, global_grad_norm(model, None)
+    loss = 0.0
+    for b in batches:
+        part = model(**b) / len(batches)
+        part.backward()
+        loss = loss + part.detach()
+    return loss, {n: p.grad for n, p in model.named_parameters()}, global_grad_norm(model, None)
 
 
 def _case(ctx: CheckContext, schedule: str, batches, reference) -> tuple[dict[str, float], list[str]]:
@@ -63,7 +74,7 @@ def _case(ctx: CheckContext, schedule: str, batches, reference) -> tuple[dict[st
     v = 2 if schedule == "interleaved_1f1b" else 1
     model = _model(ctx, rank_stage(_layers(p), p, v, None, rank), ctx.solo_group, _layers(p))
     runner = PipelineRunner(model, schedule, len(batches), pp_group, ps.get_pipeline_links(), v)
-    runner.agree_shapes((SEQ, 2, 32), ctx.dtype)
+    runner.agree_shapes((SEQ, batches[0]["tokens"].shape[0], HIDDEN), ctx.dtype)
     with count_collectives() as counts:
         record = runner.run(lambda i: batches[i], lambda i: contextlib.nullcontext(),
                             lambda i: contextlib.nullcontext(), lambda loss: loss.backward())
@@ -83,14 +94,17 @@ def _case(ctx: CheckContext, schedule: str, batches, reference) -> tuple[dict[st
     return errors, wrong
 
 
-def check_pipeline(ctx: CheckContext) -> tuple[bool, str]:
+def check_pipeline(ctx: CheckContext, message_bytes: int) -> tuple[bool, str]:
     p = ps.group_size(ps.get_pipeline_parallel_group())
-    batches = _micro_batches(ctx, 2 * p)
+    rows = message_rows(message_bytes, ctx.dtype)
+    batches = _micro_batches(ctx, 2 * p, rows)
     reference = _reference(ctx, batches)
     errors, wrong = {}, []
     for schedule in SCHEDULES:
         case_errors, counts = _case(ctx, schedule, batches, reference)
         errors.update(case_errors)
         wrong += counts
-    ok, text = verdict(errors, ctx.dtype, f"pp {p}, {', '.join(SCHEDULES)}, sends and receives counted")
+    size = SEQ * rows * HIDDEN * ctx.dtype.itemsize
+    ok, text = verdict(errors, ctx.dtype, f"pp {p}, {', '.join(SCHEDULES)}, sends and receives counted, messages "
+                                          f"of {size / 2**20:.3g} MiB")
     return ok and not wrong, "; ".join([text, *wrong])

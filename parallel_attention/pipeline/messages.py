@@ -91,3 +91,19 @@ def moments(actions: list[Action], stage: int, p: int, v: int) -> list[Moment]:
         outstanding = [] if last else list(sends)
         plan.append(Moment(sends, receive, retire))
     return plan
+
+
+def buffers_in_flight(actions: list[Action], stage: int, p: int, v: int, training: bool = True) -> int:
+    """The most activation-sized tensors `stage` holds for its messages at once under its plan: each received
+    activation until its backward (in evaluation, until its forward), each received gradient until its backward,
+    each send until it is retired. Bounded whatever m is, except where the schedule holds every micro-batch
+    (gpipe)."""
+    held, peak = set(), 0
+    for k, moment in enumerate(moments(actions, stage, p, v)):
+        held |= set(moment.posted())
+        peak = max(peak, len(held))
+        held -= set(moment.retire)
+        action = actions[k] if k < len(actions) else None
+        if action is not None and (action.kind == "B" or not training):
+            held -= {incoming(action, stage, p, v), incoming(Action("F", action.chunk, action.micro), stage, p, v)}
+    return peak

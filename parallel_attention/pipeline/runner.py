@@ -179,7 +179,9 @@ class PipelineRunner:
         if not self._last(action.chunk):
             kwargs.pop("labels", None)
         if received is not None:
-            state["inputs"][key] = kwargs["hidden"] = received.requires_grad_(torch.is_grad_enabled())
+            kwargs["hidden"] = received.requires_grad_(torch.is_grad_enabled())
+            if torch.is_grad_enabled():  # kept for its backward's input gradient (evaluation lets it go)
+                state["inputs"][key] = received
         with self.contexts[0](action.micro):
             out = self.model(**kwargs, chunk=action.chunk)
         if self._last(action.chunk):

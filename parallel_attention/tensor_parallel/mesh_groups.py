@@ -66,17 +66,18 @@ def derived_groups(ranks: torch.Tensor, cp_is_one: bool, dp_group, timeout) -> d
     if pp == 1:
         return {DP_CP: dp_cp, EMBEDDING: None, **dict.fromkeys(PP_LINKS.values())}
     ends = torch.stack([ranks[0], ranks[-1]], dim=-1).reshape(-1, 2)
+    links = pipeline_link_groups(ranks.movedim(0, -1).reshape(-1, pp), timeout)
     return {DP_CP: dp_cp, EMBEDDING: new_groups(ends, timeout, EMBEDDING),
-            **{PP_LINKS[key]: group for key, group in pipeline_link_groups(ranks.movedim(0, -1).reshape(-1, pp),
-                                                                            timeout).items()}}
+            **{PP_LINKS[key]: group for key, group in links.items()}}
 
 
 def pipeline_link_groups(rows: torch.Tensor, timeout) -> dict[tuple[str, str], ProcessGroup]:
-    """This rank's four one-way links, by (kind, this rank's end) as PP_LINKS names them, of the pipelines whose global ranks are `rows` ([n, p], in
-    stage order): activations go from stage s to s+1, gradients from s to s-1 (mod p), each ordered pair and
-    direction on its own group of two. NCCL runs a communicator's operations in order, so a communicator that
-    carried both directions could hold a send behind a receive that the peer's own send blocks; one that carries
-    one kind one way cannot (`pipeline/messages.py`). Each group is warmed as it is made (`warm_up`)."""
+    """This rank's four one-way links, by (kind, this rank's end) as PP_LINKS names them, of the pipelines whose
+    global ranks are `rows` ([n, p], in stage order): activations go from stage s to s+1, gradients from s to s-1
+    (mod p), each ordered pair and direction on its own group of two. NCCL runs a communicator's operations in
+    order, so a communicator that carried both directions could hold a send behind a receive that the peer's own
+    send blocks; one that carries one kind one way cannot (`pipeline/messages.py`). Each group is warmed as it is
+    made (`warm_up`)."""
     p, me, links = rows.shape[1], dist.get_rank(), {}
     for kind, step in (("activation", 1), ("gradient", -1)):
         for s in range(p):

@@ -177,11 +177,8 @@ def get_pipeline_parallel_rank() -> int:
 
 
 def get_pipeline_links() -> dict[tuple[str, str], ProcessGroup] | None:
-    """This rank's one-way links with its pipeline neighbours, by (kind, end): ("activation", "send") to the next
-    stage, ("activation", "receive") from the previous, ("gradient", "send") to the previous, ("gradient",
-    "receive") from the next (mod pp: the interleaved schedule wraps around); None at pp = 1."""
-    links = {key: _group(name) for key, name in PP_LINKS.items()}
-    return None if any(group is None for group in links.values()) else links
+    """This rank's one-way pipeline links by (kind, end), as `mesh_groups.PP_LINKS` names them; None at pp = 1."""
+    return {key: _group(name) for key, name in PP_LINKS.items()} if group_size(_group("pp")) > 1 else None
 
 
 def get_embedding_group() -> ProcessGroup | None:

@@ -9,7 +9,8 @@ parameters divided by tp. Activations come on top: under 1f1b stage 0 holds at m
 from __future__ import annotations
 
 from ...pipeline.layout import virtual_stages
-from ...pipeline.schedules import bubble_formula
+from ...pipeline.messages import buffers_in_flight
+from ...pipeline.schedules import bubble_formula, build_schedule
 
 
 def _parameters_per_stage(cfg, layer_parameters: int) -> list[int]:
@@ -63,3 +64,16 @@ def pipeline_rows(cfg, world_size: int, micro_batches: int) -> dict[str, str]:
                         f"{micro_batches} micro-batches: bubble {formula} = {bubble:.3f} (measured: "
                         f"metrics' pipeline_bubble)",
             "stages": "; ".join(words)}
+
+
+def buffer_row(cfg, micro_batches: int) -> dict[str, str]:
+    """{"pipeline buffers": ...}: per stage, the most activation-sized tensors its messages hold at once
+    (`messages.buffers_in_flight`); {} at pp = 1."""
+    par = cfg.parallel
+    pp, v = par.pipeline_parallel_size, par.virtual_pipeline_stages
+    if pp == 1:
+        return {}
+    counts = [buffers_in_flight(build_schedule(par.pipeline_schedule, pp, micro_batches, s, v), s, pp, v)
+              for s in range(pp)]
+    return {"pipeline buffers": f"at most {', '.join(map(str, counts))} activations in flight on stages 0-{pp - 1} "
+                                "(inputs kept for their backward, gradients received, sends not yet complete)"}

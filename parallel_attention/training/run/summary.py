@@ -25,7 +25,7 @@ import torch
 from ..config.schema import PretrainConfig
 from ..flops import peak_source, peak_tflops
 from ..precision import Precision
-from .pipeline_summary import pipeline_rows
+from .pipeline_summary import buffer_row, pipeline_rows
 
 
 def _millions(n: int) -> str:
@@ -98,6 +98,7 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
         "shape": _shape_line(cfg),
         "layout": _layout_line(cfg, world_size),
         **pipeline_rows(cfg, world_size, cfg.gradient_accumulation_steps(world_size)),
+        **buffer_row(cfg, cfg.gradient_accumulation_steps(world_size)),
         "batch": _batch_line(cfg, world_size),
         "tokens": _tokens_line(cfg),
         "optimizer": f"AdamW lr {o.lr:g} -> {o.min_lr:g}, {cfg.schedule.warmup_steps} warm-up steps then "
