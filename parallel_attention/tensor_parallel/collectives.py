@@ -190,9 +190,8 @@ def all_to_all_along_dims(x: torch.Tensor, split_dim: int, cat_dim: int, group: 
 
 
 class PendingExchange:
-    """A posted batch of sends and receives: wait() returns the received tensors, in the order asked for;
-    wait_received() waits for the receives only where the backend returns one work per operation (gloo), and
-    leaves the sends to a later wait() (the sent tensors are held until then)."""
+    """A posted batch of sends and receives: wait() returns the received tensors, in the order asked for (the sent
+    tensors are held until then); received_yet() says, without waiting, whether the receives have arrived."""
 
     def __init__(self, op: str, works, group: ProcessGroup | None, sent: list, received: list[torch.Tensor]) -> None:
         self.op, self.works, self.group, self.sent, self.received = op, works, group, sent, received
@@ -212,15 +211,6 @@ class PendingExchange:
         """Whether every receive has completed (without waiting; with one coalesced work, the whole batch)."""
         works = self.works[len(self.sent):] if self._per_operation() else self.works
         return all(work.is_completed() for work in works)
-
-    def wait_received(self) -> list[torch.Tensor]:
-        if not self._per_operation():  # one coalesced work: wait for it all
-            return self.wait()
-        with _await(self.op, self.group):
-            for work in self.works[len(self.sent):]:
-                work.wait()
-        self.works = self.works[:len(self.sent)]
-        return self.received
 
 
 @torch.no_grad()

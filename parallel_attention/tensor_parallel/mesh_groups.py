@@ -96,7 +96,8 @@ def warm_up(group: ProcessGroup) -> None:
     of a schedule. And torch allows a batch of point-to-point operations as a group's first collective only when
     every rank of the group takes part. Group creation, like this warm-up, is this module's own business; every
     other collective goes through `collectives`."""
-    dist.all_reduce(torch.zeros(1, device=device_type()), group=group)
+    nccl = "nccl" in str(dist.get_backend(group))  # NCCL, alone or beside gloo ("cpu:gloo,cuda:nccl")
+    dist.all_reduce(torch.zeros(1, device="cuda" if nccl else "cpu"), group=group)
 
 
 def splits_in_one_call() -> bool:
