@@ -88,10 +88,12 @@ def _step(runner: PipelineRunner, batches: list[dict]) -> torch.Tensor:
 
 
 def _peak_bytes(schedule: str, ms: tuple[int, ...], seq: int) -> dict[int, int]:
-    """The peak bytes one step allocates at each m in `ms`, on one model whose gradients a first step made
-    (parameter memory, there before any step of a run)."""
+    """The peak bytes one step allocates at each m in `ms`, on one model whose gradients exist already (parameter
+    memory, there before any step but the first of a run)."""
     model, peaks = _model(schedule, seq), {}
-    for m in ms[:1] + ms:
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    for m in ms:
         runner, batches = _runner(schedule, m, seq, model)
         with _PeakBytes() as peak:
             _step(runner, batches)
