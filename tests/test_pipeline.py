@@ -32,6 +32,11 @@ LAYOUTS = {  # name: (world, extra arguments)
                                      "--parallel.pipeline_schedule=interleaved_1f1b",
                                      "--parallel.virtual_pipeline_stages=2"]),
     "pp2_dp2_zero3_1f1b": (4, ["--parallel.pipeline_parallel_size=2", "--parallel.zero_stage=3"]),
+    # ChunkReducer: each chunk's buckets average during its last backward (two chunks), or after zero bubble's W
+    "pp2_dp2_interleaved": (4, ["--parallel.pipeline_parallel_size=2", "--parallel.pipeline_schedule=interleaved_1f1b",
+                                "--parallel.virtual_pipeline_stages=2"]),
+    "pp2_dp2_zero_bubble_zero0": (4, ["--parallel.pipeline_parallel_size=2", "--parallel.pipeline_schedule=zero_bubble",
+                                      "--parallel.zero_stage=0"]),
 }
 
 

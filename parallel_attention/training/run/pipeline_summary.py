@@ -9,7 +9,7 @@ parameters divided by tp. Activations come on top: under 1f1b stage 0 holds at m
 from __future__ import annotations
 
 from ...pipeline.layout import virtual_stages
-from ...pipeline.schedules import bubble_formula
+from ...pipeline.schedules import schedule
 
 
 def _parameters_per_stage(cfg, layer_parameters: int) -> list[int]:
@@ -56,10 +56,8 @@ def pipeline_rows(cfg, world_size: int, micro_batches: int) -> dict[str, str]:
         words.append(f"stage {s}: layers {', '.join(held)}{' + embedding' if s == 0 else ''}"
                      f"{' + head' if s == pp - 1 else ''}, {parameters / 1e6:.4g}M parameters, "
                      f"{_gigabytes_per_rank(cfg, parameters, dp):.3g} GiB/rank of weights, gradients and AdamW")
-    formula = {"interleaved_1f1b": "(p-1)/(v m+p-1)", "zero_bubble": "(p-1)/(3m+p-1)"}.get(par.pipeline_schedule,
-                                                                                           "(p-1)/(m+p-1)")
-    bubble = bubble_formula(par.pipeline_schedule, pp, micro_batches, v)
-    return {"pipeline": f"{pp} stages{f' x {v} chunks' if v > 1 else ''}, {par.pipeline_schedule}, "
-                        f"{micro_batches} micro-batches: bubble {formula} = {bubble:.3f} (measured: "
+    chosen = schedule(par.pipeline_schedule)
+    return {"pipeline": f"{pp} stages{f' x {v} chunks' if v > 1 else ''}, {chosen.name}, {micro_batches} "
+                        f"micro-batches: bubble {chosen.formula} = {chosen.bubble(pp, micro_batches, v):.3f} (measured: "
                         f"metrics' pipeline_bubble)",
             "stages": "; ".join(words)}
