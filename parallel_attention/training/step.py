@@ -26,6 +26,7 @@ import torch
 from ..pipeline.after_schedule import losses_on_every_stage, sum_tied_embedding_grads
 from ..pipeline.layout import rank_stage
 from ..pipeline.runner import PipelineRunner
+from ..pipeline.schedules import EVALUATION
 from ..pipeline.step_record import StepRecord, measured_bubble
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_reduce
@@ -58,7 +59,7 @@ def build_runners(cfg, model: GPTModel, micro_batches: int, val_batches: list) -
     par = cfg.parallel
     groups = ps.get_pipeline_parallel_group(), ps.get_pipeline_gradient_group()
     runner = PipelineRunner(model, par.pipeline_schedule, micro_batches, *groups, par.virtual_pipeline_stages)
-    evaluation = PipelineRunner(model, "forward_only", len(val_batches), *groups, par.virtual_pipeline_stages)
+    evaluation = PipelineRunner(model, EVALUATION.name, len(val_batches), *groups, par.virtual_pipeline_stages)
     dtype = next(model.parameters()).dtype  # the residual stream stays in the parameters' dtype under autocast
     runner.agree_shapes(hidden_shape(cfg, model, cfg.training.micro_batch_size), dtype)
     evaluation.agree_shapes([hidden_shape(cfg, model, batch[0].shape[0]) for _, batch in val_batches], dtype)
