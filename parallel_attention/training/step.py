@@ -26,7 +26,7 @@ import torch
 from ..pipeline.after_schedule import losses_on_every_stage, sum_tied_embedding_grads
 from ..pipeline.layout import rank_stage
 from ..pipeline.runner import PipelineRunner
-from ..pipeline.schedules import EVALUATION
+from ..pipeline.schedules import DEFAULT_SCHEDULE, EVALUATION
 from ..pipeline.step_record import StepRecord, measured_bubble
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_reduce
@@ -58,7 +58,9 @@ def build_runners(cfg, model: GPTModel, micro_batches: int, val_batches: list) -
     micro-batch) pairs whose rows may differ (a blend splits them per source): each gets its own shape."""
     par = cfg.parallel
     groups = ps.get_pipeline_parallel_group(), ps.get_pipeline_gradient_group()
-    runner = PipelineRunner(model, par.pipeline_schedule, micro_batches, *groups, par.virtual_pipeline_stages)
+    # one stage runs 1f1b whatever the setting: each forward's backward follows it, as DDP's reducer expects
+    schedule = par.pipeline_schedule if par.pipeline_parallel_size > 1 else DEFAULT_SCHEDULE
+    runner = PipelineRunner(model, schedule, micro_batches, *groups, par.virtual_pipeline_stages)
     evaluation = PipelineRunner(model, EVALUATION.name, len(val_batches), *groups, par.virtual_pipeline_stages)
     dtype = next(model.parameters()).dtype  # the residual stream stays in the parameters' dtype under autocast
     runner.agree_shapes(hidden_shape(cfg, model, cfg.training.micro_batch_size), dtype)
