@@ -75,28 +75,10 @@ class ReducedAfterBackward(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # gradients only accumulate until sync()
-
     @contextlib.contextmanager
     def sync(self):
         yield
         all_reduce_data_parallel(list(self.module.parameters()), self.group)
-
-
-def reduce_gradients(module: nn.Module, reduce: bool) -> contextlib.AbstractContextManager:
-    """The context of one micro-batch's forward and backward: DDP's no_sync() unless `reduce` (the last
-    micro-batch of a step), so that accumulation micro-batches issue no collective (FSDP2: no reduce-scatter)."""
-    if hasattr(module, "set_requires_gradient_sync"):
-        return gradient_sync(module, reduce)
-    if reduce:  # DDP reduces from its hooks; ReducedAfterBackward when the backward is done
-        sync = getattr(module, "sync", None)
-        if sync is not None:
-            return sync()
-        group = getattr(module, "process_group", None)  # DDP's: its reducer's timeouts name the group, like ours
-        return contextlib.nullcontext() if group is None else named_timeouts("DDP's gradient all-reduce", group)
-    no_sync = getattr(module, "no_sync", None)  # only the wrappers have one: nothing to hold back at dp = 1
-    return contextlib.nullcontext() if no_sync is None else no_sync()
 
 
 class DDPSync(GradientSync):
