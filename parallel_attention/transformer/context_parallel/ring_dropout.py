@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from ...tensor_parallel.layers import unchanged
 from ...tensor_parallel.rng import current_dropout_coordinates
 from ..dropout import DropoutSite, hashed_dropout
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def check_dropout_rng(config, kind: str, cp: int) -> None:
@@ -42,7 +39,7 @@ class NoBlockDropout:
     """No attention dropout (none configured, or not training): every pair's probabilities as they are."""
 
     def for_pair(self, q_chunk: int, k_chunk: int, like: torch.Tensor):
-        return _as_is
+        return unchanged
 
 
 NO_DROPOUT = NoBlockDropout()
