@@ -15,10 +15,18 @@ layout. For attention probabilities [b, nh/p, s, s] of a step with nh heads:
 `[(first_sample, b, nh*s*s), (head0, nh/p, s*s), (0, s, s), (0, s, 1)]`. Adjacent axes that are
 contiguous in the global layout are merged first: the cost is a few small aranges, one int64 add
 and ten elementwise int64 operations on the mask's size.
+
+The hashes are computed in blocks along the longest axis but the last (the query rows of attention probabilities,
+the positions of [b, s, h] activations), each block written into the boolean mask: a block's sub-range of an axis is
+itself an axis description, so each element hashes exactly as in one pass, while the int64 work tensors hold at most
+`BLOCK_ELEMENTS` elements (or one row of that axis) instead of the mask's size: at [1, 1, 4096, 4096] the peak is
+the boolean mask and a block, 24 MiB against one pass's 512 (four int64 tensors of the mask's size at once). Under
+torch.compile one pass is traced: the compiler fuses the elementwise chain into one kernel that writes the booleans.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -71,9 +79,29 @@ def _merged(axes: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return merged
 
 
+BLOCK_ELEMENTS = 1 << 18  # int64 work tensors of at most 2 MiB each
+
+
 def keep_mask(p: float, key: int, axes: Sequence[tuple[int, int, int]], device) -> torch.Tensor:
     """Boolean keep mask of shape [count for each axis]: True with probability 1 - p, a pure function
-    of (key, global index) of each element (see the module docstring for `axes`)."""
+    of (key, global index) of each element (see the module docstring for `axes`), hashed in blocks."""
+    shape = [count for _, count, _ in axes]
+    if torch.compiler.is_compiling() or len(axes) < 2:
+        return _keep_mask_in_one_pass(p, key, axes, device)
+    dim = max(range(len(axes) - 1), key=lambda d: shape[d])  # the first longest axis but the last
+    rows = max(1, BLOCK_ELEMENTS * shape[dim] // max(1, math.prod(shape)))
+    if rows >= shape[dim]:
+        return _keep_mask_in_one_pass(p, key, axes, device)
+    mask = torch.empty(shape, dtype=torch.bool, device=device)
+    start, _, stride = axes[dim]
+    for first in range(0, shape[dim], rows):
+        count = min(rows, shape[dim] - first)
+        block = [*axes[:dim], (start + first, count, stride), *axes[dim + 1:]]
+        mask.narrow(dim, first, count).copy_(_keep_mask_in_one_pass(p, key, block, device))
+    return mask
+
+
+def _keep_mask_in_one_pass(p: float, key: int, axes: Sequence[tuple[int, int, int]], device) -> torch.Tensor:
     merged = _merged(axes)
     state = None
     for dim, (start, count, stride) in enumerate(merged):
