@@ -76,7 +76,7 @@ def test_attention_masks_at_s_4096_are_hashed_in_blocks_at_an_eighth_of_one_pass
 
 def _draw(coords, layer=0, site=DropoutSite.ATTENTION_PROBS):
     """64 samples x 1024 x 16 mask elements, starting at the block's first sample."""
-    return coords.keep_mask(P, layer, site, [(coords.first_sample, 64, 1024 * 16), (0, 1024, 16), (0, 16, 1)], "cpu")
+    return coords.keep_mask(P, layer, site, [(coords.first_sample_tensor, 64, 1024 * 16), (0, 1024, 16), (0, 16, 1)], "cpu")
 
 
 def test_keep_rate_and_distinct_streams():

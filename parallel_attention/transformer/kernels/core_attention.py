@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...tensor_parallel.dropout_hash import as_key
 from ...tensor_parallel.rng import checkpoint_with_tp_rng, current_dropout_coordinates, tensor_parallel_rng
 from . import causal_chunks
 from .apex_kernels import fused_softmax_module
@@ -225,6 +226,7 @@ class LayoutInvariantCoreAttention(CoreAttention):
                  device=None) -> None:
         super().__init__(kernel, dropout_p, device)
         self.num_heads, self.head_offset, self.layer = num_heads, head_offset, layer
+        self.layer_word = as_key(layer)  # hashed as a tensor: one torch.compile graph serves every layer
 
     def _attend_with_dropout(self, q, k, v, mask, causal: bool, documents=None) -> torch.Tensor:
         if not self.training:
@@ -233,9 +235,9 @@ class LayoutInvariantCoreAttention(CoreAttention):
         probs = attention_probs(q, k, with_documents(mask, causal, documents), causal)
         b, nh_local, s_q, s_k = probs.shape
         coords = current_dropout_coordinates()
-        axes = [(coords.first_sample, b, self.num_heads * s_q * s_k), (self.head_offset, nh_local, s_q * s_k),
+        axes = [(coords.first_sample_tensor, b, self.num_heads * s_q * s_k), (self.head_offset, nh_local, s_q * s_k),
                 (0, s_q, s_k), (0, s_k, 1)]
-        keep = coords.keep_mask(self.dropout_p, self.layer, DropoutSite.ATTENTION_PROBS, axes, q.device)
+        keep = coords.keep_mask(self.dropout_p, self.layer_word, DropoutSite.ATTENTION_PROBS, axes, q.device)
         return torch.matmul(hashed_dropout(probs, keep, self.dropout_p), v)
 
 
