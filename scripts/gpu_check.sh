@@ -4,8 +4,10 @@
 #
 #   scripts/gpu_check.sh [--dry-run] [--gpus N] [OUT.json]
 #
-# Writes two files, nothing in the checkout: OUT.json (default ${TMPDIR:-/tmp}/gpu_check.json), the summary, and
-# OUT_logs.tar.gz, every step's log and run directory (worked on in a temporary directory, removed at exit).
+# Writes two files, nothing in the checkout: OUT.json (default ${TMPDIR:-/tmp}/gpu_check.json), the summary, with
+# the reason and the last 30 lines of the log of every step that failed, timed out or was skipped; and
+# OUT_logs.tar.gz (under 4 MiB), every step's log, junit XML, metrics and JSON, without checkpoints or prepared data
+# (benchmarks/_gpu_check_archive.py; worked on in a temporary directory, removed at exit).
 # PYTHON=... picks the interpreter (default python3). The first lines name torch, CUDA, NCCL, the driver and the GPU.
 #
 # One GPU (the default), each step under its own limit and all of them under the 8 minutes (a step that would
@@ -36,7 +38,8 @@
 #                    timeout with CollectiveTimeoutError naming it and its group (benchmarks/_gpu_check_hang.py)
 # Targets are reported in the summary's "targets", met or not; they do not fail the check.
 # --dry-run checks the plumbing on any machine, CUDA or not: every step's program resolves and the Python files it
-# names import (benchmarks/_gpu_check_plumbing.py, one interpreter for all steps); nothing runs. Exit status: 0 when
+# names import (benchmarks/_gpu_check_plumbing.py, one interpreter for all steps); nothing runs, and each step that
+# would start is recorded as dry_run. Exit status: 0 when
 # no step failed (a skipped step says why), 1 otherwise, 2 without CUDA (outside --dry-run) or without torch.
 set -uo pipefail
 
@@ -153,5 +156,6 @@ if (( DRY_RUN )); then
 fi
 "$PYTHON" benchmarks/_gpu_check_summary.py "${DRY[@]}" "$LOGS" "$OUT"
 status=$?
-tar -czf "${OUT%.json}_logs.tar.gz" -C "$LOGS" . && echo "gpu_check: logs in ${OUT%.json}_logs.tar.gz" >&2
+"$PYTHON" benchmarks/_gpu_check_archive.py "$LOGS" "${OUT%.json}_logs.tar.gz" \
+    && echo "gpu_check: logs in ${OUT%.json}_logs.tar.gz" >&2
 exit $status

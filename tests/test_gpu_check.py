@@ -11,12 +11,14 @@ import shutil
 import site
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 from launch import ROOT, environment
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _gpu_check_archive import LIMIT, pack  # noqa: E402
 from _gpu_check_plumbing import problems  # noqa: E402
 from _gpu_check_summary import main as summarize  # noqa: E402
 
@@ -86,8 +88,10 @@ def test_the_dry_run_from_a_fresh_clone_with_a_bare_python3_checks_every_step(ba
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["dry_run"] and list(summary["steps"]) == STEPS
     assert summary["skipped"] == ["cuda_tests"] and "pip install pytest" in summary["steps"]["cuda_tests"]["status"]
-    assert all(step["status"] == "passed" for name, step in summary["steps"].items() if name != "cuda_tests")
+    assert all(step["status"] == "dry_run" for name, step in summary["steps"].items() if name != "cuda_tests")
+    assert summary["steps"]["cuda_tests"]["reason"].startswith("skipped: pytest is not installed")
     assert _files(out.parent) == {"gpu_check.json", "gpu_check_logs.tar.gz"}  # the scratch directory is gone
+    assert (out.parent / "gpu_check_logs.tar.gz").stat().st_size <= LIMIT
     assert summary["logs"] == str(out.parent / "gpu_check_logs.tar.gz") and summary["steps"]["kernels"]["log"] == (
         "kernels.log")
     assert _files(clone) == before  # nothing written into the checkout
@@ -158,13 +162,16 @@ def test_the_hang_step_names_the_collective_nobody_joined():
 
 
 def test_a_run_records_each_steps_outcome_and_interrupts_the_one_past_its_limit(tmp_path):
-    """The non-dry path with a stand-in python3 that claims a GPU: every step's command "passes" at once, except
+    """The non-dry path with a stand-in python3 that claims a GPU: every step's command "passes" at once, except kernels' and
     flash_sdpa's, which outlives its 25 s limit and is interrupted (SIGINT); the versions and the summary run on the
-    real interpreter. Steps whose facts are missing fail their check; the run writes its two files."""
+    real interpreter, and so does the archive. kernels' command prints 41 lines and fails. Steps whose facts are
+    missing fail their check; the run writes its two files."""
     fake = tmp_path / "python3"
     fake.write_text(f"""#!/bin/sh
-case "$1" in benchmarks/_gpu_check_versions.py|benchmarks/_gpu_check_summary.py) exec {sys.executable} "$@";; esac
+case "$1" in benchmarks/_gpu_check_versions.py|benchmarks/_gpu_check_summary.py|benchmarks/_gpu_check_archive.py)
+    exec {sys.executable} "$@";; esac
 case "$*" in *_gpu_check_flash.py*) exec sleep 120;; esac
+case "$*" in *_gpu_check_kernels.py*) seq 1 40; echo "RuntimeError: the kernel refused" >&2; exit 3;; esac
 exit 0
 """)
     fake.chmod(0o755)
@@ -177,7 +184,36 @@ exit 0
     steps = json.loads(out.read_text())["steps"]
     assert {name: step["status"] for name, step in steps.items()} == {
         "cuda_tests": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
-        "flash_sdpa": "timeout(25s)", "kernels": "passed", "attention_block": "passed", "bench_attention": "passed",
+        "flash_sdpa": "timeout(25s)", "kernels": "failed(3)", "attention_block": "passed", "bench_attention": "passed",
         "train_1b": "passed"}
     assert 25 <= steps["flash_sdpa"]["seconds"] <= 25 + 15  # the limit, then at most the grace
+    # every step that did not pass says why and ends with its log's last 30 lines
+    assert steps["kernels"]["reason"] == "its command exited with status 3"
+    assert steps["kernels"]["log_tail"] == [str(i) for i in range(12, 41)] + ["RuntimeError: the kernel refused"]
+    assert steps["flash_sdpa"]["reason"] == "interrupted at its limit (25s)"
+    assert steps["pretrain_bf16"]["reason"].startswith("it ran to its end, but the facts it reports fail")
+    assert "reason" not in steps["cuda_tests"] and "log_tail" not in steps["cuda_tests"]
     assert _files(out.parent) == {"gpu_check.json", "gpu_check_logs.tar.gz"}
+
+
+def test_the_logs_archive_keeps_logs_and_metrics_not_checkpoints_or_data_under_4_mib(tmp_path):
+    """The tiny run's checkpoints and prepared data (incompressible) stay out; a long log keeps its end."""
+    logs = tmp_path / "logs"
+    for name, size in (("data_tiny/shard_0.bin", 3 * 2**20), ("run_bf16/checkpoints/step_60/model.pt", 6 * 2**20)):
+        (logs / name).parent.mkdir(parents=True)
+        (logs / name).write_bytes(os.urandom(size))
+    (logs / "run_bf16" / "metrics.jsonl").write_text('{"loss": 3.0}\n')
+    (logs / "data_tiny" / "meta.json").write_text("{}")
+    (logs / "cuda_tests.xml").write_text("<testsuite tests='1'/>")
+    (logs / "train_1b.log").write_text("".join(f"line {i}: {os.urandom(32).hex()}\n" for i in range(40000)))
+    archive = tmp_path / "gpu_check_logs.tar.gz"
+    left_out = pack(logs, archive)
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        log = tar.extractfile("train_1b.log").read().decode()
+    assert sorted(names) == ["cuda_tests.xml", "left_out.txt", "run_bf16/metrics.jsonl", "train_1b.log"]
+    assert log.startswith("[the first ") and log.endswith("line 39999: " + log.rsplit("line 39999: ", 1)[1])
+    assert sorted(left_out) == ["data_tiny/meta.json (not a log, metrics or report)",
+                                "data_tiny/shard_0.bin (not a log, metrics or report)",
+                                "run_bf16/checkpoints/step_60/model.pt (not a log, metrics or report)"]
+    assert archive.stat().st_size <= LIMIT
