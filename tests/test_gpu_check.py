@@ -162,10 +162,10 @@ def test_the_hang_step_names_the_collective_nobody_joined():
 
 
 def test_a_run_records_each_steps_outcome_and_interrupts_the_one_past_its_limit(tmp_path):
-    """The non-dry path with a stand-in python3 that claims a GPU: every step's command "passes" at once, except kernels' and
-    flash_sdpa's, which outlives its 25 s limit and is interrupted (SIGINT); the versions and the summary run on the
-    real interpreter, and so does the archive. kernels' command prints 41 lines and fails. Steps whose facts are
-    missing fail their check; the run writes its two files."""
+    """The non-dry path with a stand-in python3 that claims a GPU: every step's command "passes" at once, except
+    kernels', which prints 41 lines and fails, and flash_sdpa's, which outlives its 25 s limit and is interrupted
+    (SIGINT); the versions, the summary and the archive run on the real interpreter. Steps whose facts are missing
+    fail their check; the run writes its two files."""
     fake = tmp_path / "python3"
     fake.write_text(f"""#!/bin/sh
 case "$1" in benchmarks/_gpu_check_versions.py|benchmarks/_gpu_check_summary.py|benchmarks/_gpu_check_archive.py)
