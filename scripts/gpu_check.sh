@@ -14,6 +14,10 @@
 # overrun them gets less; every step is interrupted with SIGINT first and given GRACE s to write its own report):
 #   cuda_tests       the tests that run only where CUDA is present (the files that mention cuda, -k cuda); skipped,
 #                    saying so, where pytest is not installed (the only step that needs it)
+#   probe            what the CPU suite could only read (benchmarks/_gpu_check_probe.py): q, k, v reach the fused
+#                    kernels in bf16 under bf16 autocast (after the head norm); the installed varlen_attn takes grouped
+#                    k/v as they are, equal to the repeated call forward and backward; the dropout hash's masks on the
+#                    device equal the CPU's bit for bit
 #   pretrain_bf16    NCCL pretraining at p = 1 under bf16 autocast: finite losses that fall
 #   pretrain_fp16    the same in fp16 with the dynamic loss scaler: the checkpoint's scale is > 1 (losses were
 #                    scaled) and the first finite gradient norm is within 2x of bf16's (gradients were unscaled)
@@ -122,6 +126,7 @@ one_gpu() {
         step cuda_tests 120 "$PYTHON" -m pytest -q -o "addopts=-m 'not slow and not bench'" -p no:cacheprovider \
             -k cuda --junitxml="$LOGS/cuda_tests.xml" "${cuda_test_files[@]}"
     fi
+    step probe 30 "$PYTHON" benchmarks/_gpu_check_probe.py
     step pretrain_bf16 40 "${torchrun[@]}" scripts/pretrain.py "${tiny[@]}" \
         --training.dtype=bfloat16 --logging.run_dir="$LOGS/run_bf16"
     step pretrain_fp16 35 "${torchrun[@]}" scripts/pretrain.py "${tiny[@]}" \

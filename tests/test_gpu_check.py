@@ -22,7 +22,7 @@ from _gpu_check_archive import LIMIT, pack  # noqa: E402
 from _gpu_check_plumbing import problems  # noqa: E402
 from _gpu_check_summary import main as summarize  # noqa: E402
 
-STEPS = ["cuda_tests", "pretrain_bf16", "pretrain_fp16", "flash_sdpa", "kernels", "attention_block",
+STEPS = ["cuda_tests", "probe", "pretrain_bf16", "pretrain_fp16", "flash_sdpa", "kernels", "attention_block",
          "bench_attention", "train_1b"]
 HIDDEN = ("parallel_attention", "__editable__", "pytest", "_pytest", "xdist", "pytest_timeout")
 
@@ -131,6 +131,17 @@ def test_the_ring_step_matches_one_sdpa_call_over_the_whole_sequence():
     assert report["ok"] and report["cp"] == 2 and report["tokens_per_rank"] == 12 and report["worst_error"] <= 1e-5
 
 
+def test_the_probe_step_runs_its_checks_on_the_cpu():
+    """The probe's program on CPU: q, k, v in bf16 under bf16 autocast, the hash's masks equal in blocks and in one
+    pass; varlen_attn (CUDA only) skipped, saying so."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_gpu_check_probe.py"), "--device", "cpu"],
+                            cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["autocast"] == {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16", "ok": True}
+    assert report["varlen"] == {"skipped": "varlen_attn runs on CUDA only"} and report["dropout_hash"]["ok"]
+
+
 def test_the_plumbing_check_names_what_would_not_start(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import parallel_attention.no_such_module\n")
@@ -183,7 +194,7 @@ exit 0
     assert result.returncode == 1, result.stderr[-3000:]
     steps = json.loads(out.read_text())["steps"]
     assert {name: step["status"] for name, step in steps.items()} == {
-        "cuda_tests": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
+        "cuda_tests": "passed", "probe": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
         "flash_sdpa": "timeout(25s)", "kernels": "failed(3)", "attention_block": "passed", "bench_attention": "passed",
         "train_1b": "passed"}
     assert 25 <= steps["flash_sdpa"]["seconds"] <= 25 + 15  # the limit, then at most the grace
