@@ -91,6 +91,7 @@ step() {
     left=$(( BUDGET - RESERVE - GRACE - SECONDS ))
     (( limit > left )) && limit=$left
     if (( limit < 5 )); then
+        echo "not run: no time left of the ${BUDGET}s" > "$LOGS/$name.log"
         printf '%s\ttimeout(no time left of the %ss)\t0\n' "$name" "$BUDGET" >> "$LOGS/steps.tsv"
         return
     fi
@@ -104,6 +105,7 @@ step() {
 
 # skip NAME WHY: a step that cannot run here, recorded with the reason
 skip() {
+    echo "skipped: $2" > "$LOGS/$1.log"
     printf '%s\tskipped(%s)\t0\n' "$1" "$2" >> "$LOGS/steps.tsv"
     echo "== $1: skipped: $2" >&2
 }

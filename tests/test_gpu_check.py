@@ -90,6 +90,7 @@ def test_the_dry_run_from_a_fresh_clone_with_a_bare_python3_checks_every_step(ba
     assert summary["skipped"] == ["cuda_tests"] and "pip install pytest" in summary["steps"]["cuda_tests"]["status"]
     assert all(step["status"] == "dry_run" for name, step in summary["steps"].items() if name != "cuda_tests")
     assert summary["steps"]["cuda_tests"]["reason"].startswith("skipped: pytest is not installed")
+    assert summary["steps"]["cuda_tests"]["log_tail"][0].startswith("skipped: pytest is not installed")
     assert _files(out.parent) == {"gpu_check.json", "gpu_check_logs.tar.gz"}  # the scratch directory is gone
     assert (out.parent / "gpu_check_logs.tar.gz").stat().st_size <= LIMIT
     assert summary["logs"] == str(out.parent / "gpu_check_logs.tar.gz") and summary["steps"]["kernels"]["log"] == (
