@@ -136,7 +136,8 @@ def main(logs: Path, out: Path, dry_run: bool = False) -> int:
                "skipped": [name for name, s in steps.items() if s["status"].startswith("skipped")],
                "targets": {} if dry_run else _targets(steps)}
     out.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    print(f"gpu_check: {'all passed' if ok else 'FAILED'}; summary in {out}", file=sys.stderr)
+    verdict = ("dry run: every step would start" if dry_run else "all passed") if ok else "FAILED"
+    print(f"gpu_check: {verdict}; summary in {out}", file=sys.stderr)
     return 0 if ok else 1
 
 
