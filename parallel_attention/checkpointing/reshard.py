@@ -85,8 +85,10 @@ def _optimizer_shard(cfg: ModelConfig, canonical: dict, keys: list[str], p: int,
     """Rank `rank`'s optimizer tensors (`<state key>/<param name>`) at tensor-parallel size p."""
     tensors = {}
     for key, state in canonical.items():
-        if key in _SCALAR_STATE or key.startswith("__"):  # per-parameter scalars, group hyper-parameters
+        if key.startswith("__"):  # group hyper-parameters
             shard = state
+        elif key in _SCALAR_STATE:  # per-parameter scalars, for the parameters this rank (its stage) holds
+            shard = {name: t for name, t in state.items() if name in keys}
         else:
             shard = shard_state_dict(cfg, _names_with_state(cfg, state, keys), state, p, rank)
         tensors.update({f"{key}/{name}": t for name, t in shard.items()})

@@ -167,13 +167,17 @@ def _too_fast(achieved: float, peak: float, configured: float | None, device: to
     return f"{seen}: {why}. MFU is reported against the fastest step rate seen from now on, so it stays <= 1."
 
 
+def flops_per_device(cfg: PretrainConfig, tokens_per_step: int) -> float:
+    """The model FLOPs of one step that each device is credited with: the step's FLOPs over every device of the job.
+    All pp x dp x cp x tp devices share them (a pipeline stage runs only its own layers, so pp divides them like
+    the others); seq_len is the full sequence's (CP splits it, its attention FLOPs do not shrink)."""
+    return flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step / ps.get_world_size()
+
+
 def step_rates(cfg: PretrainConfig, device: torch.device, tokens_per_step: int, seconds: float) -> dict:
     """tokens/s of the whole job, achieved model TFLOP/s per device, MFU, and the peak MFU was computed against
     (`reported_peak`), for a step's metrics record; without a peak (a CPU without logging.peak_tflops) no MFU."""
-    # every device of dp x cp x tp; seq_len is the full sequence's (CP splits it, its attention FLOPs do not shrink)
-    world = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
-             * ps.get_data_parallel_world_size())
-    tflops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step / seconds / world / 1e12
+    tflops = flops_per_device(cfg, tokens_per_step) / seconds / 1e12
     peak = reported_peak(tflops, cfg.logging.peak_tflops, device)
     rates = {"tokens_per_s": tokens_per_step / seconds, "tflops": tflops}
     return rates if peak is None else {**rates, "mfu": tflops / peak, "peak_tflops": peak}
