@@ -13,8 +13,8 @@ import torch
 
 from distributed import run_distributed
 from parallel_attention.training import flops
-from parallel_attention.training.flops import (flops_per_token, gpu_table_peak, matmul_weights, measured_gemm_tflops,
-                                               peak_tflops)
+from parallel_attention.training.flops import flops_per_token, gpu_table_peak, measured_gemm_tflops, peak_tflops
+from parallel_attention.transformer.model_flops import matmul_weights
 from parallel_attention.transformer.model import GPTModel
 from parallel_attention.transformer.model_config import ModelConfig
 from test_data_parallel import build_run

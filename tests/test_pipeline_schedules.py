@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from parallel_attention.pipeline.layout import balanced_split, describe_split, rank_stage, stage_layer_counts
+from parallel_attention.pipeline.layout import StageCosts, balanced_split, rank_stage, stage_layer_counts
 from parallel_attention.pipeline.schedules import SCHEDULES, bubble_formula, build_schedule
 from parallel_attention.training.config.schema import ConfigError, load_config
 
@@ -68,9 +68,22 @@ def test_the_balanced_split_counts_the_embedding_and_the_head_and_builds_every_l
             split = balanced_split(layers, stages)
             costs = [n + (i == 0) + (i == stages - 1) for i, n in enumerate(split)]
             assert sum(split) == layers and min(split) >= 1 and max(costs) - min(costs) <= 2, (layers, stages)
-    assert describe_split(6, 2, 2, None).startswith("stage 0 chunk 0: layers 0-0 + embedding; stage 1 chunk 0")
+    assert rank_stage(6, 2, 2, None, 0).describe() == "layers 0-0, 3-4 + embedding"
     stage = rank_stage(6, 2, 2, None, 1)
     assert stage.chunks == ((1, 3), (5, 6)) and stage.has_head and not stage.has_embedding
+
+
+def test_the_balanced_split_weighs_the_output_layer_and_loss_by_their_flops():
+    """h 128 and an 8,192-token vocabulary: the output layer and loss cost about 4.6 layers, so the last of two
+    stages takes 2 of 8 layers (counted as one layer it took 4, and its forwards ran ~3x the first stage's)."""
+    from parallel_attention.transformer.model_config import ModelConfig
+
+    costs = StageCosts.of(ModelConfig(vocab_size=8192, hidden_size=128, num_layers=8, num_heads=4), 128)
+    assert 4.5 < costs.head / costs.layer < 4.7 and costs.embedding < costs.layer / 100
+    split = balanced_split(8, 2, costs)
+    assert split == [6, 2]
+    stage_costs = [costs.of_stage(k, 2, n) for k, n in enumerate(split)]
+    assert max(stage_costs) - min(stage_costs) <= costs.layer  # as even as whole layers allow
 
 
 @pytest.mark.parametrize("layers", [[3, 2], [2, 2, 2], [5, 0], [1, 3]])
