@@ -126,6 +126,11 @@ def test_a_checkpoint_of_any_layout_resumes_at_any_other_with_the_single_process
     assert "model_tp00_pp01.safetensors" in names and "optim_tp00_pp00.safetensors" in names
     canonical = read_canonical_checkpoint(step2)[1]  # every stage's file joined: what export and generate read
     assert {f"layers.{i}.input_norm.weight" for i in range(4)} <= set(canonical)
+    said = run_command([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(step2), "--prompt",
+                        "import", "--max-new-tokens", "2"], check=True, env=environment(), timeout=120).stderr
+    size = sum(t.numel() for t in canonical.values())  # every stage's, the tied table once
+    assert f"({size / 1e6:.2f}M parameters, trained at tensor_parallel_size=1 x pipeline_parallel_size=2), " \
+           "generating at tensor_parallel_size=1, one pipeline stage" in said, said
 
     # offline: pp 2 x tp 2's step 3 at one stage (resumed at pp 2, zero bubble), tp 2's step 1 at pp 2 split [1, 3]
     reshard_checkpoint(tmp_path / "pp2_tp2" / "checkpoints" / "step_0000003", tmp_path / "from_pp1" / "checkpoints", 1)

@@ -28,7 +28,8 @@ from ..precision import Precision
 from .pipeline_summary import pipeline_rows, total_parameters
 
 
-def _millions(n: int) -> str:
+def millions(n: int) -> str:
+    """A parameter count as the summary and generate.py print it: 0.84M, or 9,216 below 10,000."""
     return f"{n / 1e6:.2f}M" if n >= 10_000 else f"{n:,}"
 
 
@@ -36,9 +37,9 @@ def _size_line(model: torch.nn.Module, cfg: PretrainConfig) -> str:
     here = sum(math.prod(shape) for shape in model.canonical_shapes().values())
     local = sum(p.numel() for p in model.parameters())
     if model.stage.chunks is not None:  # a pipeline stage's: the stages row gives every stage's
-        return (f"{_millions(total_parameters(cfg))} parameters, {_millions(here)} on pipeline stage 0, "
-                f"{_millions(local)} on each of its ranks")
-    return f"{_millions(here)} parameters, {_millions(local)} on each rank"
+        return (f"{millions(total_parameters(cfg))} parameters, {millions(here)} on pipeline stage 0, "
+                f"{millions(local)} on each of its ranks")
+    return f"{millions(here)} parameters, {millions(local)} on each rank"
 
 
 def _shape_line(cfg: PretrainConfig) -> str:
