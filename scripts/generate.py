@@ -35,7 +35,7 @@ from parallel_attention.tensor_parallel.parallel_state import shutdown_distribut
 from parallel_attention.training.run.summary import millions
 from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.rank_zero import is_rank_zero
-from parallel_attention.launch.report_once import report_from_rank_0
+from parallel_attention.launch.report_once import record_errors, report_from_rank_0
 from parallel_attention.transformer import GPTModel, generate_batch
 
 
@@ -152,6 +152,7 @@ def decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([i for i in ids if i < tokenizer.vocab_size])
 
 
+@record_errors  # an error no refusal caught: torchrun's root cause is its one line
 def main(argv: list[str]) -> int:
     one_line_warnings()
     stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
