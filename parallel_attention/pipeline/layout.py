@@ -5,8 +5,8 @@ pipeline rank k % pp (Megatron's interleaving: consecutive virtual stages sit on
 boundary is one hop). Without `parallel.pipeline_layers` the split balances each virtual stage's cost: its layers,
 plus the embedding on the first and the output layer with its loss on the last, each weighed by its training FLOPs
 per token (`StageCosts.of`, from the model's FLOP count). The output layer of a large vocabulary costs several
-layers: at h 128 and an 8,192-token vocabulary about 5, which counting it as one layer put on a last stage that then
-ran ~3x longer than the first. Every layer is built exactly once, or the config is refused before any process
+layers: at h 128 and an 8,192-token vocabulary about 4.6, which counting it as one layer put on a last stage that
+then ran ~3x longer than the first. Every layer is built exactly once, or the config is refused before any process
 group exists.
 """
 
@@ -103,6 +103,6 @@ def rank_stage(num_layers: int, pp: int, v: int, pipeline_layers: list[int] | No
 
 
 def rank_stages(num_layers: int, pp: int, v: int, pipeline_layers: list[int] | None,
-                    costs: StageCosts = StageCosts()) -> list[PipelineStage]:
+                costs: StageCosts = StageCosts()) -> list[PipelineStage]:
     """What every pipeline rank holds, in rank order."""
     return [rank_stage(num_layers, pp, v, pipeline_layers, r, costs) for r in range(pp)]

@@ -41,8 +41,8 @@ def resume_from_checkpoint(cfg: PretrainConfig, where: str, model: nn.Module, op
 
 
 def _load(cfg: PretrainConfig, path: Path, model: nn.Module, optimizer) -> dict:
-    """`path` exactly at the same layout, else resharded (after which the RNG is reseeded from (seed, step)); a
-    resharded manifest says so in `layout_change` (the run's start line prints it)."""
+    """`path` exactly at the same layout, else resharded (after which the RNG is reseeded from (seed, step)); the
+    manifest of one written at another layout says which in `layout_change` (the run's start line prints it)."""
     groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_context_parallel_group())
     saved = _agreed_manifest(path)
     tp, world, layers = cfg.parallel.tensor_parallel_size, ps.get_world_size(), stage_layers(cfg)
