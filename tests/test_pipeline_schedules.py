@@ -117,3 +117,21 @@ def test_a_pipeline_that_cannot_run_is_refused_before_any_process_group(override
 def test_a_valid_pipeline_config_passes():
     _config("--parallel.pipeline_parallel_size=2", "--parallel.pipeline_schedule=interleaved_1f1b",
             "--parallel.virtual_pipeline_stages=2").validate(2)
+
+
+def test_a_resume_that_changes_the_split_says_so_and_how_to_keep_it():
+    """A pp 2 checkpoint whose stages hold layers [0, 1] and [2, 3] (an earlier release's split, which weighed the
+    output layer as one layer), resumed where the split weighed by FLOPs gives [3, 1]."""
+    from parallel_attention.training.run.resume import layout_change
+
+    cfg = _config("--parallel.pipeline_parallel_size=2", "--model.vocab_size=8192", "--model.hidden_size=128")
+    shapes = {f"tp00_pp0{s}": {f"layers.{i}.input_norm.weight": {} for i in range(2 * s, 2 * s + 2)} for s in (0, 1)}
+    saved = {"tensor_parallel_size": 1, "world_size": 2, "model_shapes": shapes, "config": cfg.to_dict()}
+    assert layout_change(saved, cfg, 2) == (
+        "layout changed: written at tp 1 x pp 2 (layers 0-1 | 2-3), 2 ranks, resharded to tp 1 x pp 2 (layers 0-2 | "
+        "3), 2 ranks; parallel.pipeline_layers=[2, 2] keeps the checkpoint's split")
+    kept = _config("--parallel.pipeline_parallel_size=2", "--model.vocab_size=8192", "--model.hidden_size=128",
+                   "--parallel.pipeline_layers=[2,2]")
+    assert layout_change(saved, kept, 2) is None
+    one_process = {"tensor_parallel_size": 1, "world_size": 1, "model_shapes": {"tp00": shapes["tp00_pp00"]}}
+    assert layout_change(one_process, cfg, 2).endswith("resharded to tp 1 x pp 2 (layers 0-2 | 3), 2 ranks")

@@ -167,15 +167,20 @@ def describe_layout(tensor_parallel_size: int, world_size: int, stage_layers: li
     return f"{words}, {world_size} rank{'s' * (world_size != 1)}"
 
 
+def layer_runs(layers: list[int]) -> list[list[int]]:
+    """[0, 1, 4, 5] -> [[0, 1], [4, 5]]: a rank's contiguous runs of layers (its model chunks)."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return runs
+
+
 def _ranges(layers: list[int]) -> str:
     """[0, 1, 4, 5] -> '0-1, 4-5'."""
-    runs, start = [], None
-    for i, layer in enumerate(layers):
-        start = layer if start is None else start
-        if i + 1 == len(layers) or layers[i + 1] != layer + 1:
-            runs.append(f"{start}-{layer}" if layer != start else f"{layer}")
-            start = None
-    return ", ".join(runs)
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in layer_runs(layers))
 
 
 def check_layout(manifest: dict, world_size: int, tp_size: int, pp_size: int = 1) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 from torch import nn
 
 from ...checkpointing.checkpoint import load_checkpoint, load_newest_valid, raise_unless_all_passed
-from ...checkpointing.compatibility import (check_same_model, describe_layout, model_shape_config, same_layout,
-                                             saved_stage_layers, started_before_sampling)
+from ...checkpointing.compatibility import (check_same_model, describe_layout, layer_runs, model_shape_config,
+                                             same_layout, saved_stage_layers, started_before_sampling)
 from ...checkpointing.format import CheckpointError, list_checkpoints, read_manifest
 from ...checkpointing.reshard import load_resharded
 from ...pipeline.layout import StageCosts, rank_stages
@@ -45,17 +45,43 @@ def _load(cfg: PretrainConfig, path: Path, model: nn.Module, optimizer) -> dict:
     manifest of one written at another layout says which in `layout_change` (the run's start line prints it)."""
     groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_context_parallel_group())
     saved = _agreed_manifest(path)
-    tp, world, layers = cfg.parallel.tensor_parallel_size, ps.get_world_size(), stage_layers(cfg)
-    if same_layout(saved, tp, world, layers):
+    world = ps.get_world_size()
+    if same_layout(saved, cfg.parallel.tensor_parallel_size, world, stage_layers(cfg)):
         return load_checkpoint(path, model, optimizer, expected_config={"model": model_shape_config(cfg.model)},
                                **groups)
     check_same_model(saved, cfg.model, path)
     manifest = load_resharded(path, model, optimizer, tp_group=groups["tp_group"])
     manual_seed(cfg.training.seed + manifest["step"])  # per-rank RNG states do not carry across layouts
-    written, here = (describe_layout(saved["tensor_parallel_size"], saved["world_size"], saved_stage_layers(saved)),
-                     describe_layout(tp, world, layers))
-    return manifest if written == here else {**manifest, "layout_change": f"layout changed: written at {written}, "
-                                                                          f"resharded to {here}"}
+    change = layout_change(saved, cfg, world)
+    return manifest if change is None else {**manifest, "layout_change": change}
+
+
+def layout_change(saved: dict, cfg: PretrainConfig, world: int) -> str | None:
+    """'layout changed: written at <its layout>, resharded to <this run's>' where the two differ (None where they do
+    not), with the `parallel.pipeline_layers` that would keep the checkpoint's split where only the balanced split
+    moved it (the same tp, world and stages: a checkpoint of an earlier release, whose split weighed the output layer
+    as one layer)."""
+    tp, layers, saved_layers = cfg.parallel.tensor_parallel_size, stage_layers(cfg), saved_stage_layers(saved)
+    written, here = describe_layout(saved["tensor_parallel_size"], saved["world_size"], saved_layers), \
+        describe_layout(tp, world, layers)
+    if written == here:
+        return None
+    line = f"layout changed: written at {written}, resharded to {here}"
+    same_ranks = (saved["tensor_parallel_size"], saved["world_size"], len(saved_layers)) == (tp, world, len(layers))
+    counts = _virtual_stage_counts(saved_layers, cfg.parallel.virtual_pipeline_stages)
+    if same_ranks and len(layers) > 1 and cfg.parallel.pipeline_layers is None and counts is not None:
+        line += f"; parallel.pipeline_layers={counts} keeps the checkpoint's split"
+    return line
+
+
+def _virtual_stage_counts(stage_layers: list[list[int]], v: int) -> list[int] | None:
+    """Layers per virtual stage (chunk k // pp of rank k % pp) of ranks holding `stage_layers`, each rank's v chunks
+    its contiguous runs; None where a rank holds another number of runs."""
+    runs = [layer_runs(layers) for layers in stage_layers]
+    if any(len(r) != v for r in runs):
+        return None
+    pp = len(stage_layers)
+    return [len(runs[k % pp][k // pp]) for k in range(pp * v)]
 
 
 def stage_layers(cfg: PretrainConfig) -> list[list[int]]:
