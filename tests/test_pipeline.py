@@ -1,6 +1,7 @@
 """Pipeline parallelism end to end: every schedule, at pp 2 and 4, inside TP + SP, CP and DP, with uneven stages and
-tied embeddings, gives the single process's losses, gradient norms and validation losses; a pp 2 checkpoint resumes
-at pp 1 with the same losses. (The schedules' and the split's own properties: tests/test_pipeline_schedules.py.)"""
+tied embeddings, gives the single process's losses, gradient norms and validation losses; a checkpoint of any layout
+resumes at any other, into and out of a pipeline, with the same losses. (The schedules' and the split's own
+properties: tests/test_pipeline_schedules.py; the timeline's picture: tests/test_pipeline_timeline.py.)"""
 
 from __future__ import annotations
 
