@@ -84,12 +84,12 @@ def _canonical_optimizer(step_dir: Path, manifest: dict, cfg: ModelConfig, p: in
 
 def _optimizer_shard(cfg: ModelConfig, canonical: dict, keys: list[str], p: int, rank: int) -> dict:
     """Rank `rank`'s optimizer tensors (`<state key>/<param name>`) at tensor-parallel size p."""
-    tensors = {}
+    tensors, held = {}, set(keys)
     for key, state in canonical.items():
         if key.startswith("__"):  # group hyper-parameters
             shard = state
         elif key in _SCALAR_STATE:  # per-parameter scalars, for the parameters this rank (its stage) holds
-            shard = {name: t for name, t in state.items() if name in keys}
+            shard = {name: t for name, t in state.items() if name in held}
         else:
             shard = shard_state_dict(cfg, _names_with_state(cfg, state, keys), state, p, rank)
         tensors.update({f"{key}/{name}": t for name, t in shard.items()})
