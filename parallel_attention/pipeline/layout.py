@@ -97,12 +97,16 @@ def virtual_stages(num_layers: int, pp: int, v: int, pipeline_layers: list[int] 
 def rank_stage(num_layers: int, pp: int, v: int, pipeline_layers: list[int] | None, pp_rank: int,
                costs: StageCosts = StageCosts()) -> PipelineStage:
     """What pipeline rank `pp_rank` holds: its v chunks, chunk c being virtual stage c pp + pp_rank."""
-    stages = virtual_stages(num_layers, pp, v, pipeline_layers, costs)
-    chunks = tuple((stages[c * pp + pp_rank].start, stages[c * pp + pp_rank].stop) for c in range(v))
-    return PipelineStage(chunks, has_embedding=pp_rank == 0, has_head=pp_rank == pp - 1)
+    return _stage_of(virtual_stages(num_layers, pp, v, pipeline_layers, costs), pp, v, pp_rank)
 
 
 def rank_stages(num_layers: int, pp: int, v: int, pipeline_layers: list[int] | None,
                 costs: StageCosts = StageCosts()) -> list[PipelineStage]:
-    """What every pipeline rank holds, in rank order."""
-    return [rank_stage(num_layers, pp, v, pipeline_layers, r, costs) for r in range(pp)]
+    """What every pipeline rank holds, in rank order (the split computed once)."""
+    stages = virtual_stages(num_layers, pp, v, pipeline_layers, costs)
+    return [_stage_of(stages, pp, v, r) for r in range(pp)]
+
+
+def _stage_of(stages: list[range], pp: int, v: int, pp_rank: int) -> PipelineStage:
+    chunks = tuple((stages[c * pp + pp_rank].start, stages[c * pp + pp_rank].stop) for c in range(v))
+    return PipelineStage(chunks, has_embedding=pp_rank == 0, has_head=pp_rank == pp - 1)
