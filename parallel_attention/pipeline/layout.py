@@ -5,8 +5,8 @@ pipeline rank k % pp (Megatron's interleaving: consecutive virtual stages sit on
 boundary is one hop). Without `parallel.pipeline_layers` the split balances each virtual stage's cost: its layers,
 plus the embedding on the first and the output layer with its loss on the last, each weighed by its training FLOPs
 per token (`StageCosts.of`, from the model's FLOP count). The output layer of a large vocabulary costs several
-layers: at h 128 and an 8,192-token vocabulary about 4.6, which counting it as one layer put on a last stage that
-then ran ~3x longer than the first. Every layer is built exactly once, or the config is refused before any process
+layers: at h 128 and an 8,192-token vocabulary about 4.6 (counted as one layer, it left a last stage whose forwards
+a user measured at ~3x the first's). Every layer is built exactly once, or the config is refused before any process
 group exists.
 """
 
