@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..pipeline.after_schedule import losses_on_every_stage, sum_tied_embedding_grads
-from ..pipeline.layout import rank_stage
+from ..pipeline.layout import StageCosts, rank_stage
 from ..pipeline.runner import PipelineRunner
 from ..pipeline.schedules import DEFAULT_SCHEDULE, EVALUATION
 from ..pipeline.step_record import StepRecord, measured_bubble
@@ -42,7 +42,7 @@ def model_stage(cfg) -> PipelineStage:
     if par.pipeline_parallel_size == 1:
         return PipelineStage()
     return rank_stage(cfg.model.num_layers, par.pipeline_parallel_size, par.virtual_pipeline_stages,
-                      par.pipeline_layers, ps.get_pipeline_parallel_rank())
+                      par.pipeline_layers, ps.get_pipeline_parallel_rank(), StageCosts.of(cfg.model, cfg.data.seq_len))
 
 
 def hidden_shape(cfg, model: GPTModel, rows: int) -> tuple[int, int, int]:
