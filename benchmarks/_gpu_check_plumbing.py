@@ -2,7 +2,8 @@
 
     python benchmarks/_gpu_check_plumbing.py COMMAND...     (exit 1, naming the problem, if it would not start)
     python benchmarks/_gpu_check_plumbing.py --logs LOGS    (every step gpu_check.sh recorded in LOGS/steps.order,
-                                                             its command in LOGS/NAME.cmd: LOGS/NAME.log and steps.tsv)
+                                                             its command in LOGS/NAME.cmd: LOGS/NAME.log and steps.tsv,
+                                                             dry_run where it would start)
 
 The program resolves on PATH; every `-m MODULE` is importable; every .py file named exists and its imports load
 (executed as a module not named __main__, so its main() does not run; its own directory on sys.path, as when it
@@ -56,7 +57,7 @@ def check_steps(logs: Path) -> int:
         for name in (logs / "steps.order").read_text(encoding="utf-8").split():
             ok, text = _report((logs / f"{name}.cmd").read_text(encoding="utf-8").splitlines())
             (logs / f"{name}.log").write_text(text + "\n", encoding="utf-8")
-            table.write(f"{name}\t{'passed' if ok else 'failed(plumbing)'}\t0\n")
+            table.write(f"{name}\t{'dry_run' if ok else 'failed(plumbing)'}\t0\n")
             print(f"== {name}: {'would start' if ok else text}", file=sys.stderr)
             failed += not ok
     return 1 if failed else 0

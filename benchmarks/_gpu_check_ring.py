@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from parallel_attention.tensor_parallel import init_distributed
 from parallel_attention.tensor_parallel.parallel_state import get_context_parallel_group, shutdown_distributed
 from parallel_attention.transformer.context_parallel import RingCoreAttention, split_for_context_parallel
+from parallel_attention.transformer.kernels.kv_groups import repeat_kv
 
 NH, NKV, D = 32, 8, 128
 ULPS = 16
@@ -51,7 +52,7 @@ def compare(kv_mib: float, device: torch.device) -> dict:
     out = RingCoreAttention(cp_group, NH // NKV, device=device)(*parts, None, True)
     out.backward(split_for_context_parallel(grad, cp_group, dim=2))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    kv = [t.repeat_interleave(NH // NKV, dim=1) for t in leaves[1:]]  # flash-eligible at any torch (no enable_gqa)
+    kv = [repeat_kv(t, NH) for t in leaves[1:]]  # flash-eligible at any torch (no enable_gqa)
     want = F.scaled_dot_product_attention(leaves[0], *kv, is_causal=True)
     want.backward(grad)
     errors = {name: _error(got, split_for_context_parallel(ref, cp_group, dim=2))

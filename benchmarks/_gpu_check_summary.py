@@ -4,7 +4,9 @@ the performance targets (issue 31) reported whether met or not.
     python benchmarks/_gpu_check_summary.py [--dry-run] LOGS OUT.json     (exit 1 when a step failed or timed out;
                                                                          a skipped step says why and fails nothing)
 
---dry-run: the steps only checked that they would start; there are no figures to read.
+--dry-run: the steps only checked that they would start (status dry_run); there are no figures to read.
+Every step that failed, timed out or was skipped carries `reason` (in words) and `log_tail`, the last TAIL_LINES
+lines of its log: the summary alone says what to fix next.
 """
 
 from __future__ import annotations
@@ -54,6 +56,34 @@ def _json(path: Path, keys: tuple[str, ...]) -> dict:
     return {k: data.get(k) for k in keys if k in data} if keys else data
 
 
+TAIL_LINES = 30
+
+
+def _reason(status: str) -> str:
+    """What a step's status means, in words."""
+    kind, _, detail = status.partition("(")
+    detail = detail.rstrip(")")
+    if kind == "skipped":
+        return f"skipped: {detail}"
+    if kind == "timeout":
+        return f"interrupted at its limit ({detail})" if detail.endswith("s") else f"not run: {detail}"
+    if detail == "check":
+        return "it ran to its end, but the facts it reports fail their check (see this entry's figures)"
+    if detail == "plumbing":
+        return "it would not start (its log names what is missing)"
+    return f"its command exited with status {detail}"
+
+
+def _explain(logs: Path, steps: dict) -> None:
+    """`reason` and `log_tail` on every step that did not pass."""
+    for step in steps.values():
+        if step["status"] in ("passed", "dry_run"):
+            continue
+        log = logs / step["log"]
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines() if log.exists() else []
+        step["reason"], step["log_tail"] = _reason(step["status"]), lines[-TAIL_LINES:]
+
+
 TARGETS = {"attention_block": ("fraction_of_peak", 0.5), "train_1b": ("mfu", 0.4)}
 
 
@@ -83,7 +113,7 @@ def _figures(logs: Path, steps: dict) -> None:
         steps.get(name, {}).update(facts)
         if name in steps and not facts["ok"] and steps[name]["status"] == "passed":
             steps[name]["status"] = "failed(check)"
-    for name in ("flash_sdpa", "kernels", "attention_block", "ring_cp", "hang_named"):
+    for name in ("probe", "flash_sdpa", "kernels", "attention_block", "ring_cp", "hang_named"):
         if name in steps:
             steps[name].update(_last_json_line(logs, steps[name]))
     steps.get("bench_attention", {}).update(result=_json(logs / "bench_attention.json", ()))
@@ -99,13 +129,15 @@ def main(logs: Path, out: Path, dry_run: bool = False) -> int:
         steps[name] = {"status": status, "seconds": int(seconds), "log": f"{name}.log"}  # in the logs' tarball
     if not dry_run:
         _figures(logs, steps)
-    ok = all(s["status"] == "passed" or s["status"].startswith("skipped") for s in steps.values())
+    _explain(logs, steps)
+    ok = all(s["status"] in ("passed", "dry_run") or s["status"].startswith("skipped") for s in steps.values())
     summary = {"ok": ok, "dry_run": dry_run, "versions": _json(logs / "versions.json", ()),
                "logs": str(out.with_name(out.stem + "_logs.tar.gz")), "steps": steps,
                "skipped": [name for name, s in steps.items() if s["status"].startswith("skipped")],
                "targets": {} if dry_run else _targets(steps)}
     out.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    print(f"gpu_check: {'all passed' if ok else 'FAILED'}; summary in {out}", file=sys.stderr)
+    verdict = ("dry run: every step would start" if dry_run else "all passed") if ok else "FAILED"
+    print(f"gpu_check: {verdict}; summary in {out}", file=sys.stderr)
     return 0 if ok else 1
 
 

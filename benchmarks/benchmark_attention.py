@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_attention as pa
+from parallel_attention.tensor_parallel.layers import unchanged
 from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
 from _bench_fused import FusedPlainAttention, fairscale_attention, torch_tp_fused
 from _bench_measure import count_collectives, memory_method, peak_memory_mb, sync, time_variants
@@ -138,7 +139,7 @@ class Step:
 
     def __init__(self, module, x: torch.Tensor, proj: torch.Tensor, device: torch.device,
                  batch_first: bool = False) -> None:
-        self.canonical = _transposed if batch_first else _as_is
+        self.canonical = _transposed if batch_first else unchanged
         self.x = self.canonical(x).detach().clone(memory_format=torch.contiguous_format).requires_grad_(True)
         self.module, self.proj, self.device = module, self.canonical(proj).contiguous(), device
 
@@ -160,10 +161,6 @@ class Step:
 
 def _transposed(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1)
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def check_correct(steps: dict, dtype) -> dict:

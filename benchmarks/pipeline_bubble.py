@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 SHAPE = (16, 2, 64)  # [s, b, h] of the activation passed between stages
 
 
@@ -70,8 +69,9 @@ class SleepStage(torch.nn.Module):
 
 
 def _run(rank: int, stages: int, micro: int, seconds: float, repeats: int, init: str, out) -> None:
-    from parallel_attention.pipeline.runner import PipelineRunner, measured_bubble
-    from parallel_attention.pipeline.schedules import bubble_formula
+    from parallel_attention.pipeline.runner import PipelineRunner
+    from parallel_attention.pipeline.schedules import SCHEDULES, bubble_formula
+    from parallel_attention.pipeline.step_record import measured_bubble
     from parallel_attention.tensor_parallel.mesh_groups import pipeline_link_groups
 
     torch.set_num_threads(1)
@@ -80,15 +80,14 @@ def _run(rank: int, stages: int, micro: int, seconds: float, repeats: int, init:
     pp_group, links = dist.new_group(list(range(stages))), pipeline_link_groups(torch.arange(stages)[None], None)
     results, memory = {}, {}
     for name in SCHEDULES:
-        v = 2 if name == "interleaved_1f1b" else 1
+        v = 2 if SCHEDULES[name].chunked else 1
         model = SleepStage(seconds / v, rank == 0, rank == stages - 1, v, rank, stages)
         runner = PipelineRunner(model, name, micro, pp_group, links, v)
         runner.agree_shapes(SHAPE, torch.float32)
         bubbles = []
         for _ in range(repeats):
             dist.barrier()
-            record = runner.run(lambda i: {"tokens": torch.zeros(2, 16)}, lambda i: _null(), lambda i: _null(),
-                                lambda loss: loss.backward())
+            record = runner.run(_work(model, micro))
             compute = torch.tensor([record.compute_seconds()], dtype=torch.float64)
             span = torch.tensor([record.span_seconds()], dtype=torch.float64)
             dist.all_reduce(compute)
@@ -104,12 +103,11 @@ def _run(rank: int, stages: int, micro: int, seconds: float, repeats: int, init:
     dist.destroy_process_group()
 
 
-class _null:
-    def __enter__(self):
-        return self
+def _work(model, micro: int):
+    """The step's micro-batches through the library's one micro-batch contract (dummy tokens and labels)."""
+    from parallel_attention.pipeline.micro_batch_step import MicroBatchStep
 
-    def __exit__(self, *exc):
-        return False
+    return MicroBatchStep(model, [(torch.zeros(2, 16), torch.zeros(2, 16))] * micro)
 
 
 def _stage_peak_bytes(name: str, stages: int, micro: int, pp_group, links, rank: int) -> int:
@@ -130,12 +128,11 @@ def _stage_peak_bytes(name: str, stages: int, micro: int, pp_group, links, rank:
         weakref.finalize(t, _release, live, seen, t.data_ptr(), t.numel() * t.element_size())
         return t
 
-    runner = PipelineRunner(SleepStage(0.0, rank == 0, rank == stages - 1, 1, rank, stages), name, micro,
-                            pp_group, links)
+    model = SleepStage(0.0, rank == 0, rank == stages - 1, 1, rank, stages)
+    runner = PipelineRunner(model, name, micro, pp_group, links)
     runner.agree_shapes(SHAPE, torch.float32)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        runner.run(lambda i: {"tokens": torch.zeros(2, 16)}, lambda i: _null(), lambda i: _null(),
-                   lambda loss: loss.backward())
+        runner.run(_work(model, micro))
     return peak[0]
 
 

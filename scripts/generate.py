@@ -32,9 +32,10 @@ from parallel_attention.training import PretrainConfig, TokenizerUnavailableErro
 from parallel_attention.launch.agreement import disagreements
 from parallel_attention.training.data.read.data_identity import check_tokenizer
 from parallel_attention.tensor_parallel.parallel_state import shutdown_distributed
+from parallel_attention.training.run.summary import millions
 from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.rank_zero import is_rank_zero
-from parallel_attention.launch.report_once import report_from_rank_0
+from parallel_attention.launch.report_once import record_errors, report_from_rank_0
 from parallel_attention.transformer import GPTModel, generate_batch
 
 
@@ -151,6 +152,7 @@ def decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode([i for i in ids if i < tokenizer.vocab_size])
 
 
+@record_errors  # an error no refusal caught: torchrun's root cause is its one line
 def main(argv: list[str]) -> int:
     one_line_warnings()
     stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
@@ -166,6 +168,12 @@ def main(argv: list[str]) -> int:
         shutdown_distributed()  # on every way out: a live gloo group at exit can abort with SIGABRT
 
 
+def _layout(cfg: PretrainConfig) -> str:
+    par = cfg.parallel
+    stages = f" x pipeline_parallel_size={par.pipeline_parallel_size}" if par.pipeline_parallel_size > 1 else ""
+    return f"tensor_parallel_size={par.tensor_parallel_size}{stages}"
+
+
 def _generate(args, step_dir, cfg, canonical, tokenizer, prompts, tp: int) -> int:
     """Join the process group, check that every rank has the same arguments, decode, print on rank 0."""
     device = pa.init_distributed(tensor_model_parallel_size=tp, timeout=args.timeout_s or cfg.parallel.timeout_s)
@@ -179,8 +187,10 @@ def _generate(args, step_dir, cfg, canonical, tokenizer, prompts, tp: int) -> in
     outputs = generate_batch(model, prompts, args.max_new_tokens, args.temperature, args.top_k or None, args.seed,
                              use_cache=not args.no_cache, eos_token_id=tokenizer.eot_token, device=device)
     if is_rank_zero():
-        print(f"# checkpoint {step_dir} (trained at tensor_parallel_size={cfg.parallel.tensor_parallel_size}), "
-              f"generating at tensor_parallel_size={tp}", file=sys.stderr)
+        size = millions(sum(t.numel() for t in canonical.values()))  # every stage's weights, a tied table once
+        print(f"# checkpoint {step_dir} ({size} parameters, trained at {_layout(cfg)}), generating at "
+              f"tensor_parallel_size={tp}" + (", one pipeline stage" if cfg.parallel.pipeline_parallel_size > 1 else ""),
+              file=sys.stderr)
         for i, out in enumerate(outputs):
             if i > 0:
                 print("-----")

@@ -4,14 +4,20 @@
 #
 #   scripts/gpu_check.sh [--dry-run] [--gpus N] [OUT.json]
 #
-# Writes two files, nothing in the checkout: OUT.json (default ${TMPDIR:-/tmp}/gpu_check.json), the summary, and
-# OUT_logs.tar.gz, every step's log and run directory (worked on in a temporary directory, removed at exit).
+# Writes two files, nothing in the checkout: OUT.json (default ${TMPDIR:-/tmp}/gpu_check.json), the summary, with
+# the reason and the last 30 lines of the log of every step that failed, timed out or was skipped; and
+# OUT_logs.tar.gz (under 4 MiB), every step's log, junit XML, metrics and JSON, without checkpoints or prepared data
+# (benchmarks/_gpu_check_archive.py; worked on in a temporary directory, removed at exit).
 # PYTHON=... picks the interpreter (default python3). The first lines name torch, CUDA, NCCL, the driver and the GPU.
 #
 # One GPU (the default), each step under its own limit and all of them under the 8 minutes (a step that would
 # overrun them gets less; every step is interrupted with SIGINT first and given GRACE s to write its own report):
 #   cuda_tests       the tests that run only where CUDA is present (the files that mention cuda, -k cuda); skipped,
 #                    saying so, where pytest is not installed (the only step that needs it)
+#   probe            what the CPU suite could only read (benchmarks/_gpu_check_probe.py): q, k, v reach the fused
+#                    kernels in bf16 under bf16 autocast (after the head norm); the installed varlen_attn takes grouped
+#                    k/v as they are, equal to the repeated call forward and backward; the dropout hash's masks on the
+#                    device equal the CPU's bit for bit
 #   pretrain_bf16    NCCL pretraining at p = 1 under bf16 autocast: finite losses that fall
 #   pretrain_fp16    the same in fp16 with the dynamic loss scaler: the checkpoint's scale is > 1 (losses were
 #                    scaled) and the first finite gradient norm is within 2x of bf16's (gradients were unscaled)
@@ -36,7 +42,8 @@
 #                    timeout with CollectiveTimeoutError naming it and its group (benchmarks/_gpu_check_hang.py)
 # Targets are reported in the summary's "targets", met or not; they do not fail the check.
 # --dry-run checks the plumbing on any machine, CUDA or not: every step's program resolves and the Python files it
-# names import (benchmarks/_gpu_check_plumbing.py, one interpreter for all steps); nothing runs. Exit status: 0 when
+# names import (benchmarks/_gpu_check_plumbing.py, one interpreter for all steps); nothing runs, and each step that
+# would start is recorded as dry_run. Exit status: 0 when
 # no step failed (a skipped step says why), 1 otherwise, 2 without CUDA (outside --dry-run) or without torch.
 set -uo pipefail
 
@@ -84,6 +91,7 @@ step() {
     left=$(( BUDGET - RESERVE - GRACE - SECONDS ))
     (( limit > left )) && limit=$left
     if (( limit < 5 )); then
+        echo "not run: no time left of the ${BUDGET}s" > "$LOGS/$name.log"
         printf '%s\ttimeout(no time left of the %ss)\t0\n' "$name" "$BUDGET" >> "$LOGS/steps.tsv"
         return
     fi
@@ -97,6 +105,7 @@ step() {
 
 # skip NAME WHY: a step that cannot run here, recorded with the reason
 skip() {
+    echo "skipped: $2" > "$LOGS/$1.log"
     printf '%s\tskipped(%s)\t0\n' "$1" "$2" >> "$LOGS/steps.tsv"
     echo "== $1: skipped: $2" >&2
 }
@@ -119,6 +128,7 @@ one_gpu() {
         step cuda_tests 120 "$PYTHON" -m pytest -q -o "addopts=-m 'not slow and not bench'" -p no:cacheprovider \
             -k cuda --junitxml="$LOGS/cuda_tests.xml" "${cuda_test_files[@]}"
     fi
+    step probe 30 "$PYTHON" benchmarks/_gpu_check_probe.py
     step pretrain_bf16 40 "${torchrun[@]}" scripts/pretrain.py "${tiny[@]}" \
         --training.dtype=bfloat16 --logging.run_dir="$LOGS/run_bf16"
     step pretrain_fp16 35 "${torchrun[@]}" scripts/pretrain.py "${tiny[@]}" \
@@ -153,5 +163,6 @@ if (( DRY_RUN )); then
 fi
 "$PYTHON" benchmarks/_gpu_check_summary.py "${DRY[@]}" "$LOGS" "$OUT"
 status=$?
-tar -czf "${OUT%.json}_logs.tar.gz" -C "$LOGS" . && echo "gpu_check: logs in ${OUT%.json}_logs.tar.gz" >&2
+"$PYTHON" benchmarks/_gpu_check_archive.py "$LOGS" "${OUT%.json}_logs.tar.gz" \
+    && echo "gpu_check: logs in ${OUT%.json}_logs.tar.gz" >&2
 exit $status

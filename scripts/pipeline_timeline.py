@@ -1,5 +1,6 @@
 """Draw one step of a pipeline-parallel run: one row per stage, its forward (F), backward (B) and weight-gradient
-(W) blocks and its waits, as every pipeline paper draws a schedule, but measured in the run itself.
+(W, zero bubble only) blocks, its waits for a neighbour, and the host's time between actions, as every pipeline paper
+draws a schedule, but measured in the run itself. Every colour is in the legend; a block's label shows where it fits.
 
     python scripts/pipeline_timeline.py runs/my_pp_run --step 10
 
@@ -15,7 +16,16 @@ import json
 import sys
 from pathlib import Path
 
-COLOURS = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452", "wait": "#d0d0d0"}
+# every colour the picture uses, with what it means; the legend lists those a step shows
+KINDS = {
+    "F": ("#4c72b0", "forward (F<micro-batch>[.<chunk>])"),
+    "B": ("#55a868", "backward (B<micro-batch>[.<chunk>])"),
+    "W": ("#dd8452", "weight gradient (W), deferred"),
+    "wait": ("#b0b0b0", "wait: receiving from a neighbour stage"),
+    "between": ("#e6c84f", "between actions: sends, the loss, bookkeeping"),
+    "outside": ("#f2f2f2", "outside this stage's schedule (before its first or after its last action)"),
+}
+HATCH = {"outside": "////"}  # light, so hatched: never mistaken for an empty part of the row
 
 
 def read_step(run_dir: Path, step: int) -> list[dict]:
@@ -38,7 +48,28 @@ def read_step(run_dir: Path, step: int) -> list[dict]:
 
 
 def kind(label: str) -> str:
-    return "wait" if label == "wait" else label[0]
+    return label if label in KINDS else label[0]
+
+
+def spans(records: list[dict]) -> list[tuple[int, str, str, float, float]]:
+    """(stage, kind, label, start, end) in seconds from the step's start, covering every stage's row from the
+    earliest start to the latest end: the recorded events, the time between them ("between") and the time before a
+    stage's first and after its last event ("outside"), so no part of a row is left unexplained."""
+    origin = min(r["start"] + r["events"][0][1] for r in records)
+    end = max(r["start"] + r["events"][-1][2] for r in records) - origin
+    out = []
+    for r in records:
+        at, started = 0.0, False
+        for label, s, e in r["events"]:
+            s, e = r["start"] + s - origin, r["start"] + e - origin
+            if s > at:
+                out.append((r["stage"], "between" if started else "outside", "", at, s))
+            started = True
+            out.append((r["stage"], kind(label), label if label != "wait" else "", s, e))
+            at = max(at, e)
+        if at < end:
+            out.append((r["stage"], "outside", "", at, end))
+    return out
 
 
 def measured_bubble(records: list[dict]) -> float:
@@ -49,39 +80,61 @@ def measured_bubble(records: list[dict]) -> float:
 
 
 def chrome_trace(records: list[dict]) -> dict:
-    origin = min(r["start"] for r in records)
-    events = [{"name": label, "cat": kind(label), "ph": "X", "pid": 0, "tid": r["stage"],
-               "ts": (r["start"] - origin + s) * 1e6, "dur": (e - s) * 1e6}
-              for r in records for label, s, e in r["events"]]
+    events = [{"name": label or KINDS[k][1].split(":")[0], "cat": k, "ph": "X", "pid": 0, "tid": stage,
+               "ts": start * 1e6, "dur": (end - start) * 1e6}
+              for stage, k, label, start, end in spans(records) if k != "outside"]
     names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r["stage"], "args": {"name": f"stage {r['stage']}"}}
              for r in records]
     return {"traceEvents": names + events, "displayTimeUnit": "ms"}
 
 
 def draw(records: list[dict], step: int, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(records, step)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(records: list[dict], step: int):
+    """The step's picture (a matplotlib Figure), its blocks labelled where the labels fit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    origin = min(r["start"] for r in records)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(records) + 1.2))
-    for r in records:
-        for label, s, e in r["events"]:
-            x = (r["start"] - origin + s) * 1e3
-            ax.barh(r["stage"], (e - s) * 1e3, left=x, color=COLOURS[kind(label)], edgecolor="white", linewidth=0.5)
-            if label != "wait" and (e - s) * 1e3 > 0:
-                ax.text(x + (e - s) * 5e2, r["stage"], label, ha="center", va="center", fontsize=6, color="white")
+    drawn = spans(records)
+    shown = [k for k in KINDS if any(d[1] == k for d in drawn)]  # W only where the schedule has one
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(records) + 1.6))
+    for stage, k, _, start, end in drawn:
+        ax.barh(stage, (end - start) * 1e3, left=start * 1e3, color=KINDS[k][0], linewidth=0, hatch=HATCH.get(k),
+                edgecolor="#bbbbbb")
+    ax.set_xlim(0, max(d[4] for d in drawn) * 1e3)
     ax.set_yticks([r["stage"] for r in records], [f"stage {r['stage']}" for r in records])
     ax.invert_yaxis()
     ax.set_xlabel("ms from the step's start")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    ax.legend(handles, ["forward", "backward", "weight gradient", "wait"], loc="lower right",
-              bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=7, frameon=False)
-    ax.set_title(f"step {step}: measured bubble {measured_bubble(records):.3f}", loc="left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_title(f"step {step}: measured bubble {measured_bubble(records):.3f} = 1 - compute / (stages x span)",
+                 loc="left", fontsize=9)
+    labels = [KINDS[k][1] + (" (input gradient only: W follows)" if k == "B" and "W" in shown else "") for k in shown]
+    patches = [plt.Rectangle((0, 0), 1, 1, facecolor=KINDS[k][0], hatch=HATCH.get(k), edgecolor="#bbbbbb",
+                             linewidth=0) for k in shown]
+    fig.legend(patches, labels, loc="lower center",
+               ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * (1 + (len(shown) > 3)), 1, 1))
+    _label_blocks(fig, ax, drawn)
+    return fig
+
+
+def _label_blocks(fig, ax, drawn) -> None:
+    """Each action's label inside its block, only where it fits: no label overlaps another or leaves its block."""
+    renderer = fig.canvas.get_renderer()
+    for stage, _, label, start, end in drawn:
+        if not label:
+            continue
+        text = ax.text((start + end) * 5e2, stage, label, ha="center", va="center", fontsize=6, color="white")
+        left, right = ax.transData.transform([(start * 1e3, stage), (end * 1e3, stage)])[:, 0]
+        if text.get_window_extent(renderer).width > 0.9 * (right - left):
+            text.remove()
 
 
 def main(argv: list[str]) -> int:

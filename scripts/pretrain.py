@@ -18,7 +18,7 @@ from parallel_attention import load_config
 from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.launch.launcher_watch import stop_with_launcher
 from parallel_attention.launch.rank_zero import is_rank_zero
-from parallel_attention.launch.report_once import report_from_rank_0
+from parallel_attention.launch.report_once import record_errors, report_from_rank_0
 from parallel_attention.launch.warning_lines import one_line_warnings
 from parallel_attention.training import ConfigError, train
 from parallel_attention.training.config.loading import parse_with_overrides
@@ -34,6 +34,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parse_with_overrides(parser, argv)
 
 
+@record_errors  # an error no refusal caught: torchrun's root cause is its one line
 def main(argv: list[str]) -> int:
     stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
     one_line_warnings()

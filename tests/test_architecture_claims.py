@@ -239,7 +239,7 @@ ORDERS = {
                   ("`check_config_agreement`", "check_config_agreement"), ("`lock_run_dir`", "lock_run_dir"),
                   ("`prepare_run_dir`", "prepare_run_dir"), ("the data is prepared", "build_data"),
                   ("`manual_seed`", "manual_seed"), ("`GPTModel`", "GPTModel")]),
-    3: ("train_step", [("inside the last micro-batch's backward", "_forward_backward"),
+    3: ("train_step", [("inside the last micro-batch's backward", "forward_backward"),
                        ("`finalize_grads`", "finalize_grads"), ("the scaler unscales", "unscale"),
                        ("`global_grad_norm`", "global_grad_norm"),
                        ("the loss is averaged over the data-parallel ranks", "all_reduce"),
@@ -257,7 +257,12 @@ def test_the_trainer_runs_in_the_order_the_page_tells(step):
 
 
 def test_the_data_parallel_average_runs_in_the_backward_before_finalize_grads():
-    """DDP averages in the last micro-batch's backward; a pipeline after its schedule: both inside
-    `_forward_backward`, which train_step calls before `finalize_grads` (ORDERS[3])."""
-    assert "reduce_gradients" in _calls("_forward_backward", "training/trainer.py")
-    assert "all_reduce_data_parallel" in _calls("pipeline_forward_backward", "training/pipeline_step.py")
+    """The gradient sync rides in each micro-batch's forward and backward (DDP's no_sync, ChunkReducer's hooks) and
+    completes before `forward_backward` returns, which train_step calls before `finalize_grads` (ORDERS[3])."""
+    contract = next(n for n in _tree("pipeline/micro_batch_step.py").body
+                    if isinstance(n, ast.ClassDef) and n.name == "MicroBatchStep")
+    entered = {ast.unparse(item.context_expr) for node in ast.walk(contract) if isinstance(node, ast.With)
+               for item in node.items}
+    assert {"self.sync.forward(chunk, last)", "self.sync.backward(chunk, last)"} <= entered
+    assert _calls("forward_backward", "training/step.py").index("finish") < \
+        _calls("forward_backward", "training/step.py").index("sum_tied_embedding_grads")

@@ -86,3 +86,42 @@ def test_compile_refuses_layout_invariant_dropout():
                              "--model.hidden_dropout=0.1"])
     with pytest.raises(ConfigError, match="model.compile=true cannot compile .*--model.dropout_rng=per_rank"):
         cfg.validate(1)
+
+
+def test_one_compilation_serves_every_layer_step_and_micro_batch_with_layout_invariant_dropout():
+    """The layer index, the (seed, step) key and the micro-batch's first sample reach the hash as tensors: dynamo
+    compiles a layer's forward once for 12 layers, 2 steps and 2 micro-batches (it guarded on the layer index before:
+    one compilation per layer until the recompile limit, eager after it), and the losses are eager's exactly
+    (aot_eager runs the traced graph with eager kernels: the same masks, the same arithmetic)."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from parallel_attention.tensor_parallel.rng import dropout_coordinates
+    from parallel_attention.transformer.model import GPTModel
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=12, num_heads=4, num_kv_heads=2, head_dim=8,
+                      ffn_hidden_size=64, max_seq_len=16, hidden_dropout=0.1, attention_dropout=0.1,
+                      dropout_rng="layout_invariant")
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+
+    def losses(model) -> list[float]:
+        found = []
+        for step in range(2):
+            for first in (0, 2):  # two micro-batches of 2 rows
+                with dropout_coordinates(7, step, first):
+                    loss = model(tokens[first:first + 2], tokens[first:first + 2])
+                    loss.backward()
+                    found.append(loss.item())
+        return found
+
+    torch.manual_seed(0)
+    eager = losses(GPTModel(cfg))
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    for layer in model.layers:
+        layer.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    assert losses(model) == eager
+    assert counters["frames"]["ok"] == 1 and counters["stats"]["unique_graphs"] == 1, dict(counters["frames"])

@@ -146,8 +146,9 @@ def test_validation_errors_are_config_errors():
 
 def test_the_70b_pipeline_config_fits_an_80_gb_gpu_per_stage():
     """Llama-3-70B's shape at tp 8 x pp 8 x dp 2 (16 nodes of 8): the run summary's stages row, from the config
-    alone, gives every stage its 10 layers (the embedding and the head counted as a layer each: 9 on the end
-    stages) and its weights, gradients and AdamW state per GPU."""
+    alone, gives every stage its layers (balanced by FLOPs: the embedding costs next to nothing and the output layer
+    about one layer, so 9 on the last stage, 11 on the one before), its cost and its weights, gradients and AdamW
+    state per GPU."""
     from parallel_attention.training.run.pipeline_summary import layer_parameters, pipeline_rows
 
     cfg = load_config(ROOT / "configs" / "llama_70b_pp.yaml")
@@ -156,6 +157,9 @@ def test_the_70b_pipeline_config_fits_an_80_gb_gpu_per_stage():
     rows = pipeline_rows(cfg, 128, cfg.gradient_accumulation_steps(128))
     assert rows["pipeline"].startswith("8 stages, 1f1b, 128 micro-batches: bubble (p-1)/(m+p-1) = 0.052")
     stages = rows["stages"].split("; ")
-    assert len(stages) == 8 and stages[0].startswith("stage 0: layers 0-8 + embedding")
+    assert len(stages) == 8 and stages[0].startswith("stage 0: layers 0-9 + embedding")
+    assert stages[7].startswith("stage 7: layers 71-79 + output layer and loss")
+    shares = [int(re.search(r"\(([0-9]+) % of the step\)", s).group(1)) for s in stages]
+    assert all(12 <= share <= 14 for share in shares), shares
     gib = [float(re.search(r"([0-9.]+) GiB/rank", s).group(1)) for s in stages]
     assert all(8 < g < 20 for g in gib), gib

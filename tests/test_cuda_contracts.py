@@ -8,6 +8,10 @@ guard), so backwards are called directly; Python indexing and Tensor.copy_ (thei
 "PyTorch is not linked with support for cuda devices"), so the ring's per-document pieces, which write with copy_,
 are checked per operator call; torch.autocast("cuda") (disabled with a warning); and anything that reads values
 (DocumentLayout.from_ids, the documents' block skipping), so layouts are built on CPU first.
+
+What a test expects of varlen_attn (its operator's arguments, how grouped heads reach it) is read from the schema of
+the operator the call reached, as the library reads the wrapper's signature; the varlen tests run twice, on the
+installed torch and on torch 2.11's varlen_attn replayed by a stand-in (tests/varlen_2_11.py: the GPU image's torch).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from parallel_attention.transformer.kernels.ring_blocks import (CPU_FLASH_BLOCKS
 from parallel_attention.transformer.kernels.core_attention import AutoAttention, CpuAttention, SdpaAttention
 from parallel_attention.transformer.kernels.document_kernels import PerDocumentSdpa, VarlenDocuments
 from parallel_attention.transformer.documents import DocumentLayout
+
+import varlen_2_11
 
 B, NH, NKV, M, D = 2, 8, 2, 48, 64
 FLASH, FLASH_BACKWARD = "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"
@@ -61,9 +67,10 @@ def _spec(shape, dtype):
     return (tuple(shape), dtype, "cuda", True)
 
 
-def _causal(call, index: int) -> bool:
-    """An operator call's is_causal argument (the dispatcher drops arguments left at their default, False)."""
-    return len(call[1]) > index and call[1][index]
+def _causal(call) -> bool:
+    """An aten operator call's is_causal argument, found by name in the installed operator's schema (the dispatcher
+    drops arguments left at their default, False)."""
+    return bool(_argument(call, getattr(torch.ops.aten, call[0]), "is_causal"))
 
 
 def _fake_cuda(dtype, *shapes):
@@ -83,11 +90,12 @@ def test_a_ring_pair_calls_the_cuda_flash_operator_with_grouped_heads_and_a_floa
     (forward,), (backward,) = ops.named(FLASH), ops.named(FLASH_BACKWARD)
     assert forward[1][:3] == [_spec((B, NH, M, D), dtype), _spec((B, NKV, M, D), dtype),
                               _spec((B, NKV, M, D), dtype)]  # k/v with their own heads
-    assert _causal(forward, 4) is diagonal and _causal(backward, 11) is diagonal
+    assert _causal(forward) is diagonal and _causal(backward) is diagonal
     assert forward[2][1] == _spec((B, NH, M), torch.float32)  # the operator's own lse
     assert (out.shape, out.dtype) == ((B, NH, M, D), dtype)
     assert (lse.shape, lse.dtype, lse.is_contiguous()) == ((B, NH, M), torch.float32, True)
-    assert backward[1][5] == _spec((B, NH, M), torch.float32)  # the lse the backward receives
+    assert _argument(backward, torch.ops.aten._scaled_dot_product_flash_attention_backward, "logsumexp") == _spec(
+        (B, NH, M), torch.float32)  # the lse the backward receives
     assert backward[1][1][0] == (B, NH, M, D) and backward[1][2][0] == (B, NKV, M, D)
     assert [(tuple(g.shape), g.dtype) for g in grads] == [((B, NH, M, D), dtype), ((B, NKV, M, D), dtype),
                                                            ((B, NKV, M, D), dtype)]
@@ -134,9 +142,10 @@ def test_the_ring_runs_forward_and_backward_through_the_cuda_operators():
             out = RingAttention.forward(ctx, q, k, v, plan)
             ctx.plan = plan
             dq, dk, dv, _ = RingAttention.backward(ctx, grad_out)
-    assert [_causal(call, 4) for call in ops.named(FLASH)] == [True, False, True]  # is_causal: the diagonals only
-    assert [_causal(call, 11) for call in ops.named(FLASH_BACKWARD)] == [True, False, True]
-    assert all(call[1][5] == _spec((B, NH, M), torch.float32) for call in ops.named(FLASH_BACKWARD))
+    assert [_causal(call) for call in ops.named(FLASH)] == [True, False, True]  # is_causal: the diagonals only
+    assert [_causal(call) for call in ops.named(FLASH_BACKWARD)] == [True, False, True]
+    assert all(_argument(call, torch.ops.aten._scaled_dot_product_flash_attention_backward, "logsumexp") == _spec(
+        (B, NH, M), torch.float32) for call in ops.named(FLASH_BACKWARD))
     assert ctx.saved_tensors[4].dtype == torch.float32  # the merged lse kept for backward
     assert (out.shape, out.dtype) == ((B, NH, 2 * M, D), torch.bfloat16)
     assert [(tuple(g.shape), g.dtype) for g in (dq, dk, dv)] == [
@@ -149,8 +158,37 @@ def _on_cuda(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="cuda")
 
 
+@pytest.fixture(params=["installed", "torch 2.11"])
+def varlen_ops(request, monkeypatch):
+    """(forward, backward) operators of the varlen_attn the library will call: the installed torch's, or torch
+    2.11's replayed (its wrapper put where the library looks)."""
+    if request.param == "installed":
+        import torch.nn.attention.varlen  # noqa: F401  (registers its operators)
+
+        return torch.ops.torch_attn._varlen_attn, torch.ops.torch_attn._varlen_attn_backward
+    varlen_2_11.install(monkeypatch)
+    return varlen_2_11.FORWARD, varlen_2_11.BACKWARD
+
+
+def _argument_names(op) -> list[str]:
+    return [argument.name for argument in op.default._schema.arguments]
+
+
+def _argument(call, op, name: str):
+    """The value an operator call passed for argument `name` (positional or keyword), None when left out."""
+    index = _argument_names(op).index(name)
+    return call[3].get(name, call[1][index] if len(call[1]) > index else None)
+
+
+def _by_schema(op, **values) -> list:
+    """`values` as the operator's positional arguments, in its schema's order; names it lacks are left out (2.11's
+    forward has no enable_gqa) and so are the defaults after the last one given."""
+    names = [name for name in _argument_names(op) if name in values]
+    return [values[name] for name in names]
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_packed_documents_on_cuda_are_one_varlen_call(causal):
+def test_packed_documents_on_cuda_are_one_varlen_call_with_grouped_k_v_as_they_are(causal, varlen_ops):
     s = 40
     # odd lengths, single tokens; built on CPU (its spans need values), its cu_seqlens then on the fake device
     layout = DocumentLayout.from_ids(torch.tensor([[0] * 7 + [1] + [2] * 31 + [3], [0] * 40]))
@@ -160,24 +198,32 @@ def test_packed_documents_on_cuda_are_one_varlen_call(causal):
         with _Calls() as ops:
             out = kernel(q, k, v, None, causal, 0.0, documents)
     (call,) = ops.named("_varlen_attn")
-    args, results, kwargs = call[1], call[2], call[3]
+    forward = varlen_ops[0]
+    args, results = call[1], call[2]
     assert args[:4] == [_spec((B * s, NH, D), torch.bfloat16), _spec((B * s, NKV, D), torch.bfloat16),
                         _spec((B * s, NKV, D), torch.bfloat16), _spec((6,), torch.int32)]  # 5 documents in the batch
     assert args[5:7] == [40, 40] and layout.cu_seqlens.tolist() == [0, 7, 8, 39, 40, 80]  # the longest: row 1
-    assert list(kwargs.get("window_size", args[9] if len(args) > 9 else None)) == ([-1, 0] if causal else [-1, -1])
+    assert list(_argument(call, forward, "window_size")) == ([-1, 0] if causal else [-1, -1])
+    if "enable_gqa" in _argument_names(forward):  # grouped k/v need it where the wrapper checks the heads (2.13)
+        assert _argument(call, forward, "enable_gqa") is True
     assert results[0] == _spec((B * s, NH, D), torch.bfloat16) and results[1][1] == torch.float32
     assert (out.shape, out.dtype) == ((B, NH, s, D), torch.bfloat16)
     assert not ops.named("scaled_dot_product_attention") and not ops.named("_scaled_dot_product_flash_attention")
+    assert not ops.named("repeat_interleave") and not ops.named("index_select")  # no copies of k and v per head
 
 
-def test_varlen_attn_has_a_backward_for_grouped_heads_under_fake_tensors():
-    """What autograd calls on a GPU (torch's registered backward of varlen_attn): its meta contract."""
+def test_varlen_attn_has_a_backward_for_grouped_heads_under_fake_tensors(varlen_ops):
+    """What autograd calls on a GPU (torch's registered backward of varlen_attn): its meta contract, each operator
+    called with the arguments its schema names."""
+    forward, backward = varlen_ops
     with FakeTensorMode(allow_non_fake_inputs=True):
         q, k, v = _fake_cuda(torch.bfloat16, (80, NH, D), (80, NKV, D), (80, NKV, D))
         cu = _on_cuda(torch.tensor([0, 7, 8, 39, 40, 80], dtype=torch.int32))
-        out, lse, rng = torch.ops.torch_attn._varlen_attn(q, k, v, cu, cu, 31, 31, True, None, [-1, 0], True)
-        grads = torch.ops.torch_attn._varlen_attn_backward(out, q, k, v, out, lse, cu, cu, 31, 31, True, rng,
-                                                           None, [-1, 0])
+        common = dict(query=q, key=k, value=v, cu_seq_q=cu, cu_seq_k=cu, max_q=31, max_k=31, is_causal=True,
+                      scale=None, window_size=[-1, 0])
+        out, lse, rng = forward(*_by_schema(forward, **common, enable_gqa=True))
+        grads = backward(*_by_schema(backward, grad_out=out, out=out, lse=lse, rng_state=rng, **common))
+    assert (out.shape, lse.dtype) == ((80, NH, D), torch.float32)
     assert [tuple(g.shape) for g in grads] == [(80, NH, D), (80, NKV, D), (80, NKV, D)]
 
 
@@ -220,25 +266,20 @@ def test_without_varlen_attn_cuda_keeps_one_sdpa_call_per_document_and_says_why(
 
 
 def test_torch_2_11s_varlen_attn_is_called_without_enable_gqa_and_active_paths_says_so(monkeypatch):
-    """torch 2.11's varlen_attn takes window_size but no enable_gqa (read by signature): grouped k/v heads reach it
-    repeated to the query heads."""
-    import torch.nn.attention.varlen as varlen
-
-    calls = []
-
-    def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                    window_size=(-1, -1)):
-        calls.append(([tuple(t.shape) for t in (query, key, value)], window_size))
-        return torch.empty_like(query)
-
-    monkeypatch.setattr(varlen, "varlen_attn", varlen_2_11)
+    """torch 2.11's varlen_attn takes window_size but no enable_gqa (read by signature) and checks no head counts:
+    grouped k/v heads reach it as they are (gpu_check's probe step compares them with the repeated call)."""
+    varlen_2_11.install(monkeypatch)
     layout = DocumentLayout.from_ids(torch.tensor([[0] * 7 + [1] + [2] * 32, [0] * 40]))
     with FakeTensorMode(allow_non_fake_inputs=True):
         kernel, documents = SdpaAttention("cuda"), dataclasses.replace(layout, cu_seqlens=_on_cuda(layout.cu_seqlens))
         q, k, v = _fake_cuda(torch.bfloat16, (B, NH, 40, D), (B, NKV, 40, D), (B, NKV, 40, D))
-        out = kernel(q, k, v, None, True, 0.0, documents)
+        with _Calls() as ops:
+            out = kernel(q, k, v, None, True, 0.0, documents)
     assert type(kernel.documents_kernel) is VarlenDocuments and "takes no enable_gqa" in kernel.documents_reason
-    assert calls == [([(B * 40, NH, D)] * 3, (-1, 0))] and out.shape == (B, NH, 40, D)
+    (call,) = ops.named("_varlen_attn")
+    assert [spec[0] for spec in call[1][:3]] == [(B * 40, NH, D), (B * 40, NKV, D), (B * 40, NKV, D)]
+    assert len(call[1]) + len(call[3]) == len(_argument_names(varlen_2_11.FORWARD)) == 10
+    assert out.shape == (B, NH, 40, D)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # active_paths reads the signature where CUDA is
     assert "takes no enable_gqa" in pa.active_paths()[
         "packed documents on CUDA (attention_kernel='auto'/'sdpa', no attention_mask)"]

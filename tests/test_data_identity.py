@@ -112,7 +112,8 @@ def test_a_resharded_run_carries_its_config_and_tokenizer(tmp_path):
     (source / "tokenizer" / "tokenizer.json").write_text("{}")
     (source / "config.yaml").write_text(yaml.safe_dump({"parallel": {"tensor_parallel_size": 2},
                                                         "logging": {"run_dir": str(source)}}))
-    assert carry_model_files(source, out, 4) == ["config.yaml", "tokenizer/tokenizer.json"]
+    layout = {"tensor_parallel_size": 4, "pipeline_parallel_size": 2, "pipeline_layers": [3, 1]}
+    assert carry_model_files(source, out, layout) == ["config.yaml", "tokenizer/tokenizer.json"]
     config = yaml.safe_load((out / "config.yaml").read_text())
-    assert config["parallel"]["tensor_parallel_size"] == 4 and config["logging"]["run_dir"] == str(out)
+    assert config["parallel"] == layout and config["logging"]["run_dir"] == str(out)
     assert (out / "tokenizer" / "tokenizer.json").read_text() == "{}"

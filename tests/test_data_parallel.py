@@ -85,6 +85,9 @@ def test_every_layout_trains_like_one_rank_and_reduces_once_per_step(data_dir, t
     world2 = run_distributed(_layouts_worker, 2, 2, [
         layout("p1dp2", 1), layout("p1dp2_recompute_zero0", 1, "--model.recompute_activations=true",
                                    "--parallel.zero_stage=0"),
+        # pp = 1 runs 1f1b on its one stage whatever the schedule says (gpipe's forwards first would hand DDP's
+        # armed reducer the earlier micro-batches' backwards)
+        layout("p1dp2_gpipe_setting", 1, "--parallel.pipeline_schedule=gpipe"),
         layout("p2dp1", 2), layout("p2dp1_sp", 2, "--parallel.sequence_parallel=true")])
     # the collective guard's path (ReducedAfterBackward: the average after the backward, through the guarded
     # collectives); fresh ranks, since the guard sets environment variables that a pooled rank would keep

@@ -67,7 +67,8 @@ def test_a_float32_call_takes_one_sdpa_call_per_document():
 
 
 # Stand-ins with the signatures of torch's varlen_attn (public torch/nn/attention/varlen.py): 2.13 takes window_size
-# and enable_gqa; 2.11 window_size only (equal head counts); an older one is_causal only. Each computes the contract.
+# and enable_gqa (and refuses grouped k/v without it); 2.11 window_size only, with no head check (FlashAttention-2's
+# varlen kernel reads grouped k/v as they are); an older one is_causal only. Each computes the contract.
 def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     return _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size,
@@ -76,15 +77,13 @@ def varlen_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
 
 def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                 window_size=(-1, -1)):
-    assert query.shape[1] == key.shape[1] == value.shape[1], "no enable_gqa: the heads must match"
     return _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size,
-                             enable_gqa=False)
+                             enable_gqa=key.shape[1] != query.shape[1])
 
 
 def varlen_is_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
-    assert query.shape[1] == key.shape[1]
     return _varlen_reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                             window_size=(-1, 0) if is_causal else (-1, -1), enable_gqa=False)
+                             window_size=(-1, 0) if is_causal else (-1, -1), enable_gqa=key.shape[1] != query.shape[1])
 
 
 @pytest.mark.parametrize("varlen", [varlen_2_13, varlen_2_11, varlen_is_causal])
@@ -96,10 +95,9 @@ def test_each_varlen_signature_is_called_as_it_asks_and_matches_one_sdpa_call_pe
     layout = DocumentLayout.from_ids(torch.tensor(ROWS))
     kernel, reason = varlen_kernel(varlen)
     assert isinstance(kernel, VarlenDocuments)
-    assert reason.endswith("grouped k/v heads are repeated to the query heads before the call)") == (
-        varlen is not varlen_2_13)
+    assert reason.endswith("grouped k/v heads reach it as they are)") == (varlen is not varlen_2_13)
     got = kernel(q, k, v, layout, causal, 0.0)
-    got.float().sum().backward()  # the repeated k/v heads' gradients reach k and v (no NaN, their shapes)
+    got.float().sum().backward()  # the grouped k/v heads' gradients reach k and v (no NaN, their shapes)
     assert k.grad.shape == k.shape and torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
     want = PER_DOCUMENT_SDPA(q.detach().float(), k.detach().float(), v.detach().float(), layout, causal, 0.0)
     torch.testing.assert_close(got.detach().float(), want, rtol=0,

@@ -33,7 +33,9 @@ def _splitmix64_draw(key: int, index: int) -> int:
     return ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
 
 
-def test_mask_matches_a_plain_python_splitmix64():
+@pytest.mark.parametrize("block", [dropout_hash.BLOCK_ELEMENTS, 9], ids=["one_pass", "blocks_of_one_row"])
+def test_mask_matches_a_plain_python_splitmix64(block, monkeypatch):
+    monkeypatch.setattr(dropout_hash, "BLOCK_ELEMENTS", block)  # 9 elements: blocks of one row of the axis of 4
     key = dropout_hash.stream_key(SEED, STEP, 1, 2)
     axes = [(3, 2, 5 * 7), (1, 4, 7), (0, 7, 1)]  # a [2, 4, 7] window of a [*, 5, 7] tensor
     mask = dropout_hash.keep_mask(P, key, axes, "cpu")
@@ -47,9 +49,34 @@ def test_mask_matches_a_plain_python_splitmix64():
                 assert bool(mask[i, j, k]) == kept, (i, j, k)
 
 
+def _peak_bytes(function):
+    """(function(), the most bytes the CPU allocator held at once while it ran), from the profiler's memory events."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        result = function()
+    events = sorted((e.start_ns(), e.nbytes()) for e in profile.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return result, peak
+
+
+def test_attention_masks_at_s_4096_are_hashed_in_blocks_at_an_eighth_of_one_pass_peak(monkeypatch):
+    """One head's [4096, 4096] probabilities: one pass holds int64 tensors of the mask's size (128 MiB each); the
+    blocks hold the boolean mask (16 MiB) and one block's int64 work. The same bits either way."""
+    s, key = 4096, dropout_hash.stream_key(SEED, STEP, 7, int(DropoutSite.ATTENTION_PROBS))
+    axes = [(3, 1, NH * s * s), (2, 1, s * s), (0, s, s), (0, s, 1)]  # sample 3, head 2 of NH
+    blocks, blocks_peak = _peak_bytes(lambda: dropout_hash.keep_mask(P, key, axes, "cpu"))
+    monkeypatch.setattr(dropout_hash, "BLOCK_ELEMENTS", s * s)  # one block: the single pass of before
+    one_pass, one_pass_peak = _peak_bytes(lambda: dropout_hash.keep_mask(P, key, axes, "cpu"))
+    assert torch.equal(blocks, one_pass)
+    assert blocks_peak * 8 <= one_pass_peak, (blocks_peak, one_pass_peak)  # measured: 24 MiB against 512 MiB
+
+
 def _draw(coords, layer=0, site=DropoutSite.ATTENTION_PROBS):
     """64 samples x 1024 x 16 mask elements, starting at the block's first sample."""
-    return coords.keep_mask(P, layer, site, [(coords.first_sample, 64, 1024 * 16), (0, 1024, 16), (0, 16, 1)], "cpu")
+    return coords.keep_mask(P, layer, site, [(coords.first_sample_tensor, 64, 1024 * 16), (0, 1024, 16), (0, 16, 1)], "cpu")
 
 
 def test_keep_rate_and_distinct_streams():

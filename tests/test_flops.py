@@ -13,8 +13,8 @@ import torch
 
 from distributed import run_distributed
 from parallel_attention.training import flops
-from parallel_attention.training.flops import (flops_per_token, gpu_table_peak, matmul_weights, measured_gemm_tflops,
-                                               peak_tflops)
+from parallel_attention.training.flops import flops_per_token, gpu_table_peak, measured_gemm_tflops, peak_tflops
+from parallel_attention.transformer.model_flops import matmul_weights
 from parallel_attention.transformer.model import GPTModel
 from parallel_attention.transformer.model_config import ModelConfig
 from test_data_parallel import build_run
@@ -85,6 +85,23 @@ def _agreed_peaks() -> tuple[float, float, float]:
 def test_every_rank_reports_mfu_against_the_highest_measured_peak():
     """A rank whose probe ran at a noisy moment no longer gets its own, lower peak: all take the job's highest."""
     assert run_distributed(_agreed_peaks, 2) == [(2.0, 2.0, 7.0)] * 2  # a configured peak still wins
+
+
+def _credited_flops(pp: int) -> float:
+    """The model FLOPs a device is credited with for one step of the same model and batch, at pp stages."""
+    import parallel_attention as pa
+    from parallel_attention.training.config.schema import PretrainConfig
+
+    pa.destroy_model_parallel()  # the ranks came with tp groups; this layout has pp stages
+    pa.initialize_model_parallel(1, pipeline_model_parallel_size=pp)
+    return flops.flops_per_device(PretrainConfig(), tokens_per_step=4096)
+
+
+def test_a_pipeline_stage_is_credited_with_its_share_of_the_steps_flops():
+    """At pp 8 a 40 % MFU used to read 320 %: pp divides the step's FLOPs like tp, cp and dp do."""
+    one_stage, = run_distributed(_credited_flops, 1, 1, 1)
+    two_stages = run_distributed(_credited_flops, 2, 1, 2)
+    assert two_stages == [one_stage / 2] * 2
 
 
 def _one_step_record(data, run_dir) -> tuple[dict, dict]:

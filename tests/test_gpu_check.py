@@ -11,16 +11,18 @@ import shutil
 import site
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 from launch import ROOT, environment
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _gpu_check_archive import LIMIT, pack  # noqa: E402
 from _gpu_check_plumbing import problems  # noqa: E402
 from _gpu_check_summary import main as summarize  # noqa: E402
 
-STEPS = ["cuda_tests", "pretrain_bf16", "pretrain_fp16", "flash_sdpa", "kernels", "attention_block",
+STEPS = ["cuda_tests", "probe", "pretrain_bf16", "pretrain_fp16", "flash_sdpa", "kernels", "attention_block",
          "bench_attention", "train_1b"]
 HIDDEN = ("parallel_attention", "__editable__", "pytest", "_pytest", "xdist", "pytest_timeout")
 
@@ -86,8 +88,11 @@ def test_the_dry_run_from_a_fresh_clone_with_a_bare_python3_checks_every_step(ba
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["dry_run"] and list(summary["steps"]) == STEPS
     assert summary["skipped"] == ["cuda_tests"] and "pip install pytest" in summary["steps"]["cuda_tests"]["status"]
-    assert all(step["status"] == "passed" for name, step in summary["steps"].items() if name != "cuda_tests")
+    assert all(step["status"] == "dry_run" for name, step in summary["steps"].items() if name != "cuda_tests")
+    assert summary["steps"]["cuda_tests"]["reason"].startswith("skipped: pytest is not installed")
+    assert summary["steps"]["cuda_tests"]["log_tail"][0].startswith("skipped: pytest is not installed")
     assert _files(out.parent) == {"gpu_check.json", "gpu_check_logs.tar.gz"}  # the scratch directory is gone
+    assert (out.parent / "gpu_check_logs.tar.gz").stat().st_size <= LIMIT
     assert summary["logs"] == str(out.parent / "gpu_check_logs.tar.gz") and summary["steps"]["kernels"]["log"] == (
         "kernels.log")
     assert _files(clone) == before  # nothing written into the checkout
@@ -127,6 +132,17 @@ def test_the_ring_step_matches_one_sdpa_call_over_the_whole_sequence():
     assert report["ok"] and report["cp"] == 2 and report["tokens_per_rank"] == 12 and report["worst_error"] <= 1e-5
 
 
+def test_the_probe_step_runs_its_checks_on_the_cpu():
+    """The probe's program on CPU: q, k, v in bf16 under bf16 autocast, the hash's masks equal in blocks and in one
+    pass; varlen_attn (CUDA only) skipped, saying so."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_gpu_check_probe.py"), "--device", "cpu"],
+                            cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["autocast"] == {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16", "ok": True}
+    assert report["varlen"] == {"skipped": "varlen_attn runs on CUDA only"} and report["dropout_hash"]["ok"]
+
+
 def test_the_plumbing_check_names_what_would_not_start(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import parallel_attention.no_such_module\n")
@@ -159,12 +175,15 @@ def test_the_hang_step_names_the_collective_nobody_joined():
 
 def test_a_run_records_each_steps_outcome_and_interrupts_the_one_past_its_limit(tmp_path):
     """The non-dry path with a stand-in python3 that claims a GPU: every step's command "passes" at once, except
-    flash_sdpa's, which outlives its 25 s limit and is interrupted (SIGINT); the versions and the summary run on the
-    real interpreter. Steps whose facts are missing fail their check; the run writes its two files."""
+    kernels', which prints 41 lines and fails, and flash_sdpa's, which outlives its 25 s limit and is interrupted
+    (SIGINT); the versions, the summary and the archive run on the real interpreter. Steps whose facts are missing
+    fail their check; the run writes its two files."""
     fake = tmp_path / "python3"
     fake.write_text(f"""#!/bin/sh
-case "$1" in benchmarks/_gpu_check_versions.py|benchmarks/_gpu_check_summary.py) exec {sys.executable} "$@";; esac
+case "$1" in benchmarks/_gpu_check_versions.py|benchmarks/_gpu_check_summary.py|benchmarks/_gpu_check_archive.py)
+    exec {sys.executable} "$@";; esac
 case "$*" in *_gpu_check_flash.py*) exec sleep 120;; esac
+case "$*" in *_gpu_check_kernels.py*) seq 1 40; echo "RuntimeError: the kernel refused" >&2; exit 3;; esac
 exit 0
 """)
     fake.chmod(0o755)
@@ -176,8 +195,37 @@ exit 0
     assert result.returncode == 1, result.stderr[-3000:]
     steps = json.loads(out.read_text())["steps"]
     assert {name: step["status"] for name, step in steps.items()} == {
-        "cuda_tests": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
-        "flash_sdpa": "timeout(25s)", "kernels": "passed", "attention_block": "passed", "bench_attention": "passed",
+        "cuda_tests": "passed", "probe": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
+        "flash_sdpa": "timeout(25s)", "kernels": "failed(3)", "attention_block": "passed", "bench_attention": "passed",
         "train_1b": "passed"}
     assert 25 <= steps["flash_sdpa"]["seconds"] <= 25 + 15  # the limit, then at most the grace
+    # every step that did not pass says why and ends with its log's last 30 lines
+    assert steps["kernels"]["reason"] == "its command exited with status 3"
+    assert steps["kernels"]["log_tail"] == [str(i) for i in range(12, 41)] + ["RuntimeError: the kernel refused"]
+    assert steps["flash_sdpa"]["reason"] == "interrupted at its limit (25s)"
+    assert steps["pretrain_bf16"]["reason"].startswith("it ran to its end, but the facts it reports fail")
+    assert "reason" not in steps["cuda_tests"] and "log_tail" not in steps["cuda_tests"]
     assert _files(out.parent) == {"gpu_check.json", "gpu_check_logs.tar.gz"}
+
+
+def test_the_logs_archive_keeps_logs_and_metrics_not_checkpoints_or_data_under_4_mib(tmp_path):
+    """The tiny run's checkpoints and prepared data (incompressible) stay out; a long log keeps its end."""
+    logs = tmp_path / "logs"
+    for name, size in (("data_tiny/shard_0.bin", 3 * 2**20), ("run_bf16/checkpoints/step_60/model.pt", 6 * 2**20)):
+        (logs / name).parent.mkdir(parents=True)
+        (logs / name).write_bytes(os.urandom(size))
+    (logs / "run_bf16" / "metrics.jsonl").write_text('{"loss": 3.0}\n')
+    (logs / "data_tiny" / "meta.json").write_text("{}")
+    (logs / "cuda_tests.xml").write_text("<testsuite tests='1'/>")
+    (logs / "train_1b.log").write_text("".join(f"line {i}: {os.urandom(32).hex()}\n" for i in range(40000)))
+    archive = tmp_path / "gpu_check_logs.tar.gz"
+    left_out = pack(logs, archive)
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        log = tar.extractfile("train_1b.log").read().decode()
+    assert sorted(names) == ["cuda_tests.xml", "left_out.txt", "run_bf16/metrics.jsonl", "train_1b.log"]
+    assert log.startswith("[the first ") and log.endswith("line 39999: " + log.rsplit("line 39999: ", 1)[1])
+    assert sorted(left_out) == ["data_tiny/meta.json (not a log, metrics or report)",
+                                "data_tiny/shard_0.bin (not a log, metrics or report)",
+                                "run_bf16/checkpoints/step_60/model.pt (not a log, metrics or report)"]
+    assert archive.stat().st_size <= LIMIT

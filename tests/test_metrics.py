@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import sys
 
@@ -104,6 +105,28 @@ def test_run_summary_fits_one_screen_and_names_the_run():
     assert "2,048 per step" in text and "819,200 in 400 steps" in text
     assert "stdlib in data/stdlib_byte, byte tokenizer, epochs sampling" in text
     assert "/shared/runs/tiny/checkpoints every 100 steps" in text and "float32 on cpu" in text
+
+
+@pytest.mark.parametrize("model", [[], ["--model.activation=swiglu", "--model.norm=rmsnorm", "--model.qk_norm=true",
+                                   "--model.tie_embeddings=false", "--model.num_kv_heads=2", "--model.mlp_bias=true"]])
+def test_a_pipeline_runs_summary_gives_the_total_size_and_each_stages_cost(model):
+    """At pp 2 stage 0 holds part of the model: the model row still gives the whole model's size (every stage's,
+    a tied table once), and each stage's row its layers, parameters and estimated cost."""
+    from parallel_attention.pipeline.layout import rank_stage
+
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", ["--parallel.tensor_parallel_size=1",
+                                                            "--parallel.pipeline_parallel_size=2", *model])
+    cfg.validate(2)
+    whole = sum(math.prod(s) for s in GPTModel(cfg.model).canonical_shapes().values())
+    stage0 = GPTModel(cfg.model, stage=rank_stage(4, 2, 1, None, 0))
+    text = run_summary(cfg, stage0, world_size=2)
+    assert f"  model        {whole / 1e6:.2f}M parameters, " in text, text
+    assert "on pipeline stage 0" in text
+    stages = next(line for line in text.splitlines() if line.startswith("  stages")).split("; ")
+    assert stages[0].startswith("  stages       stage 0: layers 0-") and "+ embedding" in stages[0]
+    assert stages[1].startswith("stage 1: layers ") and stages[1].count("+ output layer and loss") == 1
+    shares = [int(re.search(r"\(([0-9]+) % of the step\)", s).group(1)) for s in stages]
+    assert all("FLOP a token" in s for s in stages) and 99 <= sum(shares) <= 101
 
 
 def test_run_summary_names_the_peak_and_where_it_comes_from():

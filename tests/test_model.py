@@ -130,6 +130,7 @@ def test_kv_cache_matches_full_recomputation(world_size):
 
 def test_model_sharding_round_trips_without_processes():
     """Pure resharding: canonical -> p shards -> canonical is exact, for p in 1, 2, 4, 8."""
+    from parallel_attention.pipeline.layout import rank_stages
     from parallel_attention.transformer import shard_state_dict, state_dict_keys, unshard_state_dict
 
     for spec, sizes in ((GPT2_LIKE, (1, 2, 4)), (LLAMA_LIKE, (1, 2, 4, 8))):  # p = 8 > nkv = 2: replicas
@@ -139,6 +140,8 @@ def test_model_sharding_round_trips_without_processes():
         canonical = {k: torch.randn_like(v) for k, v in model.canonical_state_dict().items()}
         keys = list(model.state_dict())
         assert sorted(state_dict_keys(cfg)) == sorted(keys)
+        for stage in rank_stages(cfg.num_layers, 2, 1, [1, cfg.num_layers - 1]):  # the last holds a tied table's copy
+            assert state_dict_keys(cfg, stage) == list(GPTModel(cfg, stage=stage).state_dict())
         for p in sizes:
             shards = [shard_state_dict(cfg, keys, canonical, p, r) for r in range(p)]
             back = unshard_state_dict(cfg, shards)

@@ -142,6 +142,16 @@ def test_init_distributed_nccl_without_cuda_is_rejected():
     assert not dist.is_initialized()
 
 
+def test_a_multi_gpu_run_turns_on_nccls_flight_recorder_unless_the_environment_says_otherwise():
+    from parallel_attention.tensor_parallel.mesh_groups import nccl_diagnostics_env
+
+    assert nccl_diagnostics_env("nccl", 8, {}) == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                                                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert nccl_diagnostics_env("nccl", 8, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # an explicit setting wins
+    assert nccl_diagnostics_env("nccl", 1, {}) == {} and nccl_diagnostics_env("gloo", 8, {}) == {}
+
+
 def _torchrun_worker(rank, world, port, results):
     """A process started as torchrun would start it: only environment variables, no init."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

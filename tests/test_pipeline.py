@@ -1,14 +1,17 @@
 """Pipeline parallelism end to end: every schedule, at pp 2 and 4, inside TP + SP, CP and DP, with uneven stages and
-tied embeddings, gives the single process's losses, gradient norms and validation losses; a pp 2 checkpoint resumes
-at pp 1 with the same losses. (The schedules' and the split's own properties: tests/test_pipeline_schedules.py.)"""
+tied embeddings, gives the single process's losses, gradient norms and validation losses; a checkpoint of any layout
+resumes at any other, into and out of a pipeline, with the same losses. (The schedules' and the split's own
+properties: tests/test_pipeline_schedules.py; the timeline's picture: tests/test_pipeline_timeline.py.)"""
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from launch import ROOT, environment, metrics, run_command, torchrun
 from parallel_attention.checkpointing import read_canonical_checkpoint, reshard_checkpoint
@@ -32,6 +35,11 @@ LAYOUTS = {  # name: (world, extra arguments)
                                      "--parallel.pipeline_schedule=interleaved_1f1b",
                                      "--parallel.virtual_pipeline_stages=2"]),
     "pp2_dp2_zero3_1f1b": (4, ["--parallel.pipeline_parallel_size=2", "--parallel.zero_stage=3"]),
+    # ChunkReducer: each chunk's buckets average during its last backward (two chunks), or after zero bubble's W
+    "pp2_dp2_interleaved": (4, ["--parallel.pipeline_parallel_size=2", "--parallel.pipeline_schedule=interleaved_1f1b",
+                                "--parallel.virtual_pipeline_stages=2"]),
+    "pp2_dp2_zero_bubble_zero0": (4, ["--parallel.pipeline_parallel_size=2", "--parallel.pipeline_schedule=zero_bubble",
+                                      "--parallel.zero_stage=0"]),
 }
 
 
@@ -76,21 +84,70 @@ def test_every_schedule_and_layout_gives_the_single_process_numbers(name, refere
         assert (run / "pipeline_timeline" / "step_3.png").stat().st_size > 0
 
 
-def test_a_pipeline_checkpoint_resumes_at_another_layout(reference, shared_data, tmp_path):
-    """pp 2's step-2 checkpoint (per-stage files, layers named by their global index) resumed by one process:
-    resharded through the canonical state dict, steps 3 and 4 give the reference's numbers."""
-    run = tmp_path / "pp2"
-    world, extra = LAYOUTS["pp2_zero_bubble_uneven"]
-    torchrun("pretrain.py", world, tiny_args(shared_data, run, 1, 2, *MODEL, *extra))
-    names = sorted(p.name for p in (run / "checkpoints" / "step_0000002").iterdir())
+PP2 = "--parallel.pipeline_parallel_size=2"
+INTERLEAVED = (PP2, "--parallel.pipeline_schedule=interleaved_1f1b", "--parallel.virtual_pipeline_stages=2")
+HOPS = [  # (name, world, tp, layout arguments, the hop's checkpoint to resume from (None: start), its last step)
+    ("tp2", 2, 2, (), None, 1),
+    ("pp2", 2, 1, (PP2,), "tp2", 2),  # tp 2 -> pp 2
+    ("pp2_tp2", 4, 2, (PP2,), "pp2", 3),  # pp 2 -> pp 2 x tp 2
+    ("pp2_other_split", 2, 1, (PP2, "--parallel.pipeline_layers=[3,1]"), "pp2_tp2", 4),  # and back to tp 1
+    ("interleaved", 2, 1, INTERLEAVED, "pp2", 3),  # 1f1b -> interleaved (v 2)
+    ("pp1", 1, 1, (), "interleaved", 4),  # interleaved -> one process
+]
+
+
+def _hop(shared_data, root: Path, name: str) -> tuple[Path, str]:
+    """One hop: the named layout resumes the previous hop's last checkpoint (a copy) and trains to its step."""
+    _, world, tp, layout, source, step = next(h for h in HOPS if h[0] == name)
+    run = root / name
+    if source is not None:
+        previous = next(h for h in HOPS if h[0] == source)
+        step_dir = f"step_{previous[5]:07d}"
+        shutil.copytree(root / source / "checkpoints" / step_dir, run / "checkpoints" / step_dir)
+    return run, torchrun("pretrain.py", world, tiny_args(shared_data, run, tp, step, *MODEL, "--checkpoint.interval=1",
+                                                          *layout)).stderr
+
+
+def test_a_checkpoint_of_any_layout_resumes_at_any_other_with_the_single_process_losses(reference, shared_data,
+                                                                                        tmp_path):
+    """A chain of one-step hops, each resuming the last one's checkpoint at another layout, into and out of a
+    pipeline (tp 2 -> pp 2 -> pp 2 x tp 2 -> pp 2 with another split; pp 2 -> interleaved -> one process), then
+    the offline tool's checkpoints at pp 1 and at pp 2: each step gives the uninterrupted single process's loss and
+    gradient norm, and each resume that changed the layout says so in its start line."""
+    said = {}
+    for name, *_ in HOPS:
+        run, said[name] = _hop(shared_data, tmp_path, name)
+        step = next(h[5] for h in HOPS if h[0] == name)
+        _assert_same(_records(run), reference[1], f"resumed at {name}", (step,))
+    assert "layout changed: written at tp 2, 2 ranks, resharded to tp 1 x pp 2 (layers 0-1 | 2-3), 2 ranks" in \
+        said["pp2"], said["pp2"]
+    assert "resharded to tp 1 x pp 2 (layers 0, 2 | 1, 3), 2 ranks" in said["interleaved"]
+    step2 = tmp_path / "pp2" / "checkpoints" / "step_0000002"
+    names = sorted(p.name for p in step2.iterdir())
     assert "model_tp00_pp01.safetensors" in names and "optim_tp00_pp00.safetensors" in names
-    step2 = run / "checkpoints" / "step_0000002"
     canonical = read_canonical_checkpoint(step2)[1]  # every stage's file joined: what export and generate read
-    reshard_checkpoint(step2, tmp_path / "pp1", 1)
-    assert canonical.keys() == read_canonical_checkpoint(tmp_path / "pp1" / "step_0000002")[1].keys()
     assert {f"layers.{i}.input_norm.weight" for i in range(4)} <= set(canonical)
-    torchrun("pretrain.py", 1, tiny_args(shared_data, run, 1, STEPS, *MODEL))
-    _assert_same(_records(run), reference[1], "resumed at pp 1", (3, 4))
+    said = run_command([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(step2), "--prompt",
+                        "import", "--max-new-tokens", "2"], check=True, env=environment(), timeout=120).stderr
+    size = sum(t.numel() for t in canonical.values())  # every stage's, the tied table once
+    assert f"({size / 1e6:.2f}M parameters, trained at tensor_parallel_size=1 x pipeline_parallel_size=2), " \
+           "generating at tensor_parallel_size=1, one pipeline stage" in said, said
+
+    # offline: pp 2 x tp 2's step 3 at one stage (resumed at pp 2, zero bubble), tp 2's step 1 at pp 2 split [1, 3]
+    reshard_checkpoint(tmp_path / "pp2_tp2" / "checkpoints" / "step_0000003", tmp_path / "from_pp1" / "checkpoints", 1)
+    assert canonical.keys() == read_canonical_checkpoint(tmp_path / "from_pp1" / "checkpoints" / "step_0000003")[1].keys()
+    torchrun("pretrain.py", 2, tiny_args(shared_data, tmp_path / "from_pp1", 1, STEPS, *MODEL, PP2,
+                                         "--parallel.pipeline_schedule=zero_bubble"))
+    _assert_same(_records(tmp_path / "from_pp1"), reference[1], "resharded to pp 1, resumed at pp 2", (4,))
+    out = tmp_path / "tool_pp2"
+    run_command([sys.executable, str(ROOT / "scripts" / "reshard_checkpoint.py"), "--in",
+                 str(tmp_path / "tp2" / "checkpoints" / "step_0000001"), "--out", str(out), "--tp", "1", "--pp", "2",
+                 "--pipeline-layers", "1,3"], check=True, env=environment(), timeout=120)
+    parallel = yaml.safe_load((out / "config.yaml").read_text())["parallel"]
+    assert (parallel["pipeline_parallel_size"], parallel["pipeline_layers"], parallel["tensor_parallel_size"]) == \
+        (2, [1, 3], 1)
+    torchrun("pretrain.py", 2, ["--config", str(out / "config.yaml"), "--training.max_steps=2"])  # as it says
+    _assert_same(_records(out), reference[1], "the tool's pp 2 files, resumed by its config.yaml", (2,))
 
 
 DOCUMENTED_CHECK = "torchrun --standalone --nproc-per-node 2 -m parallel_attention.check --pp 2"  # docs/pipeline.md

@@ -5,7 +5,6 @@ within the groups' timeout. (The messages' order against NCCL's semantics: tests
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 import parallel_attention as pa
 from parallel_attention.pipeline.layout import rank_stage
+from parallel_attention.pipeline.micro_batch_step import MicroBatchStep
 from parallel_attention.pipeline.runner import PipelineRunner
 from parallel_attention.pipeline.schedules import SCHEDULES
 from parallel_attention.tensor_parallel import parallel_state as ps
@@ -69,7 +69,7 @@ def _chunks(schedule: str) -> int:
     return 2 if schedule == "interleaved_1f1b" else 1
 
 
-def _runner(schedule: str, m: int, seq: int, model: GPTModel | None = None) -> tuple[PipelineRunner, list[dict]]:
+def _runner(schedule: str, m: int, seq: int, model: GPTModel | None = None) -> tuple[PipelineRunner, list[tuple]]:
     """A runner of `schedule` over this stage (of `model`, else a new one) and its m micro-batches of one
     sequence."""
     model = model or _model(schedule, seq)
@@ -77,14 +77,12 @@ def _runner(schedule: str, m: int, seq: int, model: GPTModel | None = None) -> t
                             _chunks(schedule))
     runner.agree_shapes((seq, 1, HIDDEN), torch.float32)
     gen = torch.Generator().manual_seed(11)
-    return runner, [{"tokens": torch.randint(0, 32, (1, seq), generator=gen),
-                     "labels": torch.randint(0, 32, (1, seq), generator=gen)} for _ in range(m)]
+    return runner, [(torch.randint(0, 32, (1, seq), generator=gen), torch.randint(0, 32, (1, seq), generator=gen))
+                    for _ in range(m)]
 
 
-def _step(runner: PipelineRunner, batches: list[dict]) -> torch.Tensor:
-    def nothing(i):
-        return contextlib.nullcontext()
-    return runner.run(lambda i: batches[i], nothing, nothing, lambda loss: loss.backward()).losses
+def _step(runner: PipelineRunner, batches: list[tuple]) -> torch.Tensor:
+    return runner.run(MicroBatchStep(runner.model, batches)).losses
 
 
 def _peak_bytes(schedule: str, ms: tuple[int, ...], seq: int) -> dict[int, int]:

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from parallel_attention.pipeline.layout import balanced_split, describe_split, rank_stage, stage_layer_counts
+from parallel_attention.pipeline.layout import StageCosts, balanced_split, rank_stage, stage_layer_counts
 from parallel_attention.pipeline.schedules import SCHEDULES, bubble_formula, build_schedule
 from parallel_attention.training.config.schema import ConfigError, load_config
 
@@ -68,9 +68,22 @@ def test_the_balanced_split_counts_the_embedding_and_the_head_and_builds_every_l
             split = balanced_split(layers, stages)
             costs = [n + (i == 0) + (i == stages - 1) for i, n in enumerate(split)]
             assert sum(split) == layers and min(split) >= 1 and max(costs) - min(costs) <= 2, (layers, stages)
-    assert describe_split(6, 2, 2, None).startswith("stage 0 chunk 0: layers 0-0 + embedding; stage 1 chunk 0")
+    assert rank_stage(6, 2, 2, None, 0).describe() == "layers 0-0, 3-4 + embedding"
     stage = rank_stage(6, 2, 2, None, 1)
     assert stage.chunks == ((1, 3), (5, 6)) and stage.has_head and not stage.has_embedding
+
+
+def test_the_balanced_split_weighs_the_output_layer_and_loss_by_their_flops():
+    """h 128 and an 8,192-token vocabulary: the output layer and loss cost about 4.6 layers, so the last of two
+    stages takes 2 of 8 layers (counted as one layer it took 4, and its forwards ran ~3x the first stage's)."""
+    from parallel_attention.transformer.model_config import ModelConfig
+
+    costs = StageCosts.of(ModelConfig(vocab_size=8192, hidden_size=128, num_layers=8, num_heads=4), 128)
+    assert 4.5 < costs.head / costs.layer < 4.7 and costs.embedding < costs.layer / 100
+    split = balanced_split(8, 2, costs)
+    assert split == [6, 2]
+    stage_costs = [costs.of_stage(k, 2, n) for k, n in enumerate(split)]
+    assert max(stage_costs) - min(stage_costs) <= costs.layer  # as even as whole layers allow
 
 
 @pytest.mark.parametrize("layers", [[3, 2], [2, 2, 2], [5, 0], [1, 3]])
@@ -104,3 +117,21 @@ def test_a_pipeline_that_cannot_run_is_refused_before_any_process_group(override
 def test_a_valid_pipeline_config_passes():
     _config("--parallel.pipeline_parallel_size=2", "--parallel.pipeline_schedule=interleaved_1f1b",
             "--parallel.virtual_pipeline_stages=2").validate(2)
+
+
+def test_a_resume_that_changes_the_split_says_so_and_how_to_keep_it():
+    """A pp 2 checkpoint whose stages hold layers [0, 1] and [2, 3] (an earlier release's split, which weighed the
+    output layer as one layer), resumed where the split weighed by FLOPs gives [3, 1]."""
+    from parallel_attention.training.run.resume import layout_change
+
+    cfg = _config("--parallel.pipeline_parallel_size=2", "--model.vocab_size=8192", "--model.hidden_size=128")
+    shapes = {f"tp00_pp0{s}": {f"layers.{i}.input_norm.weight": {} for i in range(2 * s, 2 * s + 2)} for s in (0, 1)}
+    saved = {"tensor_parallel_size": 1, "world_size": 2, "model_shapes": shapes, "config": cfg.to_dict()}
+    assert layout_change(saved, cfg, 2) == (
+        "layout changed: written at tp 1 x pp 2 (layers 0-1 | 2-3), 2 ranks, resharded to tp 1 x pp 2 (layers 0-2 | "
+        "3), 2 ranks; parallel.pipeline_layers=[2, 2] keeps the checkpoint's split")
+    kept = _config("--parallel.pipeline_parallel_size=2", "--model.vocab_size=8192", "--model.hidden_size=128",
+                   "--parallel.pipeline_layers=[2,2]")
+    assert layout_change(saved, kept, 2) is None
+    one_process = {"tensor_parallel_size": 1, "world_size": 1, "model_shapes": {"tp00": shapes["tp00_pp00"]}}
+    assert layout_change(one_process, cfg, 2).endswith("resharded to tp 1 x pp 2 (layers 0-2 | 3), 2 ranks")

@@ -59,6 +59,9 @@ SHORTEN = {
     r"scripts/pretrain\.py": ["--training.max_steps=2", "--training.eval_interval=2", "--checkpoint.interval=2",
                               "--training.eval_batches=1", "--data.max_bytes=300000", "--logging.progress_bar=false"],
     r"scripts/prepare_data\.py": ["--max-bytes", "200000"],
+    # the pipeline recipe's steady-state step (20 with log_interval 10), drawn at the 2 steps run here
+    r"pretrain\.py .*--logging\.run_dir=runs/pp_tiny": ["--logging.log_interval=2"],
+    r"scripts/pipeline_timeline\.py": ["--step", "2"],
     # two prompts past the 128-token window cost 50 s of CPU at 300 tokens; 140 still slides the window
     r"--max-new-tokens 300": ["--max-new-tokens", "140"],
     r"--max-new-tokens 200": ["--max-new-tokens", "24"],  # the quick start's sample: its length proves nothing

@@ -13,7 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from launch import ROOT, torchrun
 from parallel_attention.launch.rank_zero import is_rank_zero
-from parallel_attention.launch.report_once import report_from_rank_0
+from parallel_attention.launch.report_once import record_errors, report_from_rank_0
 
 TORCHRUN = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "MASTER_ADDR", "MASTER_PORT",
             "TORCHELASTIC_ERROR_FILE")
@@ -61,6 +61,25 @@ def test_what_a_rank_says_is_what_torchruns_report_shows(no_launcher, tmp_path, 
     assert json.loads(error_file.read_text())["message"]["message"] == written
     failure = ProcessFailure(local_rank=int(rank), pid=1, exitcode=2, error_file=str(error_file))  # torch's reader
     assert f"traceback : {written}\n" in ChildFailedError("pretrain.py", {int(rank): failure}).format_msg()
+
+
+def _refuses(value: int) -> int:
+    raise ValueError(f"value={value} is bad: pass 1")
+
+
+def test_an_error_no_entry_point_caught_is_torchruns_root_cause_in_one_line(no_launcher, tmp_path):
+    """It goes on (the rank's traceback is printed as before); torchrun's report shows its one line where it said
+    only "To enable traceback see ..."."""
+    error_file = tmp_path / "error.json"
+    no_launcher.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(ValueError, match="value=2 is bad"):
+        record_errors(_refuses)(2)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))  # torch's reader
+    report = ChildFailedError("pretrain.py", {0: failure}).format_msg()
+    line = next(line for line in report.splitlines() if "traceback :" in line)
+    assert line.startswith("  traceback : ValueError: value=2 is bad: pass 1 (raised at test_report_once.py:") \
+        and line.endswith(" in _refuses; the traceback is in this rank's output)"), report
+    assert record_errors(lambda: 0)() == 0 and json.loads(error_file.read_text())  # a clean exit writes nothing new
 
 
 def test_a_misspelt_key_under_torchrun_is_said_once_first_and_is_the_root_cause(tmp_path):

@@ -39,18 +39,21 @@ def test_a_silent_rank_times_out_with_the_group_and_operation_named(which, name)
 
 def _silent_rank_under_ddp_worker():
     """Both ranks build DDP (collective), then rank 1 goes silent; rank 0's backward waits on DDP's all-reduce."""
-    from parallel_attention.training.data_parallel import reduce_gradients, wrap_data_parallel
+    from parallel_attention.training.data_parallel import data_parallel_step
 
     pa.destroy_model_parallel()
     pa.initialize_model_parallel(1, timeout=GROUP_TIMEOUT_S)
-    model = wrap_data_parallel(torch.nn.Linear(4, 4), pa.get_data_parallel_group())
+    model, sync = data_parallel_step(torch.nn.Linear(4, 4), pa.get_data_parallel_group(), debug_collectives=False,
+                                     zero_stage=0, pipelined=False)
     if torch.distributed.get_rank() == 1:
         time.sleep(GROUP_TIMEOUT_S + 4)
         return None
     started = time.monotonic()
     with pytest.raises(CollectiveTimeoutError) as info:
-        with reduce_gradients(model, reduce=True):
-            model(torch.ones(2, 4)).sum().backward()
+        with sync.forward(0, last=True):
+            loss = model(torch.ones(2, 4)).sum()
+        with sync.backward(0, last=True):
+            loss.backward()
     return str(info.value), time.monotonic() - started
 
 

@@ -19,6 +19,7 @@ from .. import __version__
 from ..launch.agreement import disagreements
 from ..launch.launcher_watch import stop_with_launcher
 from ..launch.rank_zero import is_rank_zero
+from ..launch.report_once import record_errors
 from ..launch.warning_lines import one_line_warnings
 from ..tensor_parallel import get_data_parallel_group, get_tensor_model_parallel_group, init_distributed
 from ..tensor_parallel.mesh_groups import new_groups
@@ -99,6 +100,7 @@ def _setup_failure(error: Exception) -> int:
     return 1
 
 
+@record_errors  # an error no refusal caught: torchrun's root cause is its one line
 def main(argv: list[str] | None = None) -> int:
     stop_with_launcher()  # under torchrun: a worker whose launcher dies stops at once
     one_line_warnings()

@@ -11,15 +11,14 @@ generator (`transformer.pipeline_stage`), so the stages hold exactly the whole m
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from ..pipeline.after_schedule import losses_on_every_stage, sum_tied_embedding_grads
 from ..pipeline.layout import rank_stage
+from ..pipeline.micro_batch_step import MicroBatchStep
 from ..pipeline.runner import PipelineRunner
 from ..pipeline.schedules import SCHEDULES
 from ..tensor_parallel import parallel_state as ps
-from ..tensor_parallel.collectives import all_reduce
 from ..tensor_parallel.grad_clip import global_grad_norm
 from ..tensor_parallel.rng import manual_seed
 from ..transformer import GPTModel
@@ -49,10 +48,11 @@ def message_rows(message_bytes: int, dtype: torch.dtype) -> int:
     return max(2, message_bytes // (SEQ * HIDDEN * dtype.itemsize))
 
 
-def _micro_batches(ctx: CheckContext, m: int, rows: int) -> list[dict]:
+def _micro_batches(ctx: CheckContext, m: int, rows: int) -> list[tuple]:
+    """(tokens, labels) of each micro-batch, on the device."""
     gen = torch.Generator().manual_seed(ctx.seed + 11)
-    return [{"tokens": torch.randint(0, VOCAB, (rows, SEQ), generator=gen).to(ctx.device),
-             "labels": torch.randint(0, VOCAB, (rows, SEQ), generator=gen).to(ctx.device)} for _ in range(m)]
+    return [(torch.randint(0, VOCAB, (rows, SEQ), generator=gen).to(ctx.device),
+             torch.randint(0, VOCAB, (rows, SEQ), generator=gen).to(ctx.device)) for _ in range(m)]
 
 
 def _reference(ctx: CheckContext, batches: list[dict]) -> tuple[torch.Tensor, dict, torch.Tensor]:
@@ -61,8 +61,8 @@ def _reference(ctx: CheckContext, batches: list[dict]) -> tuple[torch.Tensor, di
     p = ps.group_size(ps.get_pipeline_parallel_group())
     model = _model(ctx, PipelineStage(), ctx.solo_group, _layers(p))
     loss = 0.0
-    for b in batches:
-        part = model(**b) / len(batches)
+    for tokens, labels in batches:
+        part = model(tokens, labels) / len(batches)
         part.backward()
         loss = loss + part.detach()
     return loss, {n: p.grad for n, p in model.named_parameters()}, global_grad_norm(model, None)
@@ -71,17 +71,14 @@ def _reference(ctx: CheckContext, batches: list[dict]) -> tuple[torch.Tensor, di
 def _case(ctx: CheckContext, schedule: str, batches, reference) -> tuple[dict[str, float], list[str]]:
     pp_group, p, rank = ps.get_pipeline_parallel_group(), ps.group_size(ps.get_pipeline_parallel_group()), \
         ps.get_pipeline_parallel_rank()
-    v = 2 if schedule == "interleaved_1f1b" else 1
+    v = 2 if SCHEDULES[schedule].chunked else 1
     model = _model(ctx, rank_stage(_layers(p), p, v, None, rank), ctx.solo_group, _layers(p))
     runner = PipelineRunner(model, schedule, len(batches), pp_group, ps.get_pipeline_links(), v)
-    runner.agree_shapes((SEQ, batches[0]["tokens"].shape[0], HIDDEN), ctx.dtype)
+    runner.agree_shapes((SEQ, batches[0][0].shape[0], HIDDEN), ctx.dtype)
     with count_collectives() as counts:
-        record = runner.run(lambda i: batches[i], lambda i: contextlib.nullcontext(),
-                            lambda i: contextlib.nullcontext(), lambda loss: loss.backward())
-    loss = all_reduce(record.losses, pp_group).sum() / len(batches)
-    tied = ps.get_embedding_group()
-    if tied is not None and model.embed_tokens is not None:
-        all_reduce(model.embed_tokens.weight.grad, tied)
+        record = runner.run(MicroBatchStep(model, batches))
+    loss = losses_on_every_stage(record, pp_group).sum() / len(batches)
+    sum_tied_embedding_grads(model, ps.get_embedding_group())
     norm = global_grad_norm(model, None, pp_group=pp_group, counted_elsewhere=model.pipeline_copies())
     ref_loss, ref_grads, ref_norm = reference
     errors = {f"{schedule} loss": relative_error(loss, ref_loss.cpu().double()),

@@ -136,14 +136,51 @@ def check_same_model(manifest: dict, model: ModelConfig, where) -> None:
         raise CheckpointError(f"{where} holds another model: " + "; ".join(differs))
 
 
-def same_layout(manifest: dict, tensor_parallel_size: int, world_size: int, pipeline: dict | None = None) -> bool:
-    """Whether an exact resume is possible (else the checkpoint is resharded on load). `pipeline`: this run's
-    parallel.pipeline_* settings, which must equal the checkpoint's (the same layers on each stage)."""
-    pipeline = pipeline or {"pipeline_parallel_size": 1}
-    saved = manifest.get("config", {}).get("parallel", {})
-    saved_pipeline = {k: saved.get(k, 1 if k != "pipeline_layers" else None) for k in pipeline}
+_LAYER_NAME = re.compile(r"layers\.(\d+)\.")
+
+
+def saved_stage_layers(manifest: dict) -> list[list[int]]:
+    """The layers (global indices) each pipeline stage of a checkpoint holds, in stage order: read from its files'
+    names (`model_shapes`), so whatever split wrote them (an earlier release's balanced split, an explicit
+    `pipeline_layers`); a checkpoint without shapes (pp = 1 only) holds every layer."""
+    shapes = manifest.get("model_shapes")
+    if not isinstance(shapes, dict) or not shapes:
+        return [list(range(manifest["config"]["model"]["num_layers"]))]
+    first_rank = sorted(name for name in shapes if name.split("_")[0] == "tp00")  # tp00, or tp00_pp00, tp00_pp01 ...
+    return [sorted({int(m.group(1)) for name in shapes[shard] if (m := _LAYER_NAME.match(name))})
+            for shard in first_rank]
+
+
+def same_layout(manifest: dict, tensor_parallel_size: int, world_size: int, stage_layers: list[list[int]]) -> bool:
+    """Whether an exact resume is possible (else the checkpoint is resharded on load): the same tensor-parallel
+    and world sizes, and each pipeline rank's files holding the layers it holds in this run (`stage_layers`, in
+    pipeline-rank order)."""
     return (manifest["tensor_parallel_size"], manifest["world_size"]) == (tensor_parallel_size, world_size) \
-        and saved_pipeline == pipeline and not manifest.get("resharded")
+        and saved_stage_layers(manifest) == stage_layers and not manifest.get("resharded")
+
+
+def describe_layout(tensor_parallel_size: int, world_size: int, stage_layers: list[list[int]]) -> str:
+    """A layout in a few words: 'tp 2 x pp 2 (layers 0-1 | 2-3), 4 ranks'."""
+    words = f"tp {tensor_parallel_size}"
+    if len(stage_layers) > 1:
+        words += f" x pp {len(stage_layers)} (layers {' | '.join(_ranges(layers) for layers in stage_layers)})"
+    return f"{words}, {world_size} rank{'s' * (world_size != 1)}"
+
+
+def layer_runs(layers: list[int]) -> list[list[int]]:
+    """[0, 1, 4, 5] -> [[0, 1], [4, 5]]: a rank's contiguous runs of layers (its model chunks)."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return runs
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 4, 5] -> '0-1, 4-5'."""
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in layer_runs(layers))
 
 
 def check_layout(manifest: dict, world_size: int, tp_size: int, pp_size: int = 1) -> None:

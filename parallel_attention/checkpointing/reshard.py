@@ -7,8 +7,8 @@ resumed run continues with its moments. RNG states are per rank and do not survi
 layout: a resharded run reseeds from (seed, step).
 
     read_canonical_checkpoint(step_dir)             -> (run config dict, canonical weights)
-    write_canonical_checkpoint(root, run_config, canonical) -> step_dir at its parallel.tensor_parallel_size
-    reshard_checkpoint(step_dir, out_root, tp)      -> step_dir (offline, weights + optimizer)
+    write_canonical_checkpoint(root, run_config, canonical, stages=) -> step_dir at its tp (and pipeline stages)
+    reshard_checkpoint(step_dir, out_root, tp, stages) -> step_dir (offline, weights + optimizer, any pp)
     load_resharded(step_dir, model, optimizer)      -> manifest (on resume at another p; every rank)
 """
 
@@ -24,9 +24,10 @@ from torch import nn
 from ..tensor_parallel.parallel_state import group_rank, group_size, resolve_tp_group
 from ..transformer.model_config import ModelConfig
 from ..transformer.model_layout import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
+from ..transformer.pipeline_stage import PipelineStage
 from .checkpoint import raise_unless_all_passed
 from .format import (FORMAT, FORMAT_VERSION, CheckpointError, check_shard_shapes, commit, model_file, optim_file,
-                     pipeline_stages, read_manifest, read_shard, step_dir_name, write_manifest)
+                     pipeline_stages, read_manifest, read_shard, shard_name, step_dir_name, write_manifest)
 from .state_encoding import merged_optimizer_meta, optim_state_dict, optimizer_meta_for, placed_like
 from .tensor_io import write_safetensors
 
@@ -83,10 +84,12 @@ def _canonical_optimizer(step_dir: Path, manifest: dict, cfg: ModelConfig, p: in
 
 def _optimizer_shard(cfg: ModelConfig, canonical: dict, keys: list[str], p: int, rank: int) -> dict:
     """Rank `rank`'s optimizer tensors (`<state key>/<param name>`) at tensor-parallel size p."""
-    tensors = {}
+    tensors, held = {}, set(keys)
     for key, state in canonical.items():
-        if key in _SCALAR_STATE or key.startswith("__"):  # per-parameter scalars, group hyper-parameters
+        if key.startswith("__"):  # group hyper-parameters
             shard = state
+        elif key in _SCALAR_STATE:  # per-parameter scalars, for the parameters this rank (its stage) holds
+            shard = {name: t for name, t in state.items() if name in held}
         else:
             shard = shard_state_dict(cfg, _names_with_state(cfg, state, keys), state, p, rank)
         tensors.update({f"{key}/{name}": t for name, t in shard.items()})
@@ -100,36 +103,37 @@ def _names_with_state(cfg: ModelConfig, canonical_state: dict, keys: list[str]) 
 
 def write_canonical_checkpoint(ckpt_root: str | Path, run_config: dict, canonical: dict[str, torch.Tensor],
                                step: int = 0, *, optimizer: tuple[dict, dict] | None = None,
-                               extra: dict | None = None) -> Path:
+                               extra: dict | None = None, stages: list[PipelineStage] | None = None) -> Path:
     """Write `ckpt_root/step_XXXXXXX/` sharded at run_config's parallel.tensor_parallel_size, in one process.
 
     `run_config`: the run config as a dict (`PretrainConfig.to_dict()`), recorded in the manifest.
     `optimizer`: (canonical optimizer state per key, optimizer metadata) as read from another
     checkpoint, or None for weights only. No RNG files: a run resumed from it seeds afresh.
+    `stages`: what each pipeline rank holds (`pipeline.layout.rank_stages` of run_config's parallel.pipeline_*),
+    one file per stage and tensor-parallel rank; None: the whole model (run_config at pipeline_parallel_size 1).
     """
-    p = run_config["parallel"]["tensor_parallel_size"]
+    p, pp = run_config["parallel"]["tensor_parallel_size"], run_config["parallel"].get("pipeline_parallel_size", 1)
+    if len(stages or [PipelineStage()]) != pp:
+        raise ValueError(f"parallel.pipeline_parallel_size={pp} needs one PipelineStage per pipeline rank, got "
+                         f"{len(stages or [PipelineStage()])}: pass stages=rank_stages(...) of the run config.")
     cfg = ModelConfig.from_dict(run_config["model"])
-    keys = state_dict_keys(cfg)
     root = Path(ckpt_root)
     final = root / step_dir_name(step)
     nonce = secrets.token_hex(6)
     tmp = root / f"{final.name}.tmp-{nonce}"
     tmp.mkdir(parents=True)
     try:
-        files = {}
-        for rank in range(p):
-            weights = shard_state_dict(cfg, keys, canonical, p, rank)
-            files[model_file(rank)] = write_safetensors(tmp / model_file(rank),
-                                                        {k: v.contiguous() for k, v in weights.items()})
-            if optimizer is not None:
-                state, meta = optimizer
-                tensors = _optimizer_shard(cfg, state, keys, p, rank)
-                files[optim_file(rank)] = write_safetensors(tmp / optim_file(rank),
-                                                            {k: v.contiguous() for k, v in tensors.items()}, meta)
+        files, shapes = {}, {}
+        for index, stage in enumerate(stages or [PipelineStage()]):
+            at = index if pp > 1 else None  # file names without a stage at pp = 1
+            for rank in range(p):
+                files.update(_write_stage(tmp, cfg, canonical, optimizer, state_dict_keys(cfg, stage), p, rank, at,
+                                          shapes))
         write_manifest(tmp, {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "world_size": p,
-            "tensor_parallel_size": p, "data_parallel_size": 1, "torch_version": torch.__version__,
-            "config": run_config, "extra": extra or {}, "files": files, "resharded": True,
+            "format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "world_size": p * pp,
+            "tensor_parallel_size": p, "data_parallel_size": 1, **({"pipeline_parallel_size": pp} if pp > 1 else {}),
+            "torch_version": torch.__version__, "config": run_config, "extra": extra or {}, "model_shapes": shapes,
+            "files": files, "resharded": True,
         })
         commit(tmp, final, nonce)
     except BaseException:
@@ -138,19 +142,50 @@ def write_canonical_checkpoint(ckpt_root: str | Path, run_config: dict, canonica
     return final
 
 
-def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parallel_size: int) -> Path:
-    """Offline: the checkpoint at `step_dir` (any p) rewritten at `tensor_parallel_size`, optimizer included."""
+def _write_stage(tmp: Path, cfg: ModelConfig, canonical: dict, optimizer: tuple[dict, dict] | None, keys: list[str],
+                 p: int, rank: int, stage: int | None, shapes: dict) -> dict:
+    """Tensor-parallel rank `rank`'s model (and optimizer) file of one pipeline stage holding `keys`; its shapes
+    go into `shapes`, as a run's manifest lists them. Returns the files' records."""
+    weights = {k: v.contiguous() for k, v in shard_state_dict(cfg, keys, canonical, p, rank).items()}
+    shapes[shard_name(rank, stage)] = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                                       for n, t in weights.items()}
+    files = {model_file(rank, stage): write_safetensors(tmp / model_file(rank, stage), weights)}
+    if optimizer is not None:
+        state, meta = optimizer
+        tensors = {k: v.contiguous() for k, v in _optimizer_shard(cfg, state, keys, p, rank).items()}
+        files[optim_file(rank, stage)] = write_safetensors(tmp / optim_file(rank, stage), tensors,
+                                                           optimizer_meta_for(meta, set(keys)))
+    return files
+
+
+def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parallel_size: int,
+                       stages: list[PipelineStage] | None = None) -> Path:
+    """Offline: the checkpoint at `step_dir` (any layout) rewritten at `tensor_parallel_size` and the pipeline
+    `stages` (`pipeline.layout.rank_stages`; None: one stage), optimizer included. The written config's
+    parallel.pipeline_* describe those stages (pipeline_layers explicit), so a run resumed there builds them."""
     step_dir = Path(step_dir)
     manifest, cfg, p = _source(step_dir)
     canonical = _canonical_weights(step_dir, manifest, cfg, p)
     optimizer = _canonical_optimizer(step_dir, manifest, cfg, p)
     saved = manifest["config"]
     target = {**saved, "parallel": {**saved["parallel"], "tensor_parallel_size": tensor_parallel_size,
-                                     "pipeline_parallel_size": 1, "virtual_pipeline_stages": 1,
-                                     "pipeline_layers": None, "pipeline_schedule": "1f1b"}}
+                                     **pipeline_settings(stages or [PipelineStage()], cfg.num_layers,
+                                                         saved["parallel"].get("pipeline_schedule", "1f1b"))}}
     return write_canonical_checkpoint(out_root, target, canonical, manifest["step"],
                                       optimizer=optimizer if optimizer[0] is not None else None,
-                                      extra=manifest.get("extra"))
+                                      extra=manifest.get("extra"), stages=stages)
+
+
+def pipeline_settings(stages: list[PipelineStage], num_layers: int, schedule: str) -> dict:
+    """parallel.pipeline_* that build `stages` (one per pipeline rank, v chunks each): layers per virtual stage k
+    (chunk k // pp of rank k % pp) explicit; `schedule` kept where it fits v (interleaved_1f1b needs v >= 2, the
+    others v = 1)."""
+    pp, v = len(stages), len(stages[0].layer_ranges(num_layers))
+    counts = [len(stages[k % pp].layer_ranges(num_layers)[k // pp]) for k in range(pp * v)]
+    if (schedule == "interleaved_1f1b") != (v > 1):
+        schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+    return {"pipeline_parallel_size": pp, "virtual_pipeline_stages": v,
+            "pipeline_layers": counts if pp > 1 else None, "pipeline_schedule": schedule}
 
 
 @torch.no_grad()

@@ -189,13 +189,13 @@ def set_rng(tensors: dict, meta: dict) -> None:
 
 
 def merged_optimizer_meta(metas: list[dict]) -> dict:
-    """The optimizer metadata of several pipeline stages' files as one: each param group's names in stage order,
-    every parameter's scalars (a file without metadata, a model file, gives {})."""
+    """The optimizer metadata of several pipeline stages' files as one: each param group's names in stage order (a
+    tied embedding's copy once), every parameter's scalars (a file without metadata, a model file, gives {})."""
     metas = [m for m in metas if m and "param_groups" in m]
     if len(metas) <= 1:
         return metas[0] if metas else {}
     groups = [json.loads(m["param_groups"]) for m in metas]
-    merged = [{**first, "params": [n for stage in stages for n in stage["params"]]}
+    merged = [{**first, "params": list(dict.fromkeys(n for stage in stages for n in stage["params"]))}
               for first, stages in zip(groups[0], zip(*groups))]
     scalars = {k: v for m in metas for k, v in json.loads(m["scalar_state"]).items()}
     return {"param_groups": json.dumps(merged), "scalar_state": json.dumps(scalars)}

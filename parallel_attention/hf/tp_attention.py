@@ -45,7 +45,7 @@ class FusedQKVLinear(ColumnParallelLinear):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_rows = num_heads // p * head_dim
         self.kv_rows = slice(q_rows, rows)
-        self._complete = self._complete_replicas if p > num_kv_heads else _unchanged
+        self._complete = self._complete_replicas if p > num_kv_heads else _weights_as_they_are
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._complete(self.weight, self.bias)
@@ -76,7 +76,8 @@ class FusedQKVLinear(ColumnParallelLinear):
         return kinds
 
 
-def _unchanged(weight, bias):
+def _weights_as_they_are(weight, bias):
+    """No k/v replicas to complete (p <= nkv): the weight and bias as they are."""
     return weight, bias
 
 

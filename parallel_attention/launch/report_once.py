@@ -20,13 +20,17 @@ has seen rank 0 exit: rank 0, with our line, is the root cause.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
+from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -80,6 +84,24 @@ def report_from_rank_0(message: str, exit_status: int = 2, timeout_s: float = 30
     write_error_file(f"rank {rank}: the same error as rank 0")
     if store.get(key).decode() == node:
         _outlive_rank_0(exit_status)
+
+
+def record_errors(main: Callable[..., int]) -> Callable[..., int]:
+    """An entry point's `main` that, when an exception escapes it, first writes `<Type>: <message> (raised at
+    file:line)` to torchrun's error file, then lets it go on (Python prints the traceback on the rank's stderr).
+    torchrun's report then names that line as the root cause, where it said only "To enable traceback see ..."
+    (and where torch's own `@record` would paste the whole traceback into the report). The refusals an entry point
+    catches are written by `report_from_rank_0`; this covers the ones it does not."""
+    @functools.wraps(main)
+    def recorded(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except Exception as error:
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            write_error_file(f"{type(error).__name__}: {error} (raised at {Path(where.filename).name}:{where.lineno}"
+                             f" in {where.name}; the traceback is in this rank's output)")
+            raise
+    return recorded
 
 
 def write_error_file(message: str) -> None:

@@ -16,9 +16,7 @@ never comes.
 from __future__ import annotations
 
 import contextlib
-import time
-from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol
 
 import torch
 
@@ -27,52 +25,30 @@ from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_siz
 from ..tensor_parallel.weight_grads import deferred_weight_grads, run_weight_grads
 from .messages import Message, moments
 from .schedules import Action, build_schedule
+from .step_record import StepRecord, clock_for
 
 
 class PipelineShapeError(RuntimeError):
     """Two neighbouring stages disagree on the activation they exchange."""
 
 
-@dataclass
-class Event:
-    """One span of a rank's step: an action ("F3.1") or a wait for its neighbours ("wait"), in seconds."""
+class MicroBatchWork(Protocol):
+    """What the runner asks of the step: one micro-batch's forward and backward on one chunk (the micro-batch
+    contract: inputs, dropout coordinates, autocast, loss / m, the scaled backward, when gradients synchronise).
+    `last`: this is the chunk's last forward (its backward is the step's last) / the chunk's last backward that
+    accumulates weight gradients (False for every B of a schedule that defers them to W)."""
 
-    label: str
-    start: float
-    end: float
+    def forward(self, micro: int, chunk: int, hidden: torch.Tensor | None, computes_loss: bool,
+                last: bool) -> torch.Tensor: ...
 
-
-@dataclass
-class StepRecord:
-    losses: torch.Tensor  # [m]: each micro-batch's mean loss (the last stage's; zeros elsewhere)
-    events: list[Event] = field(default_factory=list)
-    clock: tuple[float, float] = field(default_factory=lambda: (time.time(), time.perf_counter()))  # wall, perf
-
-    def timeline(self) -> dict:
-        """The events as {"start": wall-clock seconds of the step's start, "events": [[label, start, end], ...]}
-        in seconds from that start (the stages' files line up by their wall clocks)."""
-        wall, perf = self.clock
-        return {"start": wall, "events": [[e.label, round(e.start - perf, 6), round(e.end - perf, 6)]
-                                          for e in self.events]}
-
-    def compute_seconds(self) -> float:
-        """Time this rank spent in its actions (forwards, backwards, weight gradients)."""
-        return sum(e.end - e.start for e in self.events if e.label != "wait")
-
-    def span_seconds(self) -> float:
-        """From this rank's first wait or action to its last."""
-        return self.events[-1].end - self.events[0].start if self.events else 0.0
-
-
-def measured_bubble(compute_seconds: float, longest_span: float, stages: int) -> float:
-    """The share of the step the stages spent not computing: 1 - (compute summed over the stages) / (stages x the
-    longest stage's span), the quantity the schedules' formulas predict."""
-    return max(0.0, 1.0 - compute_seconds / (stages * longest_span)) if longest_span > 0 else 0.0
+    def backward(self, micro: int, chunk: int, output: torch.Tensor, grad: torch.Tensor | None,
+                 last: bool) -> None: ...
 
 
 class PipelineRunner:
     """This rank's part of the pipeline: the model holding its chunks, the schedule, the groups (the pipeline group,
-    and the links to its neighbours: `parallel_state.get_pipeline_links()`, None at pp = 1)."""
+    and the links to its neighbours: `parallel_state.get_pipeline_links()`, None at pp = 1). At pp = 1 it is a
+    pipeline of one stage: 1f1b runs F0 B0 F1 B1 ..., and nothing is sent."""
 
     def __init__(self, model: torch.nn.Module, schedule: str, micro_batches: int, pp_group: ProcessGroup | None,
                  links: dict[tuple[str, str], ProcessGroup] | None, chunks: int = 1) -> None:
@@ -82,7 +58,9 @@ class PipelineRunner:
         self.actions = build_schedule(schedule, self.p, micro_batches, self.rank, chunks)
         self.plan = moments(self.actions, self.rank, self.p, chunks)
         self.defers_weight_grads = any(action.kind == "W" for action in self.actions)
-        self.shape: tuple | None = None
+        self.last_actions = _last_of_each_chunk(self.actions, self.defers_weight_grads)
+        self.run_action = {"F": self._forward, "B": self._backward, "W": self._weight_gradient}
+        self.shapes: list[tuple] | None = None
         self.dtype: torch.dtype | None = None
 
     # ------------------------------------------------------------------ placement
@@ -92,16 +70,18 @@ class PipelineRunner:
     def _last(self, chunk: int) -> bool:
         return self.rank == self.p - 1 and chunk == self.v - 1
 
-    def agree_shapes(self, shape: tuple, dtype: torch.dtype) -> None:
-        """Every stage states the activation [s, b, h] (per rank) and dtype it exchanges; all must agree, or every
-        rank raises PipelineShapeError naming the stages."""
-        said = all_gather_objects((tuple(shape), str(dtype)), self.pp_group)
-        if len(set(said)) > 1:
-            described = "; ".join(f"stage {s}: {list(sh)} {dt}" for s, (sh, dt) in enumerate(said))
+    def agree_shapes(self, shapes: tuple | list[tuple], dtype: torch.dtype) -> None:
+        """Every stage states the activation [s, b, h] (per rank; one shape for every micro-batch, or a list of
+        one per micro-batch) and dtype it exchanges; all must agree, or every rank raises PipelineShapeError
+        naming the stages."""
+        shapes = [tuple(shapes)] * self.m if isinstance(shapes[0], int) else [tuple(s) for s in shapes]
+        said = all_gather_objects((shapes, str(dtype)), self.pp_group)
+        if any(other != said[0] for other in said):
+            described = "; ".join(f"stage {s}: {_describe(sh)} {dt}" for s, (sh, dt) in enumerate(said))
             raise PipelineShapeError(f"the pipeline stages disagree on the activation they exchange ({described}): "
                                      "every stage must run the same config (data.seq_len, "
                                      "training.micro_batch_size, model.hidden_size, parallel.*).")
-        self.shape, self.dtype = tuple(shape), dtype
+        self.shapes, self.dtype = shapes, dtype
 
     # ------------------------------------------------------------------ the messages of the plan
     def _send(self, message: Message) -> torch.Tensor:
@@ -114,20 +94,20 @@ class PipelineRunner:
 
     def _post(self, message: Message) -> PendingExchange:
         """`message` posted alone on its link (a group of two: the peer is the other rank), named by the link."""
-        link = message.link
+        link, expected = message.link, self.shapes[message.micro]
         end = "send" if link.source == self.rank else "receive"
         group = self.links[(link.kind, end)]
         peer = 1 - group_rank(group)
         if end == "receive":
-            return exchange([], [(torch.empty(self.shape, dtype=self.dtype, device=self._device()), peer)], group,
+            return exchange([], [(torch.empty(expected, dtype=self.dtype, device=self._device()), peer)], group,
                             str(link))
         tensor = self._send(message)
-        if tuple(tensor.shape) != self.shape:
+        if tuple(tensor.shape) != expected:
             raise PipelineShapeError(f"pipeline stage {self.rank} would send its {link.kind} of shape "
-                                     f"{list(tensor.shape)} where the stages agreed on {list(self.shape)}.")
+                                     f"{list(tensor.shape)} where the stages agreed on {list(expected)}.")
         return exchange([(tensor, peer)], [], group, str(link))
 
-    def _communicate(self, k: int, events: list[Event]) -> torch.Tensor | None:
+    def _communicate(self, k: int, record: StepRecord) -> torch.Tensor | None:
         """Moment k of the plan (0: before the first action; k: after action k - 1): post its sends and its
         receive, fill the wait for the receive with deferred weight gradients, wait for it, then retire the sends
         the moment names (waited for: their buffers go). Returns the received tensor, or None."""
@@ -135,74 +115,64 @@ class PipelineRunner:
         posted = {message: self._post(message) for message in moment.posted()}
         self.in_flight.update((message, posted[message]) for message in moment.sends)
         receiving = posted.get(moment.receive)
-        self._fill_with_weight_gradients(receiving, events)
-        started = time.perf_counter()
+        self._fill_with_weight_gradients(receiving, record)
+        started = record.clock.mark()
         received = receiving.wait()[0] if receiving is not None else None
         for message in moment.retire:
             self.in_flight.pop(message).wait()
         if posted or moment.retire:
-            events.append(Event("wait", started, time.perf_counter()))
+            record.span("wait", started)
         return received
 
-    def _fill_with_weight_gradients(self, receiving: PendingExchange | None, events: list[Event]) -> None:
+    def _fill_with_weight_gradients(self, receiving: PendingExchange | None, record: StepRecord) -> None:
         """Zero bubble: while a receive has not arrived, compute the oldest deferred weight gradient instead of
         waiting (the schedule's own W comes later and finds it done). The bubble is filled where it opens."""
         while self.ready_weights and receiving is not None and not receiving.received_yet():
             key = self.ready_weights.pop(0)
-            started = time.perf_counter()
+            started = record.clock.mark()
             run_weight_grads(self.state["weights"].pop(key))
-            events.append(Event(str(Action("W", *key)), started, time.perf_counter()))
+            record.span(str(Action("W", *key)), started)
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     # ------------------------------------------------------------------ the step
-    def run(self, inputs: Callable[[int], dict], forward_context: Callable, backward_context: Callable,
-            backward_loss: Callable[[torch.Tensor], None] | None = None) -> StepRecord:
-        """One step: `inputs(i)` the model's keyword arguments of micro-batch i (tokens, labels, document_ids),
-        `forward_context(i)` / `backward_context(i)` what its forward / backward run inside (autocast, dropout
-        coordinates), `backward_loss(loss)` runs the backward of the step's share of a loss (loss / m: the fp16
-        scaler scales it). Returns each micro-batch's loss (the last stage's) and the step's events."""
-        self.contexts, self.in_flight, self.ready_weights = (forward_context, backward_context, backward_loss), {}, []
+    def run(self, work: MicroBatchWork) -> StepRecord:
+        """One step: each action through `work` (forward, backward) or the deferred weight gradients, with the
+        messages the actions imply. Returns each micro-batch's loss (the last stage's) and the step's events."""
+        self.work, self.in_flight, self.ready_weights = work, {}, []
         self.state = {"inputs": {}, "outputs": {}, "weights": {}}  # by (chunk, micro-batch), until their backward
-        record = StepRecord(torch.zeros(self.m, device=self._device()))
-        received = self._communicate(0, record.events)
+        device = self._device()
+        record = StepRecord(torch.zeros(self.m, device=device), clock_for(device))
+        received = self._communicate(0, record)
         for k, action in enumerate(self.actions):
-            started = time.perf_counter()
-            if getattr(self, f"_{action.kind.lower()}")(action, received, inputs, record) is not False:
-                record.events.append(Event(str(action), started, time.perf_counter()))
-            received = self._communicate(k + 1, record.events)  # the last moment retires every send left
+            started = record.clock.mark()
+            if self.run_action[action.kind](action, received, record) is not False:
+                record.span(str(action), started)
+            received = self._communicate(k + 1, record)  # the last moment retires every send left
         return record
 
-    def _f(self, action, received, inputs, record) -> None:
-        key, kwargs, state = (action.chunk, action.micro), dict(inputs(action.micro)), self.state
-        if not self._last(action.chunk):
-            kwargs.pop("labels", None)
-        if received is not None:
-            kwargs["hidden"] = received.requires_grad_(torch.is_grad_enabled())
-            if torch.is_grad_enabled():  # kept for its backward's input gradient (evaluation lets it go)
-                state["inputs"][key] = received
-        with self.contexts[0](action.micro):
-            out = self.model(**kwargs, chunk=action.chunk)
-        if self._last(action.chunk):
+    def _forward(self, action: Action, received: torch.Tensor | None, record: StepRecord) -> None:
+        key, state, computes_loss = (action.chunk, action.micro), self.state, self._last(action.chunk)
+        if received is not None and torch.is_grad_enabled():  # kept for its backward (evaluation lets it go)
+            state["inputs"][key] = received.requires_grad_()
+        out = self.work.forward(action.micro, action.chunk, received, computes_loss, action in self.last_actions)
+        if computes_loss:
             record.losses[action.micro] = out.detach().float()
-            out = out / self.m
         state["outputs"][key] = out
 
-    def _b(self, action, received, inputs, record) -> None:
+    def _backward(self, action: Action, received: torch.Tensor | None, record: StepRecord) -> None:
         key = (action.chunk, action.micro)
         out = self.state["outputs"].pop(key)
         deferring = (deferred_weight_grads(self.state["weights"].setdefault(key, [])) if self.defers_weight_grads
                      else contextlib.nullcontext())
-        with self.contexts[1](action.micro), deferring:
-            if self._last(action.chunk):
-                self.contexts[2](out)
-            else:
-                torch.autograd.backward(out, received)
+        with deferring:
+            self.work.backward(action.micro, action.chunk, out, None if self._last(action.chunk) else received,
+                               action in self.last_actions)
         if self.defers_weight_grads:
             self.ready_weights.append(key)
 
-    def _w(self, action, received, inputs, record) -> bool:
+    def _weight_gradient(self, action: Action, received: torch.Tensor | None, record: StepRecord) -> bool:
         """The weight gradient, unless a wait already computed it (then False: nothing ran)."""
         key = (action.chunk, action.micro)
         if key not in self.ready_weights:
@@ -210,3 +180,18 @@ class PipelineRunner:
         self.ready_weights.remove(key)
         run_weight_grads(self.state["weights"].pop(key))
         return True
+
+
+def _last_of_each_chunk(actions: list[Action], defers_weight_grads: bool) -> set[Action]:
+    """Each chunk's last forward and, unless weight gradients are deferred to W, its last backward: where a
+    data-parallel reduction of that chunk's gradients may start."""
+    last = {}
+    for action in actions:
+        if action.kind == "F" or (action.kind == "B" and not defers_weight_grads):
+            last[(action.kind, action.chunk)] = action
+    return set(last.values())
+
+
+def _describe(shapes: list[tuple]) -> str:
+    distinct = sorted(set(shapes))
+    return str(list(distinct[0])) if len(distinct) == 1 else "per micro-batch " + str([list(s) for s in shapes])

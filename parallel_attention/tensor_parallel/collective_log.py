@@ -22,7 +22,8 @@ What each layer catches (the README's "Failure modes" lists them for users):
 - TORCH_DISTRIBUTED_DEBUG=DETAIL (set when the guard is enabled before the groups exist): torch's own
   per-collective check on every group, also for collectives issued outside this package;
 - TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DUMP_ON_TIMEOUT (NCCL): the flight recorder, which dumps every
-  rank's in-flight NCCL operations when the watchdog times out;
+  rank's in-flight NCCL operations when the watchdog times out (init_distributed turns it on for every multi-GPU
+  run, guard or not);
 - TORCH_NCCL_BLOCKING_WAIT=1 (NCCL): each collective's wait() blocks its CPU thread until the operation is done
   and raises in the caller at the group's timeout (torch then leaves its watchdog's abort off), so a hang on NCCL
   becomes the same CollectiveTimeoutError as on gloo, naming the operation and the group. It serializes the CPU
@@ -43,13 +44,13 @@ import torch.distributed as dist
 
 from . import collectives
 from .collectives import CollectiveTimeoutError, named_timeouts
+from .mesh_groups import NCCL_DIAGNOSTICS
 from .parallel_state import ProcessGroup, describe_group
 
 RECENT_CALLS = 64  # calls kept per rank
 SHOWN_CALLS = 8  # calls printed with an error
 # torch's own layers, switched on with the guard (an explicit setting in the environment wins)
-TORCH_DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+TORCH_DEBUG_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", **NCCL_DIAGNOSTICS, "TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 _REGIONS_FILE = os.path.join(os.path.dirname(__file__), "mappings.py")  # the regions' autograd functions
 _SKIPPED_FILES = {os.path.join(os.path.dirname(__file__), "collectives.py"), _REGIONS_FILE, __file__,

@@ -97,7 +97,7 @@ class ColumnParallelLinear(_TensorParallelModule):
         self.bias = (nn.Parameter(torch.zeros(self.out_features_per_rank, device=device, dtype=dtype))
                      if bias else None)
         self.comm = column_communication(self.tp_group, self.tp_size, sequence_parallel, overlap_comm)
-        self._exit = self._region(mappings.gather_from_tensor_parallel_region) if gather_output else _unchanged
+        self._exit = self._region(mappings.gather_from_tensor_parallel_region) if gather_output else unchanged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._exit(fn.column_parallel_linear(x, self.weight, self.bias, self.comm))
@@ -135,11 +135,11 @@ class RowParallelLinear(_TensorParallelModule):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self._init_weight(in_features, out_features, 1, init_std, device, dtype)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
-        self._enter = (_unchanged if input_is_parallel
+        self._enter = (unchanged if input_is_parallel
                        else self._region(mappings.scatter_to_tensor_parallel_region))
         # the GEMM and its exit collective fused (reduced in place); p = 1: no collective
         self.comm = row_communication(self.tp_group, self.tp_size, sequence_parallel)
-        self._add_bias = self._plus_bias if bias else _unchanged
+        self._add_bias = self._plus_bias if bias else unchanged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_bias(fn.row_parallel_linear(self._enter(x), self.weight, self.comm))
@@ -246,6 +246,6 @@ def row_communication(group, tp_size: int, sequence_parallel: bool) -> fn.LocalR
     return (fn.SequenceParallelRow if sequence_parallel else fn.TensorParallelRow)(group)
 
 
-def _unchanged(x: torch.Tensor) -> torch.Tensor:
-    """No region or bias to apply: x as it is."""
+def unchanged(x: torch.Tensor) -> torch.Tensor:
+    """x as it is: the variant chosen where there is nothing to apply (no region, bias, copy or dropout)."""
     return x

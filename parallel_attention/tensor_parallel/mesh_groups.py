@@ -27,6 +27,17 @@ EMBEDDING = "embedding"  # the first and the last pipeline stage (tied embedding
 # this rank's one-way pipeline links (None at pp = 1): (kind, this rank's end) -> the group's name among the groups
 PP_LINKS = {("activation", "send"): "pp_activation_send", ("activation", "receive"): "pp_activation_receive",
             ("gradient", "send"): "pp_gradient_send", ("gradient", "receive"): "pp_gradient_receive"}
+# NCCL's flight recorder: each rank keeps its last 2000 collectives and dumps them when the watchdog times out
+# (to TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>, torch's default /tmp/nccl_trace_rank_<rank>; docs/failure-modes.md)
+NCCL_DIAGNOSTICS = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def nccl_diagnostics_env(backend: str, world_size: int, environ) -> dict[str, str]:
+    """What a multi-GPU run adds to its environment before the NCCL groups exist: the flight recorder and its dump on
+    timeout (NCCL_DIAGNOSTICS), each unless `environ` sets it (an explicit setting wins); nothing on gloo or alone."""
+    if backend != "nccl" or world_size < 2:
+        return {}
+    return {name: value for name, value in NCCL_DIAGNOSTICS.items() if name not in environ}
 
 
 def group_timeout(group: ProcessGroup | None) -> datetime.timedelta | None:

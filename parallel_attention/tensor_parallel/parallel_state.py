@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .mesh_groups import (DP_CP, EMBEDDING, PP_LINKS, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size,
-                          group_timeout)
+                          group_timeout, nccl_diagnostics_env)
 
 ProcessGroup = dist.ProcessGroup
 
@@ -249,12 +249,11 @@ def init_distributed(tensor_model_parallel_size: int = 1, backend: str | None = 
     """Initialise torch.distributed from the torchrun environment, then the job's ("pp", "dp", "cp", "tp") mesh.
 
     Picks NCCL when CUDA is available and gloo otherwise (`backend=` overrides), binds this
-    process to cuda:LOCAL_RANK, and returns the device the caller should put tensors on.
+    process to cuda:LOCAL_RANK, and returns the device the caller should put tensors on (NCCL's flight recorder on).
     Run without torchrun (no RANK/WORLD_SIZE in the environment) it starts a world of one.
     """
     timeout = _as_timedelta(timeout)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA, which is not available here: use backend='gloo'.")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -268,6 +267,7 @@ def init_distributed(tensor_model_parallel_size: int = 1, backend: str | None = 
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    os.environ.update(nccl_diagnostics_env(backend, int(os.environ.get("WORLD_SIZE", "1")), os.environ))
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             kwargs = {"device_id": device} if backend == "nccl" else {}

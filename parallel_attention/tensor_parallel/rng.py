@@ -20,7 +20,7 @@ first_sample)` around its forward and backward; the layers read them with
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -95,16 +95,26 @@ def set_tensor_parallel_rng_state(states: dict[str, torch.Tensor]) -> None:
 
 @dataclass(frozen=True)
 class DropoutCoordinates:
-    """Where the running micro-batch sits: the coordinates layout-invariant dropout hashes."""
+    """Where the running micro-batch sits: the coordinates layout-invariant dropout hashes. `stream` (the key of
+    (seed, step)) and `first_sample_tensor` hold the same as int64 0-d CPU tensors: read under torch.compile they are
+    inputs, not constants, so a new step or micro-batch compiles nothing again."""
 
     seed: int
     step: int
     first_sample: int  # index, in the step's global batch, of the micro-batch's first row
+    stream: torch.Tensor = field(init=False, repr=False, compare=False)
+    first_sample_tensor: torch.Tensor = field(init=False, repr=False, compare=False)
 
-    def keep_mask(self, p: float, layer: int, site: int, axes: Sequence[tuple[int, int, int]],
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stream", dropout_hash.as_key(dropout_hash.stream_key(self.seed, self.step)))
+        object.__setattr__(self, "first_sample_tensor", dropout_hash.as_key(self.first_sample))
+
+    def keep_mask(self, p: float, layer: int | torch.Tensor, site: int, axes: Sequence[tuple[int, int, int]],
                   device) -> torch.Tensor:
-        """Keep mask of one dropout site (see dropout_hash.keep_mask for `axes`)."""
-        return dropout_hash.keep_mask(p, dropout_hash.stream_key(self.seed, self.step, layer, site), axes, device)
+        """Keep mask of one dropout site (see dropout_hash.keep_mask for `axes`; the samples' axis starts at
+        `first_sample_tensor`). `layer` as a tensor (`dropout_hash.as_key`) costs torch.compile no guard."""
+        key = dropout_hash.stream_key_tensor(self.stream, layer, site)  # = stream_key(seed, step, layer, site)
+        return dropout_hash.keep_mask(p, key, axes, device)
 
 
 _coordinates: DropoutCoordinates | None = None

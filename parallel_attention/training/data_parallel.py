@@ -5,6 +5,10 @@
                            registration) is all-reduced and averaged over the dp ranks from the autograd hooks
                            as soon as its last gradient is ready, overlapping the rest of the backward
 
+The step engine asks a `GradientSync` (`data_parallel_step`) what each micro-batch's forward and backward run
+inside: DDP's `no_sync` until the last micro-batch, FSDP2's `set_requires_gradient_sync`, or, in a pipeline, where
+several forwards are in flight before their backwards (which DDP's reducer cannot follow), `ChunkReducer`.
+
 Under `parallel.debug_collectives` the model is wrapped in `ReducedAfterBackward` instead: the same average,
 in flat buckets after the last micro-batch's backward, through `collectives`, where the guard records and
 cross-checks it (DDP's C++ reducer bypasses the guard, and torch 2.13's DDP crashes on the gloo groups that
@@ -26,8 +30,11 @@ import inspect
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..pipeline.micro_batch_step import GradientSync
 from ..tensor_parallel.collectives import named_timeouts
 from ..tensor_parallel.parallel_state import ProcessGroup, group_size
+from ..transformer.pipeline_stage import chunk_parameters
+from .chunk_reducer import ChunkReducer
 from .fsdp import gradient_sync, mesh_of, shard_fully
 from .gradients import all_reduce_data_parallel
 
@@ -68,25 +75,61 @@ class ReducedAfterBackward(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # gradients only accumulate until sync()
-
     @contextlib.contextmanager
     def sync(self):
         yield
         all_reduce_data_parallel(list(self.module.parameters()), self.group)
 
 
-def reduce_gradients(module: nn.Module, reduce: bool) -> contextlib.AbstractContextManager:
-    """The context of one micro-batch's forward and backward: DDP's no_sync() unless `reduce` (the last
-    micro-batch of a step), so that accumulation micro-batches issue no collective (FSDP2: no reduce-scatter)."""
-    if hasattr(module, "set_requires_gradient_sync"):
-        return gradient_sync(module, reduce)
-    if reduce:  # DDP reduces from its hooks; ReducedAfterBackward when the backward is done
-        sync = getattr(module, "sync", None)
-        if sync is not None:
-            return sync()
-        group = getattr(module, "process_group", None)  # DDP's: its reducer's timeouts name the group, like ours
-        return contextlib.nullcontext() if group is None else named_timeouts("DDP's gradient all-reduce", group)
-    no_sync = getattr(module, "no_sync", None)  # only the wrappers have one: nothing to hold back at dp = 1
-    return contextlib.nullcontext() if no_sync is None else no_sync()
+class DDPSync(GradientSync):
+    """DDP: forwards under no_sync() but the last, whose backward reduces from DDP's hooks (DDP reads the flag in
+    the forward). Its reducer's timeouts name the group, like ours."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+
+    def forward(self, chunk: int, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else self.ddp.no_sync()
+
+    def backward(self, chunk: int, last: bool) -> contextlib.AbstractContextManager:
+        return named_timeouts("DDP's gradient all-reduce", self.ddp.process_group) if last else \
+            contextlib.nullcontext()
+
+
+class FullyShardedSync(GradientSync):
+    """FSDP2 at pp = 1: the reduce-scatter only in the last backward (FSDP2 reads the flag in the backward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def backward(self, chunk: int, last: bool) -> contextlib.AbstractContextManager:
+        return gradient_sync(self.model, last)
+
+
+class AfterLastBackward(GradientSync):
+    """parallel.debug_collectives at pp = 1: ReducedAfterBackward's average once the last backward is done."""
+
+    def __init__(self, module: ReducedAfterBackward) -> None:
+        self.module = module
+
+    def backward(self, chunk: int, last: bool) -> contextlib.AbstractContextManager:
+        return self.module.sync() if last else contextlib.nullcontext()
+
+
+def data_parallel_step(model: nn.Module, group: ProcessGroup | None, debug_collectives: bool, zero_stage: int,
+                       pipelined: bool) -> tuple[nn.Module, GradientSync]:
+    """(what the training forward runs through, how its gradients are averaged over `group`). At pp = 1 the module
+    of `wrap_data_parallel`; in a pipeline (`pipelined`) the model itself, its chunks' gradients averaged by
+    `ChunkReducer` during each chunk's last backward, or FSDP2 (zero_stage 3) reduce-scattering in each backward."""
+    if group_size(group) == 1:
+        return model, GradientSync()
+    if pipelined:
+        if zero_stage == 3:
+            return shard_fully(model, mesh_of(group)), GradientSync()
+        return model, ChunkReducer(chunk_parameters(model), group)
+    forward = wrap_data_parallel(model, group, debug_collectives, zero_stage=zero_stage)
+    if zero_stage == 3:
+        return forward, FullyShardedSync(forward)
+    if debug_collectives:
+        return forward, AfterLastBackward(forward)
+    return forward, DDPSync(forward)

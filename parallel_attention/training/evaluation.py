@@ -9,24 +9,18 @@ from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_reduce
 from ..transformer.cross_entropy import IGNORE_INDEX
 from .data.read.validation import validation_record
-from .micro_batches import model_inputs
-from .pipeline_step import pipeline_validation_losses
+from .step import validation_losses
 
 
 @torch.no_grad()
 def evaluate(run) -> dict[str, float]:
     """{"val_loss": ..., "val_loss/<source>": ...}: token-loss sums and token counts per source over this rank's
-    validation micro-batches (through the pipeline's stages at pp > 1), summed over the data-parallel ranks, then
-    divided."""
+    validation micro-batches (the forward-only schedule through the pipeline's stages), summed over the
+    data-parallel ranks, then divided."""
     run.model.eval()
     sums = torch.zeros(len(run.sampler.sources), 2, dtype=torch.float64, device=run.device)  # [losses, tokens]
-    means = pipeline_validation_losses(run) if run.pipeline_eval is not None else None
-    for i, (source, batch) in enumerate(run.val_batches):
-        if means is None:
-            with run.precision.autocast():
-                mean = run.model(**model_inputs(batch, run.device)).double()
-        else:
-            mean = means[i]
+    means = validation_losses(run)
+    for mean, (source, batch) in zip(means, run.val_batches):
         count = float((batch[1] != IGNORE_INDEX).sum())
         sums[source] += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
     run.model.train()

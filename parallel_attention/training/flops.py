@@ -1,19 +1,7 @@
 """Model FLOPs per token, the device's peak rate, and the two figures a step reports from them.
 
-Model FLOPs (MFU's numerator, as in Megatron-LM and PaLM) count the matrix multiplications the model
-needs, not what the hardware happens to run: activation recompute and the vocabulary padding are not
-counted, and neither are norms, biases, activations, softmax or the embedding lookup.
-
-    flops per token = 6 N + 12 L (nh d) s
-
-- N: the weights of every matrix multiplication a token goes through: per layer the fused QKV projection
-  h (nh + 2 nkv) d, the output projection nh d h and the MLP (2 h f with gelu, 3 h f with SwiGLU), plus
-  the output layer h V (counted even when tied to the embedding: its matmul runs either way). Embedding
-  tables (tokens, learned positions), norms and biases are not in N.
-- 6: 2 FLOPs per multiply-add forward, 4 backward (input and weight gradients).
-- 12 L (nh d) s: attention scores QK^T and the weighted sum AV, 2 s nh d FLOPs each forward per token,
-  times 3 for forward + backward. Causal masking would halve the work a fused kernel does; like Megatron
-  and PaLM we do not halve, so MFU figures compare with theirs.
+Model FLOPs per token are counted in `transformer/model_flops.py` (the pipeline split weighs stages by
+the same count).
 
 On a CPU, MFU is reported only against `logging.peak_tflops`: a GEMM probe at start read 0.016-0.035 TFLOP/s
 on one host between runs, which moved MFU between 23 % and 93 %, so without the key there is no peak and no
@@ -39,7 +27,7 @@ import torch
 from ..tensor_parallel import parallel_state as ps
 from ..launch.rank_zero import is_rank_zero
 from ..tensor_parallel.collectives import all_gather_objects
-from ..transformer.model_config import ModelConfig
+from ..transformer.model_flops import flops_per_token
 from .config.schema import PretrainConfig
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' data sheets; the first name
@@ -49,22 +37,6 @@ GPU_BF16_PEAK_TFLOPS = (
     ("GH200", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L4", 121.0),
     ("A10G", 70.0), ("A10", 125.0),
 )
-
-
-def matmul_weights(cfg: ModelConfig) -> int:
-    """N above: weights of the per-token matrix multiplications (the output layer included)."""
-    h, nh = cfg.hidden_size, cfg.num_heads
-    nkv, d = cfg.num_kv_heads or nh, cfg.head_dim or cfg.hidden_size // nh
-    ffn = cfg.resolved_ffn_hidden_size()
-    attention = h * (nh + 2 * nkv) * d + nh * d * h
-    mlp = (3 if cfg.activation == "swiglu" else 2) * h * ffn
-    return cfg.num_layers * (attention + mlp) + h * cfg.vocab_size
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """Training (forward + backward) model FLOPs per token at sequence length `seq_len`."""
-    nh, d = cfg.num_heads, cfg.head_dim or cfg.hidden_size // cfg.num_heads
-    return 6 * matmul_weights(cfg) + 12 * cfg.num_layers * nh * d * seq_len
 
 
 def gpu_table_peak(name: str) -> float | None:
@@ -167,13 +139,17 @@ def _too_fast(achieved: float, peak: float, configured: float | None, device: to
     return f"{seen}: {why}. MFU is reported against the fastest step rate seen from now on, so it stays <= 1."
 
 
+def flops_per_device(cfg: PretrainConfig, tokens_per_step: int) -> float:
+    """The model FLOPs of one step that each device is credited with: the step's FLOPs over every device of the job.
+    All pp x dp x cp x tp devices share them (a pipeline stage runs only its own layers, so pp divides them like
+    the others); seq_len is the full sequence's (CP splits it, its attention FLOPs do not shrink)."""
+    return flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step / ps.get_world_size()
+
+
 def step_rates(cfg: PretrainConfig, device: torch.device, tokens_per_step: int, seconds: float) -> dict:
     """tokens/s of the whole job, achieved model TFLOP/s per device, MFU, and the peak MFU was computed against
     (`reported_peak`), for a step's metrics record; without a peak (a CPU without logging.peak_tflops) no MFU."""
-    # every device of dp x cp x tp; seq_len is the full sequence's (CP splits it, its attention FLOPs do not shrink)
-    world = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
-             * ps.get_data_parallel_world_size())
-    tflops = flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step / seconds / world / 1e12
+    tflops = flops_per_device(cfg, tokens_per_step) / seconds / 1e12
     peak = reported_peak(tflops, cfg.logging.peak_tflops, device)
     rates = {"tokens_per_s": tokens_per_step / seconds, "tflops": tflops}
     return rates if peak is None else {**rates, "mfu": tflops / peak, "peak_tflops": peak}

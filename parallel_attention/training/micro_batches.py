@@ -1,13 +1,23 @@
-"""A micro-batch as the model takes it, and where it sits in the step's global batch (its dropout coordinates)."""
+"""A step's micro-batches as the trainer hands them to the step: checked and on the device, and where each sits in
+the step's global batch (its dropout coordinates)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..transformer.cross_entropy import IGNORE_INDEX, check_ids
 
-def model_inputs(batch: tuple, device: torch.device) -> dict:
-    """A micro-batch (tokens, labels[, document_ids]) as the model's keyword arguments, on `device`."""
-    return {name: t.to(device) for name, t in zip(("tokens", "labels", "document_ids"), batch)}
+
+def on_device(batches: list[tuple], vocab_size: int, device: torch.device) -> list[tuple]:
+    """Check a step's micro-batches on the host (token ids and labels inside the vocabulary: ValueError naming
+    the first bad one), then move them: from pinned memory without blocking on CUDA. Run where they are read (the
+    prefetch thread), so that the step itself never waits for the host."""
+    for tokens, labels, *_ in batches:
+        check_ids(tokens, vocab_size, "token")
+        check_ids(labels.masked_fill(labels == IGNORE_INDEX, 0), vocab_size, "label")
+    if device.type == "cpu":
+        return batches
+    return [tuple(t.pin_memory().to(device, non_blocking=True) for t in batch) for batch in batches]
 
 
 def first_sample(training, dp_rank: int, dp_size: int, index: int) -> int:

@@ -1,11 +1,13 @@
 """The pretraining loop as a story: build -> resume -> train_loop (train_step, evaluate, log, checkpoint, stop).
 
 One step: the global batch of `step` (a pure function of seed and step) split over the data-parallel ranks and into
-micro-batches; forward/backward per micro-batch through DDP (the data-parallel average runs during the last
-micro-batch's backward) or FSDP2 (zero_stage 3); finalize_grads (tensor-parallel partial gradients); global norm,
-clipping, AdamW (its state sharded at zero_stage 1), unless the divergence guard skips or stops the step. After it,
-in `train_loop`: evaluate, log, stop on divergence, checkpoint (every `checkpoint.interval` steps, at the end and on
-SIGTERM or SIGINT; the replicas audited first) or audit, stop. Resume is exact.
+micro-batches, read, checked and moved to the device a step ahead; the schedule's forwards and backwards at every
+pp (`step`: pp = 1 is one stage, F0 B0 F1 B1 ...), the data-parallel average during the last backward (DDP, a
+pipeline's `ChunkReducer`) or FSDP2's reduce-scatter (zero_stage 3); finalize_grads (tensor-parallel partial
+gradients); global norm, clipping, AdamW (its state sharded at zero_stage 1), unless the divergence guard skips or
+stops the step. After it, in `train_loop`: evaluate, log, stop on divergence, checkpoint (every
+`checkpoint.interval` steps, at the end and on SIGTERM or SIGINT; the replicas audited first) or audit, stop.
+Resume is exact.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,8 +26,9 @@ from ..launch.rank_zero import is_rank_zero
 from ..tensor_parallel.collective_log import enable_collective_log
 from ..tensor_parallel.collectives import all_reduce, any_rank
 from ..tensor_parallel.param_kinds import finalize_grads
-from ..tensor_parallel.rng import dropout_coordinates, manual_seed
-from ..pipeline.runner import PipelineRunner, StepRecord
+from ..tensor_parallel.rng import manual_seed
+from ..pipeline.micro_batch_step import GradientSync
+from ..pipeline.runner import PipelineRunner
 from ..transformer.model import GPTModel
 from .config.schema import PretrainConfig
 from .config.checks import check_resume
@@ -39,14 +41,14 @@ from .data.read.batches import GlobalBatchSampler, describe_blend
 from .data.read.run_data import build_data
 from .data.read.validation import run_validation
 from .data.read.data_identity import check_identity, keep_run_tokenizer, run_data_identity
-from .data_parallel import reduce_gradients, wrap_data_parallel
+from .data_parallel import data_parallel_step
 from .gradients import clip_gradients, global_grad_norm
 from .loss_scaler import DynamicLossScaler
 from .metrics import MetricsLogger, plot_loss
 from .evaluation import evaluate
-from .micro_batches import first_sample, model_inputs
+from .micro_batches import on_device
 from .optim import build_optimizer, learning_rate, set_learning_rate
-from .pipeline_step import build_runners, model_stage, pipeline_forward_backward, pipeline_metrics
+from .step import build_runners, forward_backward, model_stage, pipeline_metrics
 from .precision import Precision
 from .run.resume import keep_previous_sampling, resume_from_checkpoint
 from .run.run_start import say_start
@@ -78,10 +80,10 @@ class Run:
     val_batches: list
     loader: BatchPrefetcher | None = None  # this rank's micro-batches of each step, read a step ahead
     data_identity: dict | None = None  # the tokenizer and data it trains on (data/read/data_identity.py): in every checkpoint
+    runner: PipelineRunner | None = None  # this stage's schedule (pp = 1: one stage), and evaluation's
+    eval_runner: PipelineRunner | None = None
     data_parallel_model: torch.nn.Module | None = None  # the training forward: DDP over the dp group, or `model`
-    pipeline: PipelineRunner | None = None  # pp > 1: this stage's schedule (training), and evaluation's
-    pipeline_eval: PipelineRunner | None = None
-    pipeline_record: StepRecord | None = None  # the last step's events on this stage (bubble, timeline)
+    gradient_sync: GradientSync = field(default_factory=GradientSync)  # how the data-parallel average runs
     step: int = 0
     logger: MetricsLogger | None = None
     losses: dict[int, float] = field(default_factory=dict)
@@ -94,9 +96,14 @@ class Run:
         if self.data_parallel_model is None:
             self.data_parallel_model = self.model
         if self.loader is None:
-            self.loader = BatchPrefetcher(partial(self.sampler.local_micro_batches, dp_rank=ps.get_data_parallel_rank(),
-                                                  dp_size=ps.get_data_parallel_world_size(),
-                                                  micro_batch_size=self.cfg.training.micro_batch_size))
+            self.loader = BatchPrefetcher(self._read_step)
+
+    def _read_step(self, step: int) -> list[tuple]:
+        """This rank's micro-batches of `step`, checked and on the device (the prefetch thread runs it)."""
+        batches = self.sampler.local_micro_batches(step, dp_rank=ps.get_data_parallel_rank(),
+                                                   dp_size=ps.get_data_parallel_world_size(),
+                                                   micro_batch_size=self.cfg.training.micro_batch_size)
+        return on_device(batches, self.cfg.model.vocab_size, self.device)
 
     @property
     def run_dir(self) -> Path:
@@ -132,15 +139,13 @@ def build(cfg: PretrainConfig) -> Run:
     scaler = DynamicLossScaler(enabled=precision.loss_scaling)
     # parameters are replicated over dp x cp: their gradients are averaged (and ZeRO-1 shards) over both
     dp_group, zero_stage = ps.get_data_context_parallel_group(), cfg.parallel.zero_stage
-    pipeline, pipeline_eval = build_runners(cfg, model, cfg.gradient_accumulation_steps(ps.get_world_size()),
-                                            val_batches)
-    # a pipeline averages over dp after its schedule (pipeline_step), except under FSDP2, which reduce-scatters
-    forward = model if pipeline and zero_stage != 3 else wrap_data_parallel(model, dp_group,
-                                                                            cfg.parallel.debug_collectives,
-                                                                            zero_stage=zero_stage)
+    runner, eval_runner = build_runners(cfg, model, cfg.gradient_accumulation_steps(ps.get_world_size()),
+                                        val_batches)
+    forward, sync = data_parallel_step(model, dp_group, cfg.parallel.debug_collectives, zero_stage,
+                                       pipelined=cfg.parallel.pipeline_parallel_size > 1)
     optimizer = build_optimizer(model, cfg.optimizer, dp_group, zero_stage)  # over FSDP2's shards at stage 3
-    return Run(cfg, device, model, optimizer, scaler, precision, sampler, val_batches, data_parallel_model=forward,
-               pipeline=pipeline, pipeline_eval=pipeline_eval)
+    return Run(cfg, device, model, optimizer, scaler, precision, sampler, val_batches, runner=runner,
+               eval_runner=eval_runner, data_parallel_model=forward, gradient_sync=sync)
 
 
 def resume_run(run: Run, where: str) -> None:
@@ -164,27 +169,6 @@ def resume_run(run: Run, where: str) -> None:
                                    log.tensorboard)
 
 
-def _forward_backward(run: Run, micro_batches: list) -> torch.Tensor:
-    """Every micro-batch of this rank's share of the step's global batch; returns the summed loss.
-
-    Each runs inside its dropout coordinates (seed, step, index of its first row in the global batch):
-    layout-invariant dropout hashes its masks from them. Only the last one reduces gradients across the
-    data-parallel group (during its backward); the others accumulate locally."""
-    if run.pipeline is not None:
-        return pipeline_forward_backward(run, micro_batches)
-    t = run.cfg.training
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    loss_sum, forward = torch.zeros((), device=run.device), run.data_parallel_model
-    for i, batch in enumerate(micro_batches):
-        with dropout_coordinates(t.seed, run.step, first_sample(t, dp_rank, dp_size, i)), \
-                reduce_gradients(forward, reduce=i == len(micro_batches) - 1):
-            with run.precision.autocast():
-                loss = forward(**model_inputs(batch, run.device)) / len(micro_batches)
-            run.scaler.scale_loss(loss).backward()
-        loss_sum += loss.detach().float()
-    return loss_sum
-
-
 def train_step(run: Run) -> dict:
     """One optimizer step, unless the divergence guard skips it; returns its metrics record."""
     started = time.perf_counter()
@@ -192,7 +176,7 @@ def train_step(run: Run) -> dict:
     set_learning_rate(run.optimizer, lr)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches, data_wait_s = run.loader.get(run.step)
-    loss_sum = _forward_backward(run, micro_batches)
+    loss_sum, record = forward_backward(run, micro_batches)
     finalize_grads(run.model)  # after the data-parallel average of the backward: the two commute
     run.scaler.unscale(run.model.parameters())
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_parallel_group()
@@ -208,7 +192,7 @@ def train_step(run: Run) -> dict:
             "skipped_steps": run.guard.skipped_steps, "data_wait_s": round(data_wait_s, 6),
             "epochs": run.sampler.epochs(run.step),
             **step_rates(run.cfg, run.device, run.tokens_per_step, time.perf_counter() - started),
-            **run.scaler.record(), **pipeline_metrics(run)}  # fp16: the loss scale after this step
+            **run.scaler.record(), **pipeline_metrics(run, record)}  # fp16: the loss scale after this step
 
 
 def checkpoint(run: Run) -> None:

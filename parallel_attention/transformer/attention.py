@@ -38,7 +38,7 @@ from .attention_config import AttentionConfig
 from .kernels.core_attention import build_core_attention
 from ..tensor_parallel.param_kinds import KvReplica
 from .kv_cache import LayerKVCache
-from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, unchanged
 from ..tensor_parallel.collectives import all_gather_along_dim
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_cp_group, resolve_tp_group
@@ -46,10 +46,6 @@ from .context_parallel import ContextParallelPart, build_context_parallel_core
 from .rotary import build_position_embedding
 from .documents import DocumentLayout
 from .norms import build_head_norm
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _own_copy(t: torch.Tensor) -> torch.Tensor:
@@ -117,7 +113,7 @@ class ParallelSelfAttention(nn.Module):
         self.q_norm, self.k_norm = (build_head_norm(config.qk_norm, d, config.qk_norm_eps, self.tp_group, device,
                                                     config.params_dtype) for _ in range(2))
         # rotary makes q, k new tensors: a copy of v then frees mixed after the forward
-        self._own_values = _own_copy if config.rotary else _as_is
+        self._own_values = _own_copy if config.rotary else unchanged
         self.load_canonical_state_dict(self._initial_canonical_weights(device))
 
     # ----------------------------------------------------------------------------- weights

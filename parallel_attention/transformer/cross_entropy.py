@@ -28,8 +28,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = group_rank(group) * per_rank
         if logits.dtype in (torch.float16, torch.bfloat16):  # softmax statistics in float32
             logits, owns_logits = logits.float(), True
-        padding = torch.arange(start, start + per_rank, device=logits.device) >= vocab_size
-        if padding.any():
+        if start + per_rank > vocab_size:  # this rank holds padding columns (decided on the host: no sync)
+            padding = torch.arange(start, start + per_rank, device=logits.device) >= vocab_size
             fill = logits.masked_fill_ if owns_logits else logits.masked_fill
             logits, owns_logits = fill(padding, float("-inf")), True
         logits_max = all_reduce(logits.amax(dim=-1), group, dist.ReduceOp.MAX)  # amax: no indices, 5x faster
@@ -90,8 +90,13 @@ def _cross_entropy(logits, target, vocab_size: int, group, ignore_index: int, ow
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
-    """ValueError naming the first id outside [0, vocab_size) (one device sync)."""
+    """ValueError naming the first id outside [0, vocab_size), for ids on the host. On an accelerator the check
+    is asynchronous (a device-side assert, no host sync per forward): the trainer checks its batches on the host
+    first (`training.micro_batch_step.on_device`), and so should a caller that wants the message."""
     outside = (ids < 0) | (ids >= vocab_size)
+    if ids.device.type != "cpu":
+        torch._assert_async(~outside.any(), f"a {what} id is outside the vocabulary [0, {vocab_size})")
+        return
     if outside.any():
         value = ids[outside].flatten()[0].item()
         raise ValueError(f"{what} id {value} is outside the vocabulary [0, {vocab_size}): check the tokenizer "

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..tensor_parallel.dropout_hash import as_key
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
 from ..tensor_parallel.rng import current_dropout_coordinates, tensor_parallel_rng
 
@@ -66,6 +67,7 @@ class LayoutInvariantDropout(nn.Module):
     def __init__(self, p: float, layer: int, site: DropoutSite, chunks: int = 1, chunk: int = 0) -> None:
         super().__init__()
         self.p, self.layer, self.site = p, layer, int(site)
+        self.layer_word = as_key(layer)  # hashed as a tensor: one torch.compile graph serves every layer
         self.chunks, self.chunk = chunks, chunk
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,10 +77,10 @@ class LayoutInvariantDropout(nn.Module):
         s, b, h = x.shape
         coords = current_dropout_coordinates()
         # global layout [sample, position, channel] (positions and channels hash as one contiguous run)
-        axes = [(coords.first_sample, b, s * self.chunks * h),  # samples of the step's global batch
+        axes = [(coords.first_sample_tensor, b, s * self.chunks * h),  # samples of the step's global batch
                 (self.chunk * s, s, h),  # this rank's positions of the whole sequence (s * chunks of them)
                 (0, h, 1)]  # channels
-        keep = coords.keep_mask(self.p, self.layer, self.site, axes, x.device).transpose(0, 1)  # [s, b, h]
+        keep = coords.keep_mask(self.p, self.layer_word, self.site, axes, x.device).transpose(0, 1)  # [s, b, h]
         return hashed_dropout(x, keep, self.p)
 
     def extra_repr(self) -> str:
@@ -111,8 +113,8 @@ class ContextParallelDropout(LayoutInvariantDropout):
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         coords, total = current_dropout_coordinates(), s * self.chunks * self.cp
-        keep = torch.cat([coords.keep_mask(self.p, self.layer, self.site,
-                                           [(coords.first_sample, b, total * h), (start, count, h), (0, h, 1)],
+        keep = torch.cat([coords.keep_mask(self.p, self.layer_word, self.site,
+                                           [(coords.first_sample_tensor, b, total * h), (start, count, h), (0, h, 1)],
                                            x.device)
                           for start, count in _zigzag_runs(s, self.chunks, self.chunk, self.cp, self.cp_rank)], dim=1)
         return hashed_dropout(x, keep.transpose(0, 1), self.p)

@@ -14,6 +14,7 @@ import torch
 
 from ..tensor_parallel import sharding
 from .model_config import ModelConfig
+from .pipeline_stage import PipelineStage
 
 _ATTN = re.compile(r"layers\.(\d+)\.attention\.(query_key_value|dense)\.(weight|bias)")
 _MLP = re.compile(r"layers\.(\d+)\.mlp\.(fc_in|fc_out)\.(weight|bias)")
@@ -23,11 +24,14 @@ def _mlp_names(cfg: ModelConfig) -> tuple[tuple[str, ...], str]:
     return (("gate_proj", "up_proj"), "down_proj") if cfg.activation == "swiglu" else (("fc_in",), "fc_out")
 
 
-def state_dict_keys(cfg: ModelConfig) -> list[str]:
-    """The keys of GPTModel(cfg).state_dict() (the same at every p), without building the model."""
+def state_dict_keys(cfg: ModelConfig, stage: PipelineStage = PipelineStage()) -> list[str]:
+    """The keys of GPTModel(cfg, stage=stage).state_dict() (the same at every p), without building the model; a
+    pipeline stage's last chunk holds a copy of a tied embedding table."""
     norm = ["weight", "bias"] if cfg.norm == "layernorm" else ["weight"]
-    keys = ["embed_tokens.weight"] + (["embed_positions"] if cfg.position_embedding == "learned" else [])
-    for i in range(cfg.num_layers):
+    table = stage.has_embedding or (stage.has_head and cfg.tie_embeddings)
+    keys = (["embed_positions"] if cfg.position_embedding == "learned" and stage.has_embedding else []) + (
+        ["embed_tokens.weight"] if table else [])  # the model's own parameters come before its modules'
+    for i in (i for layers in stage.layer_ranges(cfg.num_layers) for i in layers):
         keys += [f"layers.{i}.input_norm.{n}" for n in norm]
         keys += [f"layers.{i}.attention.query_key_value.weight"] + (
             [f"layers.{i}.attention.query_key_value.bias"] if cfg.qkv_bias else [])
@@ -36,8 +40,9 @@ def state_dict_keys(cfg: ModelConfig) -> list[str]:
         keys += [f"layers.{i}.post_attention_norm.{n}" for n in norm]
         for module in ("fc_in", "fc_out"):
             keys += [f"layers.{i}.mlp.{module}.weight"] + ([f"layers.{i}.mlp.{module}.bias"] if cfg.mlp_bias else [])
-    keys += [f"final_norm.{n}" for n in norm]
-    return keys + ([] if cfg.tie_embeddings else ["lm_head.weight"])
+    if not stage.has_head:
+        return keys
+    return keys + [f"final_norm.{n}" for n in norm] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
 
 
 def canonical_sources(cfg: ModelConfig, key: str) -> tuple[str, list[str]]:

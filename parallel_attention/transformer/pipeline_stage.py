@@ -62,6 +62,20 @@ class StageLayers(nn.ModuleList):
         return [int(name) for name in self._modules]
 
 
+def chunk_parameters(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameters each chunk of a GPTModel's stage accumulates gradients into, in registration order: its
+    layers, the embedding with the chunk that embeds, the rest (final norm, output layer, the tied table's copy)
+    with the last chunk. Each parameter once (a whole model: one chunk holding all)."""
+    by_index = dict(zip(model.layers.global_indices(), model.layers))
+    chunks = [[p for i in r for p in by_index[i].parameters()] for r in model.stage.layer_ranges(model.config.num_layers)]
+    if model.stage.has_embedding:
+        chunks[0][:0] = [*model.embed_tokens.parameters(), *([model.embed_positions] if model.embed_positions is not
+                                                             None else [])]
+    placed = {id(p) for chunk in chunks for p in chunk}
+    chunks[-1] += [p for p in model.parameters() if id(p) not in placed]
+    return chunks
+
+
 class PartSeeds:
     """Seeds of the model's parts: one base drawn from the default generator (the same draw at any layout), then
     part k's initial values come from a generator seeded base + k, inside `seeded(k)` (the default generators'

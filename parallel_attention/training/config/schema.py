@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from ...checkpointing.compatibility import upgrade_run_config
+from ...pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES
 from ...tensor_parallel.linear_functions import OVERLAP_COMM
 from ...tensor_parallel.mesh_groups import layout_data_parallel_size
 from ...transformer.model_config import ModelConfig
@@ -52,7 +53,7 @@ class ParallelConfig:
     context_parallel_kind: Literal["ring", "all_to_all"] = "all_to_all"
     # pp: the layers split into stages (world = pp x dp x cp x tp, pp outermost); docs/pipeline.md
     pipeline_parallel_size: int = 1
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    pipeline_schedule: Literal[SCHEDULE_NAMES] = DEFAULT_SCHEDULE  # pipeline/schedules.py's registry
     virtual_pipeline_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
     pipeline_layers: list[int] | None = None  # layers per (virtual) stage, e.g. [3, 2]; null: balanced
 

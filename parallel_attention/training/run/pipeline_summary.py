@@ -1,30 +1,52 @@
-"""The run summary's pipeline rows: each stage's layers, parameters and training-state memory per rank, and the
-schedule's bubble formula (the measured bubble is each metrics row's `pipeline_bubble`).
+"""The run summary's pipeline rows: each stage's layers, parameters, estimated cost and training-state memory per
+rank, and the schedule's bubble formula (the measured bubble is each metrics row's `pipeline_bubble`); and the
+model's total parameter count, from the config alone.
 
-Memory per rank is the state that lives through the step: weights, gradients and AdamW's two moments in float32
-(16 bytes a parameter; the moments divided by dp under ZeRO-1, everything by dp under ZeRO-3), the stage's
-parameters divided by tp. Activations come on top: under 1f1b stage 0 holds at most pp micro-batches of them.
+A stage's cost is its parts' training FLOPs per token (`pipeline.layout.StageCosts`: what the balanced split
+weighs), its share of the step's in percent. Memory per rank is the state that lives through the step: weights,
+gradients and AdamW's two moments in float32 (16 bytes a parameter; the moments divided by dp under ZeRO-1,
+everything by dp under ZeRO-3), the stage's parameters divided by tp. Activations come on top: under 1f1b stage 0
+holds at most pp micro-batches of them.
 """
 
 from __future__ import annotations
 
-from ...pipeline.layout import virtual_stages
+from ...pipeline.layout import StageCosts, rank_stages
 from ...pipeline.messages import buffers_in_flight
-from ...pipeline.schedules import bubble_formula, build_schedule
+from ...pipeline.schedules import build_schedule, schedule
+from ...transformer.pipeline_stage import PipelineStage
 
 
-def _parameters_per_stage(cfg, layer_parameters: int) -> list[int]:
-    m, par = cfg.model, cfg.parallel
-    h, vocab = m.hidden_size, m.vocab_size
-    embedding = vocab * h + (m.max_seq_len * h if m.position_embedding == "learned" else 0)
-    head = vocab * h + 2 * h  # the output layer (a copy of the table when tied) and the final norm, roughly
-    pp, v = par.pipeline_parallel_size, par.virtual_pipeline_stages
-    stages = virtual_stages(m.num_layers, pp, v, par.pipeline_layers)
-    counts = [0] * pp
-    for k, layers in enumerate(stages):
-        counts[k % pp] += len(layers) * layer_parameters + (embedding if k == 0 else 0) + \
-            (head if k == len(stages) - 1 else 0)
-    return counts
+def layer_parameters(cfg) -> int:
+    """A transformer layer's parameters, from the config: q, k, v and output projections, the MLP, two norms, and
+    the biases and q/k norms the config turns on."""
+    m, a = cfg.model, cfg.model.attention_config()
+    h, f, d, nh, nkv = m.hidden_size, m.resolved_ffn_hidden_size(), a.head_dim, a.num_heads, a.num_kv_heads
+    attention = h * (nh + 2 * nkv) * d + nh * d * h + (nh + 2 * nkv) * d * m.qkv_bias + h * m.out_bias \
+        + 2 * d * m.qk_norm
+    mlp_in = 2 if m.activation == "swiglu" else 1
+    mlp = (mlp_in + 1) * f * h + (mlp_in * f + h) * m.mlp_bias
+    return attention + mlp + 2 * _norm_parameters(cfg)
+
+
+def _norm_parameters(cfg) -> int:
+    return cfg.model.hidden_size * (2 if cfg.model.norm == "layernorm" else 1)
+
+
+def stage_parameters(cfg, stage: PipelineStage) -> int:
+    """The parameters a pipeline stage holds (a tied embedding's copy on the last stage included)."""
+    m = cfg.model
+    layers = sum(len(r) for r in stage.layer_ranges(m.num_layers))
+    table = m.vocab_size * m.hidden_size
+    embedding = table + (m.max_seq_len * m.hidden_size if m.position_embedding == "learned" else 0)
+    head = _norm_parameters(cfg) + table  # the output layer, or the tied table's copy
+    return layers * layer_parameters(cfg) + embedding * stage.has_embedding + head * stage.has_head
+
+
+def total_parameters(cfg) -> int:
+    """The model's parameters, every stage's, a tied table counted once."""
+    return stage_parameters(cfg, PipelineStage()) - cfg.model.tie_embeddings * cfg.model.vocab_size * \
+        cfg.model.hidden_size
 
 
 def _gigabytes_per_rank(cfg, parameters: int, dp: int) -> float:
@@ -34,13 +56,9 @@ def _gigabytes_per_rank(cfg, parameters: int, dp: int) -> float:
     return per_rank * (16 / dp if par.zero_stage == 3 else state) / 2**30
 
 
-def layer_parameters(cfg) -> int:
-    """A transformer layer's parameters, from the config: q, k, v and output projections, the MLP, two norms."""
-    m, a = cfg.model, cfg.model.attention_config()
-    qkv = m.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-    attention = qkv + a.num_heads * a.head_dim * m.hidden_size
-    mlp = m.resolved_ffn_hidden_size() * m.hidden_size * (3 if m.activation == "swiglu" else 2)
-    return attention + mlp + 2 * m.hidden_size
+def _flops(value: float) -> str:
+    return next(f"{value / scale:.3g} {unit}FLOP" for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""))
+                if value >= scale or scale == 1)
 
 
 def pipeline_rows(cfg, world_size: int, micro_batches: int) -> dict[str, str]:
@@ -50,18 +68,18 @@ def pipeline_rows(cfg, world_size: int, micro_batches: int) -> dict[str, str]:
     if pp == 1:
         return {}
     dp = world_size // (par.tensor_parallel_size * par.context_parallel_size * pp)
-    stages = virtual_stages(cfg.model.num_layers, pp, v, par.pipeline_layers)
+    costs = StageCosts.of(cfg.model, cfg.data.seq_len)
+    stages = rank_stages(cfg.model.num_layers, pp, v, par.pipeline_layers, costs)
+    cost = [costs.of_rank(stage, cfg.model.num_layers) for stage in stages]
     words = []
-    for s, parameters in enumerate(_parameters_per_stage(cfg, layer_parameters(cfg))):
-        held = [f"{r.start}-{r.stop - 1}" for k, r in enumerate(stages) if k % pp == s]
-        words.append(f"stage {s}: layers {', '.join(held)}{' + embedding' if s == 0 else ''}"
-                     f"{' + head' if s == pp - 1 else ''}, {parameters / 1e6:.4g}M parameters, "
+    for s, stage in enumerate(stages):
+        parameters = stage_parameters(cfg, stage)
+        words.append(f"stage {s}: {stage.describe()}, {parameters / 1e6:.4g}M parameters, "
+                     f"{_flops(cost[s])} a token ({100 * cost[s] / sum(cost):.0f} % of the step), "
                      f"{_gigabytes_per_rank(cfg, parameters, dp):.3g} GiB/rank of weights, gradients and AdamW")
-    formula = {"interleaved_1f1b": "(p-1)/(v m+p-1)", "zero_bubble": "(p-1)/(3m+p-1)"}.get(par.pipeline_schedule,
-                                                                                           "(p-1)/(m+p-1)")
-    bubble = bubble_formula(par.pipeline_schedule, pp, micro_batches, v)
-    return {"pipeline": f"{pp} stages{f' x {v} chunks' if v > 1 else ''}, {par.pipeline_schedule}, "
-                        f"{micro_batches} micro-batches: bubble {formula} = {bubble:.3f} (measured: "
+    chosen = schedule(par.pipeline_schedule)
+    return {"pipeline": f"{pp} stages{f' x {v} chunks' if v > 1 else ''}, {chosen.name}, {micro_batches} "
+                        f"micro-batches: bubble {chosen.formula} = {chosen.bubble(pp, micro_batches, v):.3f} (measured: "
                         f"metrics' pipeline_bubble)",
             "stages": "; ".join(words)}
 
@@ -75,5 +93,6 @@ def buffer_row(cfg, micro_batches: int) -> dict[str, str]:
         return {}
     counts = [buffers_in_flight(build_schedule(par.pipeline_schedule, pp, micro_batches, s, v), s, pp, v)
               for s in range(pp)]
-    return {"pipeline buffers": f"at most {', '.join(map(str, counts))} activations in flight on stages 0-{pp - 1} "
-                                "(inputs kept for their backward, gradients received, sends not yet complete)"}
+    return {"pipeline buffers": f"at most {', '.join(map(str, counts))} activations in flight on stages "
+                                f"0-{pp - 1} (inputs kept for their backward, gradients received, sends not yet "
+                                "complete)"}

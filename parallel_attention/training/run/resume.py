@@ -10,9 +10,11 @@ from pathlib import Path
 from torch import nn
 
 from ...checkpointing.checkpoint import load_checkpoint, load_newest_valid, raise_unless_all_passed
-from ...checkpointing.compatibility import check_same_model, model_shape_config, same_layout, started_before_sampling
+from ...checkpointing.compatibility import (check_same_model, describe_layout, layer_runs, model_shape_config,
+                                             same_layout, saved_stage_layers, started_before_sampling)
 from ...checkpointing.format import CheckpointError, list_checkpoints, read_manifest
 from ...checkpointing.reshard import load_resharded
+from ...pipeline.layout import StageCosts, rank_stages
 from ...tensor_parallel import parallel_state as ps
 from ...launch.rank_zero import is_rank_zero
 from ...tensor_parallel.rng import manual_seed
@@ -39,19 +41,55 @@ def resume_from_checkpoint(cfg: PretrainConfig, where: str, model: nn.Module, op
 
 
 def _load(cfg: PretrainConfig, path: Path, model: nn.Module, optimizer) -> dict:
-    """`path` exactly at the same layout, else resharded (after which the RNG is reseeded from (seed, step))."""
+    """`path` exactly at the same layout, else resharded (after which the RNG is reseeded from (seed, step)); the
+    manifest of one written at another layout says which in `layout_change` (the run's start line prints it)."""
     groups = dict(tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_context_parallel_group())
     saved = _agreed_manifest(path)
-    par = cfg.parallel
-    pipeline = {"pipeline_parallel_size": par.pipeline_parallel_size,
-                "virtual_pipeline_stages": par.virtual_pipeline_stages, "pipeline_layers": par.pipeline_layers}
-    if same_layout(saved, par.tensor_parallel_size, ps.get_world_size(), pipeline):
+    world = ps.get_world_size()
+    if same_layout(saved, cfg.parallel.tensor_parallel_size, world, stage_layers(cfg)):
         return load_checkpoint(path, model, optimizer, expected_config={"model": model_shape_config(cfg.model)},
                                **groups)
     check_same_model(saved, cfg.model, path)
     manifest = load_resharded(path, model, optimizer, tp_group=groups["tp_group"])
     manual_seed(cfg.training.seed + manifest["step"])  # per-rank RNG states do not carry across layouts
-    return manifest
+    change = layout_change(saved, cfg, world)
+    return manifest if change is None else {**manifest, "layout_change": change}
+
+
+def layout_change(saved: dict, cfg: PretrainConfig, world: int) -> str | None:
+    """'layout changed: written at <its layout>, resharded to <this run's>' where the two differ (None where they do
+    not), with the `parallel.pipeline_layers` that would keep the checkpoint's split where only the balanced split
+    moved it (the same tp, world and stages: a checkpoint of an earlier release, whose split weighed the output layer
+    as one layer)."""
+    tp, layers, saved_layers = cfg.parallel.tensor_parallel_size, stage_layers(cfg), saved_stage_layers(saved)
+    written, here = describe_layout(saved["tensor_parallel_size"], saved["world_size"], saved_layers), \
+        describe_layout(tp, world, layers)
+    if written == here:
+        return None
+    line = f"layout changed: written at {written}, resharded to {here}"
+    same_ranks = (saved["tensor_parallel_size"], saved["world_size"], len(saved_layers)) == (tp, world, len(layers))
+    counts = _virtual_stage_counts(saved_layers, cfg.parallel.virtual_pipeline_stages)
+    if same_ranks and len(layers) > 1 and cfg.parallel.pipeline_layers is None and counts is not None:
+        line += f"; parallel.pipeline_layers={counts} keeps the checkpoint's split"
+    return line
+
+
+def _virtual_stage_counts(stage_layers: list[list[int]], v: int) -> list[int] | None:
+    """Layers per virtual stage (chunk k // pp of rank k % pp) of ranks holding `stage_layers`, each rank's v chunks
+    its contiguous runs; None where a rank holds another number of runs."""
+    runs = [layer_runs(layers) for layers in stage_layers]
+    if any(len(r) != v for r in runs):
+        return None
+    pp = len(stage_layers)
+    return [len(runs[k % pp][k // pp]) for k in range(pp * v)]
+
+
+def stage_layers(cfg: PretrainConfig) -> list[list[int]]:
+    """The layers (global indices) each pipeline rank of this run holds, in rank order."""
+    m, par = cfg.model, cfg.parallel
+    stages = rank_stages(m.num_layers, par.pipeline_parallel_size, par.virtual_pipeline_stages, par.pipeline_layers,
+                         StageCosts.of(m, cfg.data.seq_len))
+    return [[i for r in stage.layer_ranges(m.num_layers) for i in r] for stage in stages]
 
 
 def _agreed_manifest(path: Path) -> dict:

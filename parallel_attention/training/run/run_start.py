@@ -24,7 +24,8 @@ def start_line(cfg: PretrainConfig, where: str, manifest: dict | None) -> str:
         return f"starting at step 0 ({why})"
     step = manifest["step"]
     if not finished(cfg, step):
-        return f"resumed from {manifest['path']} at step {step}"
+        change = f" ({manifest['layout_change']})" if "layout_change" in manifest else ""
+        return f"resumed from {manifest['path']} at step {step}{change}"
     at = "= training.max_steps" if step == max_steps else f"past training.max_steps={max_steps}"
     return f"nothing to do: {run_dir} is at step {step} {at}; raise it to train on, or use another logging.run_dir"
 

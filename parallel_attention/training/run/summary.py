@@ -25,19 +25,21 @@ import torch
 from ..config.schema import PretrainConfig
 from ..flops import peak_source, peak_tflops
 from ..precision import Precision
-from .pipeline_summary import buffer_row, pipeline_rows
+from .pipeline_summary import buffer_row, pipeline_rows, total_parameters
 
 
-def _millions(n: int) -> str:
+def millions(n: int) -> str:
+    """A parameter count as the summary and generate.py print it: 0.84M, or 9,216 below 10,000."""
     return f"{n / 1e6:.2f}M" if n >= 10_000 else f"{n:,}"
 
 
-def _size_line(model: torch.nn.Module) -> str:
-    total = sum(math.prod(shape) for shape in model.canonical_shapes().values())
+def _size_line(model: torch.nn.Module, cfg: PretrainConfig) -> str:
+    here = sum(math.prod(shape) for shape in model.canonical_shapes().values())
     local = sum(p.numel() for p in model.parameters())
     if model.stage.chunks is not None:  # a pipeline stage's: the stages row gives every stage's
-        return f"{_millions(total)} parameters on pipeline stage 0, {_millions(local)} on each of its ranks"
-    return f"{_millions(total)} parameters, {_millions(local)} on each rank"
+        return (f"{millions(total_parameters(cfg))} parameters, {millions(here)} on pipeline stage 0, "
+                f"{millions(local)} on each of its ranks")
+    return f"{millions(here)} parameters, {millions(local)} on each rank"
 
 
 def _shape_line(cfg: PretrainConfig) -> str:
@@ -94,7 +96,7 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
     each source of the data (batches.describe_blend)."""
     run_dir, o = Path(cfg.logging.run_dir), cfg.optimizer
     rows = {
-        "model": _size_line(model),
+        "model": _size_line(model, cfg),
         "shape": _shape_line(cfg),
         "layout": _layout_line(cfg, world_size),
         **pipeline_rows(cfg, world_size, cfg.gradient_accumulation_steps(world_size)),

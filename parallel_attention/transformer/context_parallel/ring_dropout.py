@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from ...tensor_parallel.dropout_hash import as_key
+from ...tensor_parallel.layers import unchanged
 from ...tensor_parallel.rng import current_dropout_coordinates
 from ..dropout import DropoutSite, hashed_dropout
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def check_dropout_rng(config, kind: str, cp: int) -> None:
@@ -42,7 +40,7 @@ class NoBlockDropout:
     """No attention dropout (none configured, or not training): every pair's probabilities as they are."""
 
     def for_pair(self, q_chunk: int, k_chunk: int, like: torch.Tensor):
-        return _as_is
+        return unchanged
 
 
 NO_DROPOUT = NoBlockDropout()
@@ -60,7 +58,7 @@ class HashedBlockDropout:
     def for_pair(self, q_chunk: int, k_chunk: int, like: torch.Tensor):
         """The dropout of pair (q_chunk, k_chunk), for probabilities shaped like `like` [b, nhl, m, m]."""
         b, nhl, m, s = like.shape[0], like.shape[1], self.m, self.s
-        axes = [(self.coordinates.first_sample, b, self.num_heads * s * s), (self.head_offset, nhl, s * s),
+        axes = [(self.coordinates.first_sample_tensor, b, self.num_heads * s * s), (self.head_offset, nhl, s * s),
                 (q_chunk * m, m, s), (k_chunk * m, m, 1)]
         keep = self.coordinates.keep_mask(self.p, self.layer, DropoutSite.ATTENTION_PROBS, axes, like.device)
         return lambda t: hashed_dropout(t, keep, self.p)
@@ -70,7 +68,7 @@ class RingDropoutSpec:
     """What the ring's dropout needs from the block: p, the heads (all nh, this rank's first) and the layer."""
 
     def __init__(self, p: float, num_heads: int, head_offset: int, layer: int) -> None:
-        self.p, self.num_heads, self.head_offset, self.layer = p, num_heads, head_offset, layer
+        self.p, self.num_heads, self.head_offset, self.layer = p, num_heads, head_offset, as_key(layer)
 
     def for_call(self, m: int, cp: int, training: bool):
         if not training:

@@ -21,6 +21,7 @@ from torch import nn
 
 from ...tensor_parallel.collectives import all_to_all_along_dims
 from ...tensor_parallel.parallel_state import ProcessGroup, group_size
+from ..kernels.kv_groups import repeat_kv
 from .zigzag import rank_order_to_global
 
 
@@ -48,8 +49,7 @@ class UlyssesAttention(nn.Module):
     def forward(self, q, k, v, mask, causal: bool, documents=None) -> torch.Tensor:
         s = q.shape[-2] * self.cp
         order = rank_order_to_global(s, self.cp, q.device)
-        if self.kv_repeat > 1:
-            k, v = (t.repeat_interleave(self.kv_repeat, dim=1) for t in (k, v))
+        k, v = (repeat_kv(t, t.shape[1] * self.kv_repeat) for t in (k, v))
         q = self._to_full_sequence(q, order)
         # one all-to-all for k and v: piece j holds [k heads of j | v heads of j]
         kv = torch.stack([k, v], dim=1).unflatten(2, (self.cp, -1)).transpose(1, 2).flatten(1, 3)

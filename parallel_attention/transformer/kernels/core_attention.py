@@ -24,12 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...tensor_parallel.dropout_hash import as_key
 from ...tensor_parallel.rng import checkpoint_with_tp_rng, current_dropout_coordinates, tensor_parallel_rng
 from . import causal_chunks
 from .apex_kernels import fused_softmax_module
 from ..attention_config import AttentionConfig
 from .choice import backend_for, choose_document_kernel, core_kind
 from .device_choice import ChosenByDevice
+from .kv_groups import repeat_kv
 from ..dropout import DropoutSite, hashed_dropout
 
 
@@ -100,10 +102,6 @@ class AutoAttention(ChosenByDevice):
         return self.kernel(q, k, v, mask, causal, dropout_p, documents)
 
 
-def _expand_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    return kv if kv.shape[1] == q.shape[1] else kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
-
-
 def attention_probs(q: torch.Tensor, k: torch.Tensor, mask, causal: bool) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) [b, nh, s_q, s_k] for k already expanded to q's heads; softmax in
     float32 for half-precision inputs; rows with nothing to attend are zeros, not NaN."""
@@ -122,7 +120,7 @@ class MathAttention(nn.Module):
     """Explicit softmax(q k^T / sqrt(d)) v; softmax in float32 for half-precision inputs; documents as a mask."""
 
     def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
-        k, v = _expand_kv(q, k), _expand_kv(q, v)
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         probs = attention_probs(q, k, with_documents(mask, causal, documents), causal)
         if dropout_p > 0:
             probs = F.dropout(probs, p=dropout_p)
@@ -157,7 +155,7 @@ class ApexFusedSoftmaxAttention(nn.Module):
         return self._softmax[key]
 
     def forward(self, q, k, v, mask, causal: bool, dropout_p: float, documents=None) -> torch.Tensor:
-        k, v = _expand_kv(q, k), _expand_kv(q, v)
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         scale = 1.0 / math.sqrt(q.shape[-1])
         scores = torch.matmul(q, k.transpose(-1, -2))
         mask = with_documents(mask, causal, documents)  # documents: the padding kind, as an explicit mask
@@ -228,17 +226,18 @@ class LayoutInvariantCoreAttention(CoreAttention):
                  device=None) -> None:
         super().__init__(kernel, dropout_p, device)
         self.num_heads, self.head_offset, self.layer = num_heads, head_offset, layer
+        self.layer_word = as_key(layer)  # hashed as a tensor: one torch.compile graph serves every layer
 
     def _attend_with_dropout(self, q, k, v, mask, causal: bool, documents=None) -> torch.Tensor:
         if not self.training:
             return self._attend_without_dropout(q, k, v, mask, causal, documents)
-        k, v = _expand_kv(q, k), _expand_kv(q, v)
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         probs = attention_probs(q, k, with_documents(mask, causal, documents), causal)
         b, nh_local, s_q, s_k = probs.shape
         coords = current_dropout_coordinates()
-        axes = [(coords.first_sample, b, self.num_heads * s_q * s_k), (self.head_offset, nh_local, s_q * s_k),
+        axes = [(coords.first_sample_tensor, b, self.num_heads * s_q * s_k), (self.head_offset, nh_local, s_q * s_k),
                 (0, s_q, s_k), (0, s_k, 1)]
-        keep = coords.keep_mask(self.dropout_p, self.layer, DropoutSite.ATTENTION_PROBS, axes, q.device)
+        keep = coords.keep_mask(self.dropout_p, self.layer_word, DropoutSite.ATTENTION_PROBS, axes, q.device)
         return torch.matmul(hashed_dropout(probs, keep, self.dropout_p), v)
 
 

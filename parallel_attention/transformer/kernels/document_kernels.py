@@ -54,15 +54,12 @@ def _is_causal(causal: bool) -> dict:
     return {"is_causal": causal}
 
 
-def _native_groups(q, k, v) -> tuple:
-    return k, v, {"enable_gqa": q.shape[1] != k.shape[1]}
+def _grouped_heads(q, k) -> dict:
+    return {"enable_gqa": q.shape[1] != k.shape[1]}
 
 
-def _expanded_groups(q, k, v) -> tuple:
-    """k/v heads repeated to the query heads (query head i reads k/v head i // (nh / nkv)): for a varlen_attn
-    without enable_gqa; autograd sums each group's gradients back onto its k/v head."""
-    group = q.shape[1] // k.shape[1]
-    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+def _heads_as_they_are(q, k) -> dict:
+    return {}
 
 
 def varlen_takes(q: torch.Tensor) -> bool:
@@ -72,24 +69,26 @@ def varlen_takes(q: torch.Tensor) -> bool:
 
 class VarlenDocuments:
     """The whole micro-batch in one varlen_attn call (see the module docstring). How causal and grouped heads are
-    passed is this torch's signature (`varlen_kernel`): window_size (2.11 on) or is_causal; enable_gqa (2.13 on)
-    or k/v heads expanded first."""
+    passed is this torch's signature (`varlen_kernel`): window_size (2.11 on) or is_causal; enable_gqa where the
+    wrapper has it (2.13 on: it refuses grouped k/v without it). Grouped k/v go to the call as they are, never
+    repeated to the query heads: FlashAttention-2's varlen kernel reads query head i's k/v from head
+    i // (nh / nkv), and a wrapper without enable_gqa (2.11) checks no head counts. gpu_check's probe step proves
+    it on the device (equal to the repeated call, forward and backward)."""
 
     name = "torch varlen_attn, one call per layer for the micro-batch (bf16/fp16, head dim <= 256 and % 8)"
 
     def __init__(self, varlen_attn, window_size: bool = True, enable_gqa: bool = True) -> None:
         self.varlen_attn = varlen_attn
         self._causal = _window if window_size else _is_causal
-        self._groups = _native_groups if enable_gqa else _expanded_groups
+        self._groups = _grouped_heads if enable_gqa else _heads_as_they_are
 
     def __call__(self, q, k, v, documents, causal: bool, dropout_p: float) -> torch.Tensor:
         if not varlen_takes(q):
             return PER_DOCUMENT_SDPA(q, k, v, documents, causal, dropout_p)
         b, nh, s, d = q.shape
         cu, longest = documents.cu_seqlens, documents.max_length
-        k, v, groups = self._groups(q, k, v)
         out = self.varlen_attn(_pack(q), _pack(k), _pack(v), cu, cu, longest, longest, **self._causal(causal),
-                               **groups)
+                               **self._groups(q, k))
         return out.view(b, s, nh, d).transpose(1, 2)
 
 
@@ -102,7 +101,7 @@ def varlen_kernel(varlen_attn) -> tuple[VarlenDocuments | None, str]:
     gqa = "enable_gqa" in params
     kernel = VarlenDocuments(varlen_attn, window_size="window_size" in params, enable_gqa=gqa)
     return kernel, "varlen_attn is available" + ("" if gqa else (
-        " (it takes no enable_gqa: grouped k/v heads are repeated to the query heads before the call)"))
+        " (it takes no enable_gqa and checks no head counts: grouped k/v heads reach it as they are)"))
 
 
 VARLEN_MODULE = "torch.nn.attention.varlen"

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from .flash_ops import CPU_FLASH_OPS, CUDA_FLASH_OPS, FlashOps, accumulation_dtype
+from .kv_groups import repeat_kv, sum_kv_groups
 
 
 class Pair(NamedTuple):
@@ -54,15 +55,6 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # rows that see nothing: probabilities 0
 
 
-def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
-def _fold(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """The gradient of _expand to `heads` k/v heads: each sums its query group's."""
-    return t if t.shape[1] == heads else t.unflatten(1, (heads, -1)).sum(2)
-
-
 class MathBlocks:
     """Explicit-lse torch math (see the module docstring); `drop` applies the pair's dropout (or nothing)."""
 
@@ -74,7 +66,7 @@ class MathBlocks:
 
     def forward(self, q, k, v, pair: Pair, scale: float, drop):
         """The pair's output (probabilities dropped by `drop`) and the log-sum-exp of its undropped scores."""
-        k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         scores = _scores(q, k, pair.mask, scale)
         lse = torch.logsumexp(scores, dim=-1)
         probs = drop(torch.exp(scores - finite(lse).unsqueeze(-1)))
@@ -83,13 +75,13 @@ class MathBlocks:
     def backward(self, q, k, v, pair: Pair, scale: float, drop, grad_out, out, lse, delta):
         """(dq, dk, dv) of the pair, from the final output's lse and delta = rowsum(dO o O)."""
         heads = k.shape[1]
-        k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         p = torch.exp(_scores(q, k, pair.mask, scale) - finite(lse).unsqueeze(-1))
         dv = torch.matmul(drop(p).to(q.dtype).transpose(-1, -2), grad_out)
         dp = torch.matmul(grad_out, v.transpose(-1, -2)).to(p.dtype)
         ds = (p * (drop(dp) - delta.unsqueeze(-1))).to(q.dtype)
         dk = torch.matmul(ds.transpose(-1, -2), q) * scale
-        return torch.matmul(ds, k) * scale, _fold(dk, heads), _fold(dv, heads)
+        return torch.matmul(ds, k) * scale, sum_kv_groups(dk, heads), sum_kv_groups(dv, heads)
 
 
 class FlashBlocks(MathBlocks):
