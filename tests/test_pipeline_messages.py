@@ -11,7 +11,7 @@ import pytest
 from launch import ROOT
 
 from parallel_attention.pipeline.messages import buffers_in_flight, incoming, moments, outgoing
-from parallel_attention.pipeline.nccl_model import Post, Wait, replay, runner_program
+from parallel_attention.pipeline.nccl_model import MismatchedMessage, Post, Wait, replay, runner_program
 from parallel_attention.pipeline.schedules import SCHEDULES, build_schedule
 from parallel_attention.training.config.schema import load_config
 from parallel_attention.training.run.pipeline_summary import buffer_row
@@ -81,6 +81,17 @@ def test_a_stage_holds_at_most_one_moments_sends_whatever_m(name, p, v):
                 assert len(outstanding) <= 1
             assert not outstanding
             assert sum(len(moment.retire) for moment in plan) == sum(len(moment.sends) for moment in plan)
+
+
+def test_the_model_matches_by_order_and_sees_a_message_left_over():
+    """NCCL matches the k-th send with the k-th receive of a communicator: two messages received in the other order
+    land in each other's buffers; a send nobody receives leaves its sender's wait hanging."""
+    sender = [Post("link", (("send", 1, "a"),)), Post("link", (("send", 1, "b"),)), Wait(("a", "b"))]
+    swapped = [Post("link", (("recv", 0, "b"),)), Post("link", (("recv", 0, "a"),)), Wait(("a", "b"))]
+    with pytest.raises(MismatchedMessage, match="the receive of b matched the send of a"):
+        replay({0: sender, 1: swapped})
+    deadlock = replay({0: sender, 1: swapped[1:2] + [Wait(("a",))]})
+    assert deadlock is not None and "never completed: (0, 'send', 'b')" in deadlock.text, deadlock
 
 
 def test_every_link_carries_one_kind_one_way():

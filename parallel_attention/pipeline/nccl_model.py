@@ -8,9 +8,9 @@ What it models (NCCL's semantics for messages larger than its buffers):
 - rendezvous sends: a send completes only together with the peer's matching receive (the k-th send from a to b on a
   communicator matches the k-th receive at b from a), both in group calls that have started;
 - the compute stream waits as the runner waits (`wait()`), and posts nothing past a wait that has not completed.
-gloo is the same without the in-order streams (each operation runs on its own). The collective guard adds, before
-each exchange, a signature gather of the link's two ranks on the same link, in the same order on both (it is
-checked when the exchange is waited for): it pairs up as the messages do and changes nothing here.
+gloo is the same without the in-order streams (each operation runs on its own). The collective guard records
+exchanges without a cross-rank check (`collective_log` says why) and turns on NCCL's blocking wait, under which the
+CPU waits where the compute stream does: what this model follows already.
 
 A rank's program is a list of `Post` and `Wait`; `replay` runs the programs of every rank and returns None, or a
 `Deadlock` that says what each stuck rank waits for. `runner_program` is the runner's own plan
@@ -131,11 +131,13 @@ class _Replay:
             if not (self._match() or moved):
                 break
         stuck = {rank: self._current(rank) for rank in self.programs if self._current(rank) is not None}
-        if not stuck:
+        unfinished = sorted(map(str, set(self.position) - self.done))  # posted, never matched: a message left over
+        if not stuck and not unfinished:
             return None
         heads = {stream: stream_ops[0] for stream, stream_ops in self.streams.items() if stream_ops}
         text = "\n".join([f"rank {rank} waits at {op}" for rank, op in stuck.items()]
-                         + [f"  stream {stream} is held by {ops}" for stream, ops in heads.items()])
+                         + [f"  stream {stream} is held by {ops}" for stream, ops in heads.items()]
+                         + [f"  never completed: {op}" for op in unfinished])
         return Deadlock(stuck, text)
 
 
