@@ -1,7 +1,8 @@
 """The pipeline runner's communication at pp 2 on gloo ranks, in-process: the memory a step allocates does not grow
 with the micro-batches (1F1B at pp 2 with 2,048-token sequences: m = 32 within 1.15x of m = 4), and with the
 collective guard on every schedule gives the losses it gives without, and a stage that stops answering is named
-within the groups' timeout. (The messages' order against NCCL's semantics: tests/test_pipeline_messages.py.)"""
+within the groups' timeout; a caller's mesh gets warmed links; the self-check sends messages of the size asked.
+(The messages' order against NCCL's semantics: tests/test_pipeline_messages.py.)"""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import parallel_attention as pa
+from parallel_attention.check.__main__ import build_context, parse_args
+from parallel_attention.check.pipeline_check import check_pipeline, message_bytes
 from parallel_attention.pipeline.layout import rank_stage
 from parallel_attention.pipeline.micro_batch_step import MicroBatchStep
 from parallel_attention.pipeline.runner import PipelineRunner
@@ -174,3 +177,17 @@ def test_the_guard_names_a_stage_that_stops_answering():
     assert message.startswith("pipeline gradients, stage 1 -> stage 0 on the pipeline link group (global ranks "
                               "[0, 1]) did not complete within the timeout (0:00:04)"), message
     assert seconds < GROUP_TIMEOUT_S + 3, seconds
+
+
+def _self_check_worker(argv: list[str]) -> tuple[bool, str]:
+    args = parse_args(argv)
+    _pipeline(timeout=args.timeout)
+    device = torch.device("cpu")
+    return check_pipeline(build_context(args, device), message_bytes(args.pp_message_mib, device))
+
+
+def test_the_self_check_sends_messages_of_the_size_asked():
+    """`python -m parallel_attention.check --pp 2 --pp-message-mib 0.25`'s pipeline check, in-process: every
+    schedule with 256 KiB messages (128 rows a micro-batch) gives the whole model's numbers."""
+    for ok, text in run_distributed(_self_check_worker, 2, 1, ["--pp", "2", "--pp-message-mib", "0.25"]):
+        assert ok and "sends and receives counted, messages of 0.25 MiB" in text, text

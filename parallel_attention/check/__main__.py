@@ -32,7 +32,7 @@ from .context import CheckContext
 from .context_parallel_check import check_context_parallel
 from .counts import check_collective_count
 from .equivalence import check_attention, check_model
-from .pipeline_check import check_pipeline
+from .pipeline_check import check_pipeline, message_bytes
 from .replicas import check_init, check_replicas
 from .report import Result, agree, report_lines, run_guarded
 
@@ -132,8 +132,8 @@ def _check(args: argparse.Namespace, tp: int, start: float) -> int:
     if args.pp > 1:  # its own (pp, dp) groups, tp 1: each stage against the whole model on its rank
         destroy_model_parallel()
         initialize_model_parallel(1, timeout=args.timeout, pipeline_model_parallel_size=args.pp)
-        message_mib = args.pp_message_mib or (64 if device.type == "cuda" else 0)
-        results.append(run_guarded("pipeline", check_pipeline, build_context(args, device), int(message_mib * 2**20)))
+        results.append(run_guarded("pipeline", check_pipeline, build_context(args, device),
+                                   message_bytes(args.pp_message_mib, device)))
     results = agree(results)
     if ctx.global_rank == 0:
         lines = _header(ctx, args) + [f"# done in {time.perf_counter() - start:.1f} s"] + report_lines(results)

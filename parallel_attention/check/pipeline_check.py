@@ -43,6 +43,11 @@ def _model(ctx: CheckContext, stage, group, layers: int) -> GPTModel:
     return GPTModel(cfg, tp_group=group, device=ctx.device, dtype=ctx.dtype, stage=stage)
 
 
+def message_bytes(mib: float | None, device: torch.device) -> int:
+    """`--pp-message-mib` in bytes; by default 64 MiB on GPU (beyond NCCL's buffering), the smallest on CPU."""
+    return int((mib or (64 if device.type == "cuda" else 0)) * 2**20)
+
+
 def message_rows(message_bytes: int, dtype: torch.dtype) -> int:
     """Rows of a micro-batch whose [SEQ, rows, HIDDEN] activation is `message_bytes` large (2 at least)."""
     return max(2, message_bytes // (SEQ * HIDDEN * dtype.itemsize))
