@@ -5,14 +5,21 @@ prefix's changed .bin is refused at resume."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import socket
+import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from launch import ROOT, environment, metrics, run_command
+from parallel_attention.checkpointing.tensor_io import file_digest
 from parallel_attention.training.data import chunk_hashes
 from parallel_attention.training.data.read import index_cache, source_index
 from parallel_attention.training.data.read.data_identity import DataChangedError, check_identity, source_record
@@ -116,7 +123,10 @@ def test_one_build_while_the_others_wait_and_a_failed_build_leaves_nothing(tmp_p
 
     with pytest.raises(DataFileError):
         _cache(tmp_path, "t", {"k": 2}, broken, "test")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [results[0][0].name]  # no lock, no temporary, no cache
+    failed = index_cache.cache_directory(tmp_path, "t", {"k": 2}).name
+    # no lock, no temporary, no cache: only the failure's marker, which the waiters read
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([results[0][0].name, f".{failed}.failed"])
+    assert (tmp_path / f".{failed}.failed").read_text() == "killed half way"
 
 
 def test_a_stale_lock_is_taken_over(tmp_path, monkeypatch):
@@ -128,6 +138,95 @@ def test_a_stale_lock_is_taken_over(tmp_path, monkeypatch):
     (directory / index_cache.INFO).unlink()  # as if never finished, its builder dead
     lock.write_text("gone pid 1\n")
     assert _cache(tmp_path, "s", key, lambda tmp, progress: {"again": True}, "test")[1]["again"]
+
+
+def test_a_lock_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path, monkeypatch):
+    """A build killed (SIGKILL, an OOM kill) leaves its lock: the relaunch on its host does not wait STALE_S."""
+    monkeypatch.setattr(index_cache, "POLL_S", 0.01)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    key = {"k": 4}
+    lock = tmp_path / f".{index_cache.cache_directory(tmp_path, 's', key).name}.lock"
+    lock.write_text(f"holder {socket.gethostname()} pid {dead.pid}\n")
+    began = time.monotonic()
+    assert _cache(tmp_path, "s", key, lambda tmp, progress: {"built": True}, "test")[1]["built"]
+    assert time.monotonic() - began < 5  # STALE_S is 600
+    lock.write_text(f"holder {socket.gethostname()} pid {os.getpid()}\n")  # alive: waited for, not taken over
+    monkeypatch.setattr(index_cache, "STALE_S", 0.5)
+    other = _cache(tmp_path, "s", {"k": 5}, lambda tmp, progress: {}, "test")  # another key: no wait
+    assert other[1] == {"key": {"k": 5}}
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_a_build_that_fails_for_a_full_disk_is_reported_by_every_waiter(tmp_path, monkeypatch, recorded):
+    """The builder's cause (no space left) and the setting to change reach the processes waiting for it, who
+    raise it instead of building again in turn; with no room for the message, they still name the builder."""
+    monkeypatch.setattr(index_cache, "POLL_S", 0.01)
+    started, release, errors = threading.Event(), threading.Event(), []
+
+    def full(tmp, progress):
+        started.set()
+        release.wait(10)
+        if not recorded:  # the marker cannot be written either
+            monkeypatch.setattr(Path, "write_text", _no_space)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def one(build):
+        try:
+            _cache(tmp_path, "s", {"k": 6}, build, "the index of x")
+        except DataFileError as error:
+            errors.append(str(error))
+
+    builder = threading.Thread(target=one, args=(full,))
+    builder.start()
+    started.wait(10)
+    waiters = [threading.Thread(target=one, args=(lambda tmp, progress: pytest.fail("built again"),))
+               for _ in range(2)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.2)  # the waiters see the lock
+    release.set()
+    for t in [builder, *waiters]:
+        t.join(20)
+    assert len(errors) == 3
+    assert all("data.index_cache" in message and str(tmp_path) in message for message in errors)
+    assert sum("no space is left there" in message for message in errors) == (3 if recorded else 1)  # the builder
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_an_unwritable_index_cache_of_a_prepared_directory_falls_back_to_data_index_cache(tmp_path, monkeypatch):
+    """DIR/.index_cache that this process cannot write (another user's, read-only): the index goes under
+    data.index_cache; a complete one there is read as it is."""
+    prefix = Path(_prefix(tmp_path / "p", [50] * 10))
+    data = tmp_path / "data"
+    data.mkdir()
+    meta = _prepared_meta(prefix, data)
+    (data / source_index.CACHE_DIR).mkdir()
+    writable = os.access
+    monkeypatch.setattr(source_index.os, "access",
+                        lambda path, mode: False if Path(path).name == source_index.CACHE_DIR else writable(path, mode))
+    directory, info = source_index.prepared_index(data, meta, 0.1, tmp_path / "fallback")
+    assert directory.parent == tmp_path / "fallback" and info["num_documents"] == 10
+    monkeypatch.setattr(source_index.os, "access", writable)
+    built, _ = source_index.prepared_index(data, meta, 0.1, tmp_path / "fallback")
+    assert built.parent == data / source_index.CACHE_DIR
+    monkeypatch.setattr(source_index.os, "access", lambda path, mode: False)  # read-only now: the cache is read
+    assert source_index.prepared_index(data, meta, 0.1, tmp_path / "elsewhere")[0] == built
+
+
+def _prepared_meta(prefix: Path, data: Path) -> dict:
+    """A format-2 meta.json in `data` of the one shard at `prefix` (moved there)."""
+    for kind in ("bin", "idx"):
+        os.replace(f"{prefix}.{kind}", data / f"shard_00000.{kind}")
+    shard = data / "shard_00000"
+    sha, chunks = chunk_hashes.file_and_chunk_sha256(Path(f"{shard}.bin"))
+    meta = {"format_version": 2, "shards": [{"prefix": "shard_00000", "idx_sha256": file_digest(Path(f"{shard}.idx"))[
+        "sha256"], "bin_sha256": sha, "bin_chunk_sha256": chunks, "chunk_bytes": chunk_hashes.CHUNK_BYTES}]}
+    (data / "meta.json").write_text(json.dumps(meta))
+    return meta
 
 
 def test_a_changed_chunk_stops_the_read_naming_file_and_chunk(tmp_path, monkeypatch):
