@@ -197,6 +197,42 @@ def test_every_rank_refuses_alike_whichever_rank_finds_the_fault(tmp_path):
     assert said[0] == said[1] and str(bad / "shard_00000.idx") in said[0], said  # rank 0 found it first
 
 
+def _build_data_as_node(cfg, nodes: str):
+    """build_data on this rank as node (global rank) of a job whose nodes each hold their own copy of the data:
+    the same relative blend path, read from the node's own directory. The error message, or None."""
+    from parallel_attention.tensor_parallel import parallel_state as ps
+
+    where, rank = os.getcwd(), ps.get_global_rank()
+    os.environ["GROUP_RANK"] = str(rank)
+    os.chdir(Path(nodes) / f"node{rank}")
+    try:
+        return _build_data_on_each_rank(cfg, None)
+    finally:
+        os.chdir(where)
+        del os.environ["GROUP_RANK"]
+
+
+def test_two_nodes_with_different_copies_of_a_prefix_are_refused_before_step_1(tmp_path):
+    """Two node ranks on one host, each with its own copy of a Megatron-LM prefix (and its own index cache),
+    one copy altered: every rank refuses, naming both nodes and the .bin; equal copies train."""
+    prepare_data("stdlib", "byte", tmp_path / "prepared", val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
+    for node in ("node0", "node1"):
+        (tmp_path / node / "data").mkdir(parents=True)
+        for kind in ("bin", "idx"):
+            (tmp_path / node / "data" / f"web.{kind}").write_bytes((tmp_path / "prepared" / f"shard_00000.{kind}")
+                                                                   .read_bytes())
+    cfg = _pretrain_config(tmp_path / "unused", tmp_path / "run", "--data.blend=[{path: data/web, weight: 1}]",
+                           f"--data.index_cache={tmp_path / 'cache'}")
+    assert run_distributed(_build_data_as_node, 2, 1, cfg, str(tmp_path)) == [None, None]
+    altered = tmp_path / "node1" / "data" / "web.bin"
+    data = bytearray(altered.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one token, another id of the vocabulary
+    altered.write_bytes(bytes(data))
+    said = run_distributed(_build_data_as_node, 2, 1, cfg, str(tmp_path))
+    assert said[0] == said[1] and said[0].startswith("the ranks read different copies of data/web.bin: "), said
+    assert " on node 0 on " in said[0] and " (ranks 0)" in said[0] and " on node 1 on " in said[0], said
+
+
 def test_pretraining_on_a_zeroed_token_file_stops_at_its_first_read_with_exit_2(tmp_path):
     data_dir = tmp_path / "data"
     prepare_data("stdlib", "byte", data_dir, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)

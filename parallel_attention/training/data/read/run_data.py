@@ -20,6 +20,7 @@ from .batches import GlobalBatchSampler, open_run_blend, run_sampler
 from ...config.schema import PretrainConfig
 from ..prepare.run_data_dir import ensure_prepared
 from .index_cache import wait_for
+from .same_copies import check_same_copies
 from ..token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message
 
 __all__ = ["agreed", "build_data", "open_run_sampler", "prepare_run_data"]
@@ -79,8 +80,10 @@ def prepare_run_data(cfg: PretrainConfig) -> None:
 
 def open_run_sampler(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
     """Open every source on every rank, checked against its meta.json's sha256 (a refusal on any rank is every
-    rank's). Returns the sampler and the blend's sources."""
+    rank's), and every rank's copy against the others' (same_copies.py). Returns the sampler and the blend's
+    sources."""
     sources, weights = agreed(lambda: open_run_blend(cfg), cfg.data.data_dir)
+    check_same_copies(sources)
     return run_sampler(cfg, sources, weights), sources
 
 
