@@ -281,3 +281,19 @@ def test_ensure_prepared_resumes_an_unfinished_preparation(jsonl, tmp_path, monk
     assert not (tmp_path / "out").exists() and "kept 2 finished shards" in capfd.readouterr().err
     assert ensure_prepared(cfg) == whole and _files(tmp_path / "out") == _files(tmp_path / "whole")
     assert "from its 2 finished shards" in capfd.readouterr().err
+
+
+def test_the_fix_for_a_missing_or_truncated_shard_names_the_recorded_settings(jsonl, tmp_path):
+    """meta.json is readable even where a shard is gone: the fix command prepares what was prepared."""
+    from parallel_attention.training.data.read.token_source import open_source
+
+    prepare_shards(str(jsonl), "byte", tmp_path / "out", max_bytes=4000, shard_tokens=300)
+    shard = tmp_path / "out" / "shard_00001.bin"
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(DataFileError) as info:
+        open_source(str(tmp_path / "out"), 0.1, (256, "byte"))
+    assert (f"--source {jsonl.resolve()} --tokenizer byte --text-field text --max-bytes 4000 --val-fraction 0.02 "
+            f"--shard-tokens 300 --out {tmp_path / 'out'}`") in str(info.value)
+    (tmp_path / "out" / "meta.json").unlink()
+    with pytest.raises(DataFileError, match="prepare_data.py --overwrite --source SOURCE --tokenizer TOKENIZER"):
+        open_source(str(tmp_path / "out"), 0.1, (256, "byte"))

@@ -34,7 +34,7 @@ from .encoding import encode_documents, use_threads
 from ..indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
 from .partial_output import PartialPreparation
 from .progress import PreparationBar, say_if_truncated
-from ..token_files import FORMAT_VERSION, META
+from ..token_files import FORMAT_VERSION, META, recorded_meta
 from ...tokenizer import TokenizerIdentity, get_tokenizer, trains_bpe
 
 __all__ = ["check_settings", "end_of_text", "prepare_shards", "refuse_replacing", "source_key", "worker_count"]
@@ -89,12 +89,11 @@ def refuse_replacing(out_dir: Path, source: str, tokenizer: str) -> None:
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
     fix = "give another --out (data.data_dir), or pass --overwrite to replace it"
-    try:
-        meta = json.loads((out_dir / META).read_text(encoding="utf-8"))
-        have = TokenizerIdentity.from_meta(meta)
-    except (OSError, ValueError, AttributeError) as error:
-        raise ValueError(f"{out_dir} holds files but no prepared dataset ({out_dir / META} cannot be read: "
-                         f"{type(error).__name__}): preparing there would replace them; {fix}.") from None
+    meta = recorded_meta(out_dir)
+    if meta is None:
+        raise ValueError(f"{out_dir} holds files but no prepared dataset (no readable {META}): preparing there would "
+                         f"replace them; {fix}.")
+    have = TokenizerIdentity.from_meta(meta)
     want = TokenizerIdentity(tokenizer, None) if trains_bpe(tokenizer) else TokenizerIdentity.of_spec(tokenizer)
     same_tokenizer = have.name == want.name if want.sha256 is None else have.sha256 == want.sha256
     if meta.get("source") != source_key(source) or not same_tokenizer:
