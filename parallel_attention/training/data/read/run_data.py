@@ -14,7 +14,8 @@ import secrets
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from ....tensor_parallel.collectives import all_gather_objects, raise_together
+from ....tensor_parallel.collectives import all_gather_objects, any_rank, raise_together
+from ....tensor_parallel.mesh_groups import device_type
 from ....tensor_parallel import parallel_state as ps
 from .batches import GlobalBatchSampler, open_run_blend, run_sampler
 from ...config.schema import PretrainConfig
@@ -23,7 +24,7 @@ from .index_cache import wait_for
 from .same_copies import check_same_copies
 from ..token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message
 
-__all__ = ["agreed", "build_data", "open_run_sampler", "prepare_run_data"]
+__all__ = ["agreed", "build_data", "open_run_sampler", "prepare_run_data", "read_agreed"]
 
 T = TypeVar("T")
 
@@ -38,6 +39,31 @@ def agreed(check: Callable[[], T], data_dir) -> T:
         refusal = refusal_message(error, data_dir)
     raise_together(refusal, lambda refusals: DataFileError(next(iter(refusals.values()))))
     return result
+
+
+def read_agreed(read: Callable[[], T]) -> T:
+    """read()'s result, once every rank has read its own; DataFileError on every rank, with the lowest faulting
+    rank's message, if any rank's read raised one of token_files.REFUSALS (a chunk that fails its hash, an id
+    outside the vocabulary, a file gone). Without it, the faulting rank would stop alone and the others would
+    wait in their next collective, to end with a backend's traceback ("Connection closed by peer") or a timeout.
+    Costs one small all-reduce when no rank faults; every rank must call it, in the training thread."""
+    fault, result = None, None
+    try:
+        result = read()
+    except REFUSALS as error:
+        fault = error
+    if ps.is_distributed() and any_rank(fault is not None, device_type()):
+        said = None if fault is None else str(fault) if isinstance(fault, ValueError) else \
+            f"a data file cannot be read ({type(fault).__name__}: {fault}): check the storage the run's data is on"
+        raise_together(said, _fault_of_rank, cause=fault)
+    if fault is not None:  # one process
+        raise fault
+    return result
+
+
+def _fault_of_rank(faults: dict[int, str]) -> DataFileError:
+    rank, message = next(iter(faults.items()))
+    return DataFileError(message if rank == 0 else f"{message} (found by global rank {rank})")
 
 
 def _prepared_by_rank_0(cfg: PretrainConfig) -> None:
