@@ -52,7 +52,8 @@ def _world_size(cfg) -> int:
     """The world the config is checked against, as pretrain.py checks it: torchrun's WORLD_SIZE, else the
     smallest its layout allows (one data-parallel rank): a run's batches do not depend on it."""
     p = cfg.parallel
-    return int(os.environ.get("WORLD_SIZE", p.tensor_parallel_size * p.context_parallel_size * p.pipeline_parallel_size))
+    layout = p.tensor_parallel_size * p.context_parallel_size * p.pipeline_parallel_size
+    return int(os.environ.get("WORLD_SIZE", layout))
 
 
 def main(argv: list[str]) -> int:

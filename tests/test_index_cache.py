@@ -243,6 +243,55 @@ def test_a_changed_chunk_stops_the_read_naming_file_and_chunk(tmp_path, monkeypa
     assert 0 in source.train.verifiers[0].verified and 5 not in source.train.verifiers[0].verified
 
 
+def test_verified_chunks_are_remembered_so_a_restart_does_not_hash_them_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(source_index, "CHUNK_BYTES", 64)  # 32 uint16 tokens a chunk
+    prefix = _prefix(tmp_path / "p", [50] * 10)
+    hashed = []
+    real = source_index.hash_range
+    monkeypatch.setattr(source_index, "hash_range", lambda f, start, count: hashed.append(start) or real(f, start, count))
+    first = open_source(prefix, 0.1, (VOCAB, "byte"), index_cache=tmp_path / "c")
+    first.train.windows([0, 100], 20)
+    seen = set(first.train.verifiers[0].verified)
+    assert len(hashed) == len(seen) >= 2
+    again = open_source(prefix, 0.1, (VOCAB, "byte"), index_cache=tmp_path / "c")  # a restart: the same cache
+    assert again.train.verifiers[0].verified == seen
+    again.train.windows([0, 100], 20)
+    assert len(hashed) == len(seen)  # nothing hashed again
+    again.train.windows([400], 20)  # near the end: chunks not read before
+    assert len(hashed) > len(seen) and min(hashed[len(seen):]) > max(seen) * 64
+    raw = bytearray(open(f"{prefix}.bin", "rb").read())
+    raw[2] ^= 1  # another id of the vocabulary
+    open(f"{prefix}.bin", "r+b").write(bytes(raw))  # a changed file is another key: nothing of it is trusted
+    assert open_source(prefix, 0.1, (VOCAB, "byte"), index_cache=tmp_path / "c").train.verifiers[0].verified == set()
+
+
+def test_a_superseded_cache_is_deleted_when_its_successor_is_built(tmp_path):
+    prefix = _prefix(tmp_path / "p", [50] * 10)
+    old = open_source(prefix, 0.1, (VOCAB, "byte"), index_cache=tmp_path / "c")
+    other = open_source(prefix, 0.2, (VOCAB, "byte"), index_cache=tmp_path / "c")  # another val_fraction: kept
+    assert len(list((tmp_path / "c").glob("p-*"))) == 2
+    os.utime(f"{prefix}.bin")  # touched: another key, the same source
+    new = open_source(prefix, 0.1, (VOCAB, "byte"), index_cache=tmp_path / "c")
+    caches = {p.name for p in (tmp_path / "c").glob("p-*")}
+    assert caches == {_cache_name(other), _cache_name(new)}
+    assert _cache_name(old) not in caches
+
+
+def _cache_name(source) -> str:
+    return index_cache.cache_directory(Path("."), "p", source.index["key"]).name
+
+
+def test_a_runs_default_index_cache_is_shared_by_the_runs_beside_it(tmp_path):
+    from parallel_attention.training import load_config
+    from parallel_attention.training.data.read.token_source import index_cache_root
+
+    roots = {index_cache_root(load_config(ROOT / "configs" / "gpt_tiny.yaml", [f"--logging.run_dir={tmp_path / r}"]))
+             for r in ("a", "b")}
+    assert roots == {tmp_path / ".index_cache"}
+    set_here = load_config(ROOT / "configs" / "gpt_tiny.yaml", [f"--data.index_cache={tmp_path / 'mine'}"])
+    assert index_cache_root(set_here) == tmp_path / "mine"
+
+
 def test_a_resume_on_a_changed_megatron_bin_is_refused_or_said(tmp_path, capfd):
     prefix = _prefix(tmp_path / "p", [30] * 8)
     identity = {"tokenizer": {"tokenizer": "byte", "sha256": None}, "sampling": "epochs"}
@@ -320,6 +369,6 @@ def test_preparing_or_indexing_longer_than_the_collective_timeout_still_starts_a
     result = run_command(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-6000:]
     assert sorted(r["step"] for r in metrics(run) if "loss" in r) == [1, 2]
-    caches = list((run / "index_cache").glob("web_text_document-*")) if data == "blend" else \
+    caches = list((tmp_path / ".index_cache").glob("web_text_document-*")) if data == "blend" else \
         list((tmp_path / "data" / ".index_cache").glob("prepared-*"))
     assert len(caches) == 1  # built once, by one rank

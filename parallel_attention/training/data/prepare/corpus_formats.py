@@ -22,7 +22,8 @@ from typing import Iterator
 
 from ....hf.config import read_json_object
 
-__all__ = ["CHECKED", "DAMAGED", "DROPPED", "READERS", "CorpusStats", "DamagedFile", "datasets_files", "file_kind", "is_datasets_directory"]
+__all__ = ["CHECKED", "DAMAGED", "DROPPED", "READERS", "CorpusStats", "DamagedFile", "datasets_files", "file_kind",
+           "is_datasets_directory"]
 
 # Reasons something is skipped; each names its unit.
 BINARY, EMPTY_FILE, OTHER_TYPE = "binary or not UTF-8 files", "empty files", "files of another type"

@@ -35,8 +35,8 @@ from ....checkpointing.tensor_io import fsync_dir
 from ...run.run_lock import process_alive
 from ..token_files import DataFileError
 
-__all__ = ["FAILED", "INFO", "POLL_S", "REPORT_S", "STALE_S", "Build", "cache_directory", "claim", "found",
-           "wait_for"]
+__all__ = ["FAILED", "INFO", "POLL_S", "REPORT_S", "STALE_S", "Build", "cache_directory", "claim",
+           "drop_superseded", "found", "wait_for"]
 
 INFO = "info.json"
 FAILED = ".failed"  # suffix of a failed build's marker, beside its lock
@@ -45,12 +45,13 @@ REPORT_S = 30.0
 STALE_S = 600.0
 
 
-def _read_info(directory: Path, key: dict) -> dict | None:
+def _read_info(directory: Path, key: dict | None) -> dict | None:
+    """The cache's info.json when it is complete and of `key` (None: of any key)."""
     try:
         info = json.loads((directory / INFO).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return info if isinstance(info, dict) and info.get("key") == key else None
+    return info if isinstance(info, dict) and (key is None or info.get("key") == key) else None
 
 
 def cache_directory(root: Path, name: str, key: dict) -> Path:
@@ -77,6 +78,12 @@ def claim(root: Path, name: str, key: dict, what: str) -> tuple[Path, dict | Non
             _raise_if_failed(failed, waiting[0], what)
         root.mkdir(parents=True, exist_ok=True)
         if _take(lock):
+            if waiting is not None:  # the build waited for may have failed between the check above and the take
+                try:
+                    _raise_if_failed(failed, waiting[0], what)
+                except DataFileError:
+                    lock.unlink(missing_ok=True)
+                    raise
             failed.unlink(missing_ok=True)  # an earlier start's failure: this build tries again
             if (info := _read_info(final, key)) is not None:  # built while we took the lock
                 lock.unlink(missing_ok=True)
@@ -155,6 +162,21 @@ def _wait(lock: Path, what: str, waiting: tuple[float, float] | None) -> tuple[f
     return began, reported
 
 
+def drop_superseded(directory: Path, key: dict, same: tuple[str, ...]) -> list[Path]:
+    """Delete the complete caches beside `directory` (the one just built for `key`) whose key agrees with `key` on
+    the fields `same` (the source, as a rule) and differs elsewhere (the files changed, another layout version):
+    their successor is built, and nothing reads them again. A run still mapping one keeps its pages (POSIX unlinks
+    only the names). Returns what it deleted."""
+    gone = []
+    for other in directory.parent.glob(f"{directory.name.rsplit('-', 1)[0]}-*"):
+        info = _read_info(other, None) if other != directory and other.is_dir() else None
+        old = (info or {}).get("key")
+        if isinstance(old, dict) and old != key and all(old.get(field) == key.get(field) for field in same):
+            shutil.rmtree(other, ignore_errors=True)
+            gone.append(other)
+    return gone
+
+
 class Build:
     """One build of a cache, by the holder of its lock: `tmp` to fill, `progress(text)` to call as it goes (it
     keeps the lock fresh and says how far it is), `store(info)` to put it in place; leaving `with` frees the lock
@@ -199,6 +221,7 @@ class Build:
         except OSError:
             with contextlib.suppress(OSError):
                 os.rename(self.lock, failed)
+                os.utime(failed)  # the failure's time, which the waiters compare with their own start
         self.lock.unlink(missing_ok=True)
 
     def progress(self, text: str) -> None:

@@ -5,12 +5,17 @@ longer than parallel.timeout_s), then every rank opens and verifies the files. A
 leave the others waiting in their next collective until the timeout, and torchrun's report would name whichever
 rank failed first. So each step gathers every rank's verdict (a barrier too) and all ranks
 raise the same DataFileError, a ConfigError: pretrain.py says `config error: ...` once and every rank exits 2.
+The same holds after the start: once the sources are open, the ranks compare the hashes that identify their
+copies (check_same_copies: nodes with different copies are refused before step 1), and each step's read (and the
+validation set's) is agreed (read_agreed: one small all-reduce), so a chunk refused on one rank ends every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
+import socket
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -21,10 +26,10 @@ from .batches import GlobalBatchSampler, open_run_blend, run_sampler
 from ...config.schema import PretrainConfig
 from ..prepare.run_data_dir import ensure_prepared
 from .index_cache import wait_for
-from .same_copies import check_same_copies
 from ..token_files import REFUSALS, DataFileError, meta_and_reason, refusal_message
 
-__all__ = ["agreed", "build_data", "open_run_sampler", "prepare_run_data", "read_agreed"]
+__all__ = ["agreed", "build_data", "check_same_copies", "node_name", "open_run_sampler", "prepare_run_data",
+           "read_agreed"]
 
 T = TypeVar("T")
 
@@ -64,6 +69,37 @@ def read_agreed(read: Callable[[], T]) -> T:
 def _fault_of_rank(faults: dict[int, str]) -> DataFileError:
     rank, message = next(iter(faults.items()))
     return DataFileError(message if rank == 0 else f"{message} (found by global rank {rank})")
+
+
+def check_same_copies(sources: list) -> None:
+    """DataFileError on every rank, naming the nodes on each side and the file, when the ranks' copies of a source
+    differ (one gather of each rank's `TokenSource.copies`). Nodes often hold their own copy of the data; one copy
+    altered would train silently beside the others, as each rank verifies its files against its own record."""
+    everyone = all_gather_objects((node_name(), [source.copies for source in sources]))
+    for j, source in enumerate(sources):
+        for k, (file, _) in enumerate(source.copies):
+            seen: dict[str, dict[str, list[int]]] = {}  # sha256 -> node -> its ranks
+            for rank, (node, copies) in enumerate(everyone):
+                seen.setdefault(copies[j][k][1], {}).setdefault(node, []).append(rank)
+            if len(seen) > 1:
+                sides = "; ".join(f"sha256 {sha[:16]} on " + ", ".join(f"{node} (ranks {_ranks(ranks)})"
+                                                                      for node, ranks in nodes.items())
+                                  for sha, nodes in seen.items())
+                raise DataFileError(
+                    f"the ranks read different copies of {file}: {sides}. Every rank must train on the same bytes: "
+                    f"copy the data to every node again from one source (or put it on a filesystem they share), "
+                    f"then relaunch.")
+
+
+def node_name() -> str:
+    """This process's node as a report names it: torchrun's node rank (GROUP_RANK) and its host."""
+    group = os.environ.get("GROUP_RANK")
+    return f"node {group} on {socket.gethostname()}" if group is not None else socket.gethostname()
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else \
+        ", ".join(map(str, ranks))
 
 
 def _prepared_by_rank_0(cfg: PretrainConfig) -> None:
@@ -106,7 +142,7 @@ def prepare_run_data(cfg: PretrainConfig) -> None:
 
 def open_run_sampler(cfg: PretrainConfig) -> tuple[GlobalBatchSampler, list]:
     """Open every source on every rank, checked against its meta.json's sha256 (a refusal on any rank is every
-    rank's), and every rank's copy against the others' (same_copies.py). Returns the sampler and the blend's
+    rank's), and every rank's copy against the others' (check_same_copies). Returns the sampler and the blend's
     sources."""
     sources, weights = agreed(lambda: open_run_blend(cfg), cfg.data.data_dir)
     check_same_copies(sources)

@@ -33,9 +33,11 @@ validation.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import secrets
 import sys
 import threading
 from collections.abc import Generator
@@ -47,12 +49,12 @@ import numpy as np
 from ....checkpointing.tensor_io import file_digest
 from ..chunk_hashes import CHUNK_BYTES, hash_chunks, hash_range
 from ..document_split import validation_range
-from .index_cache import claim, found
+from .index_cache import claim, drop_superseded, found
 from ..indexed_dataset import IndexedTokens
 from ..token_files import DataFileError, prepare_again
 
 __all__ = ["CACHE_DIR", "COARSE", "SPLITS", "VERSION", "ChunkVerifier", "chunks_digest", "index_streams",
-           "megatron_index", "open_tokens", "prepared_index", "write_streams"]
+           "megatron_index", "open_tokens", "prepared_index", "verified_record", "write_streams"]
 
 CACHE_DIR = ".index_cache"
 VERSION = 2  # of the cache layout: 2 added the coarse index
@@ -135,6 +137,7 @@ def _found_or_built(root: Path, name: str, key: dict, build, what: str) -> tuple
                 except StopIteration as built:
                     info = claimed.store(built.value)
                     break
+        drop_superseded(directory, key, ("kind", "path", "val_fraction"))
     return directory, info
 
 
@@ -236,15 +239,20 @@ def open_tokens(prefixes: list[Path]) -> list[IndexedTokens]:
 
 
 class ChunkVerifier:
-    """The chunks of one token file this process has verified, and the check of those it has not."""
+    """The chunks of one token file verified so far, and the check of those that are not.
+
+    With `remembered` (a file in the source's index cache, whose key changes with the token file's size, times and
+    inode), the chunks verified by earlier starts are trusted as the cache is: a restart does not hash them again.
+    As with the sha256 cache of whole files, what this cannot see is corruption beneath the filesystem; delete the
+    index cache to verify every chunk again."""
 
     def __init__(self, path: Path, chunk_bytes: int, hashes: list[str], itemsize: int,
-                 fix: str | Callable[[], str]) -> None:
+                 fix: str | Callable[[], str], remembered: Path | None = None) -> None:
         """`fix`: what the refusal tells the user to do (prepare again, or which cache to delete), or the function
         that says it, called only when a chunk is refused."""
         self.path, self.chunk_bytes, self.hashes, self.itemsize = Path(path), chunk_bytes, hashes, itemsize
-        self.fix = fix
-        self.verified: set[int] = set()
+        self.fix, self.remembered = fix, remembered
+        self.verified: set[int] = _read_verified(remembered, len(hashes))
         self._lock = threading.Lock()  # the prefetch thread and the main thread may read at once
 
     def check_tokens(self, positions: np.ndarray) -> None:
@@ -258,6 +266,7 @@ class ChunkVerifier:
                 for chunk in todo:
                     if chunk not in self.verified:
                         self._check(f, chunk)
+                _remember(self.remembered, self.verified)
 
     def _check(self, f, chunk: int) -> None:
         start = chunk * self.chunk_bytes
@@ -277,3 +286,31 @@ class ChunkVerifier:
 
     def _fix(self) -> str:
         return self.fix() if callable(self.fix) else self.fix
+
+
+def verified_record(shard: int) -> str:
+    """The file of an index cache that records which chunks of its `shard`-th .bin have been verified."""
+    return f"verified_chunks_{shard:05d}.json"
+
+
+def _read_verified(path: Path | None, count: int) -> set[int]:
+    """The chunks an index cache records as verified (none without a readable record)."""
+    try:
+        chunks = json.loads(path.read_text(encoding="utf-8")) if path is not None else []
+    except (OSError, ValueError):
+        return set()
+    return {c for c in chunks if isinstance(c, int) and 0 <= c < count} if isinstance(chunks, list) else set()
+
+
+def _remember(path: Path | None, verified: set[int]) -> None:
+    """Add `verified` to the record at `path`, atomically (ranks may write at once: a lost update only means a
+    chunk hashed again); a read-only cache keeps no record."""
+    if path is None:
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
+    try:
+        tmp.write_text(json.dumps(sorted(verified | _read_verified(path, 1 << 62))), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
