@@ -10,7 +10,9 @@ untouched for STALE_S seconds (a builder on another host that died) by the next 
 
 A build that fails leaves `ROOT/.NAME-DIGEST.failed`, its message (the cause, e.g. no space left, and the setting
 to change): every process that was waiting raises it too instead of building again in turn, and the next claim of
-the key removes it.
+the key removes it. Once a cache is built, those of the same source that it supersedes are deleted
+(`drop_superseded`). A cache also keeps small records that its readers add to (`remember_verified`: the chunks of a
+token file already verified, trusted as the cache is).
 
 The wait is no collective, so it is not bounded by parallel.timeout_s: indexing a corpus may take an hour while
 the job's collectives keep a timeout of minutes. The ranks meet in a collective only once each has its cache.
@@ -36,7 +38,7 @@ from ...run.run_lock import process_alive
 from ..token_files import DataFileError
 
 __all__ = ["FAILED", "INFO", "POLL_S", "REPORT_S", "STALE_S", "Build", "cache_directory", "claim",
-           "drop_superseded", "found", "wait_for"]
+           "drop_superseded", "found", "read_verified", "remember_verified", "wait_for"]
 
 INFO = "info.json"
 FAILED = ".failed"  # suffix of a failed build's marker, beside its lock
@@ -175,6 +177,29 @@ def drop_superseded(directory: Path, key: dict, same: tuple[str, ...]) -> list[P
             shutil.rmtree(other, ignore_errors=True)
             gone.append(other)
     return gone
+
+
+def read_verified(path: Path | None, count: int) -> set[int]:
+    """The chunks a cache records as verified at `path` (source_index.ChunkVerifier); none without a readable record."""
+    try:
+        chunks = json.loads(path.read_text(encoding="utf-8")) if path is not None else []
+    except (OSError, ValueError):
+        return set()
+    return {c for c in chunks if isinstance(c, int) and 0 <= c < count} if isinstance(chunks, list) else set()
+
+
+def remember_verified(path: Path | None, verified: set[int]) -> None:
+    """Add `verified` to the record at `path`, atomically (ranks may write at once: a lost update only means a
+    chunk hashed again); a read-only cache keeps no record."""
+    if path is None:
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
+    try:
+        tmp.write_text(json.dumps(sorted(verified | read_verified(path, 1 << 62))), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 class Build:

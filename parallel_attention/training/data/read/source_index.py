@@ -33,11 +33,9 @@ validation.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import secrets
 import sys
 import threading
 from collections.abc import Generator
@@ -49,7 +47,7 @@ import numpy as np
 from ....checkpointing.tensor_io import file_digest
 from ..chunk_hashes import CHUNK_BYTES, hash_chunks, hash_range
 from ..document_split import validation_range
-from .index_cache import claim, drop_superseded, found
+from .index_cache import claim, drop_superseded, found, read_verified, remember_verified
 from ..indexed_dataset import IndexedTokens
 from ..token_files import DataFileError, prepare_again
 
@@ -252,7 +250,7 @@ class ChunkVerifier:
         that says it, called only when a chunk is refused."""
         self.path, self.chunk_bytes, self.hashes, self.itemsize = Path(path), chunk_bytes, hashes, itemsize
         self.fix, self.remembered = fix, remembered
-        self.verified: set[int] = _read_verified(remembered, len(hashes))
+        self.verified: set[int] = read_verified(remembered, len(hashes))
         self._lock = threading.Lock()  # the prefetch thread and the main thread may read at once
 
     def check_tokens(self, positions: np.ndarray) -> None:
@@ -266,7 +264,7 @@ class ChunkVerifier:
                 for chunk in todo:
                     if chunk not in self.verified:
                         self._check(f, chunk)
-                _remember(self.remembered, self.verified)
+                remember_verified(self.remembered, self.verified)
 
     def _check(self, f, chunk: int) -> None:
         start = chunk * self.chunk_bytes
@@ -291,26 +289,3 @@ class ChunkVerifier:
 def verified_record(shard: int) -> str:
     """The file of an index cache that records which chunks of its `shard`-th .bin have been verified."""
     return f"verified_chunks_{shard:05d}.json"
-
-
-def _read_verified(path: Path | None, count: int) -> set[int]:
-    """The chunks an index cache records as verified (none without a readable record)."""
-    try:
-        chunks = json.loads(path.read_text(encoding="utf-8")) if path is not None else []
-    except (OSError, ValueError):
-        return set()
-    return {c for c in chunks if isinstance(c, int) and 0 <= c < count} if isinstance(chunks, list) else set()
-
-
-def _remember(path: Path | None, verified: set[int]) -> None:
-    """Add `verified` to the record at `path`, atomically (ranks may write at once: a lost update only means a
-    chunk hashed again); a read-only cache keeps no record."""
-    if path is None:
-        return
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
-    try:
-        tmp.write_text(json.dumps(sorted(verified | _read_verified(path, 1 << 62))), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
