@@ -261,6 +261,36 @@ def test_pretraining_on_a_zeroed_token_file_stops_at_its_first_read_with_exit_2(
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def _build_data_on_a_full_disk(cfg):
+    """build_data with every write of an index cache's arrays failing for want of space: the error message."""
+    import errno as errors
+
+    from parallel_attention.training.data.read import source_index
+
+    real = source_index.write_streams
+
+    def full(directory, *args):
+        (directory / "train_starts.npy").write_bytes(b"\x93NUMPY")
+        yield "0 documents indexed"
+        raise OSError(errors.ENOSPC, "No space left on device")
+
+    source_index.write_streams = full
+    try:
+        return _build_data_on_each_rank(cfg, None)
+    finally:
+        source_index.write_streams = real
+
+
+def test_an_index_cache_on_a_full_disk_names_the_cause_on_every_rank(tmp_path):
+    prepare_data("stdlib", "byte", tmp_path / "prepared", val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
+    cfg = _pretrain_config(tmp_path / "unused", tmp_path / "run",
+                           f"--data.blend=[{{path: {tmp_path / 'prepared' / 'shard_00000'}, weight: 1}}]",
+                           f"--data.index_cache={tmp_path / 'cache'}")
+    said = run_distributed(_build_data_on_a_full_disk, 2, 1, cfg, timeout=120)
+    assert said[0] == said[1] and "No space left on device" in said[0] and "no space is left there" in said[0], said
+    assert "set data.index_cache to a writable directory with room" in said[0], said
+
+
 def _read_with_a_fault_on_rank_1():
     """Each rank reads a step through the prefetcher, then meets the others in a collective: rank 1's read fails."""
     import torch
