@@ -151,6 +151,9 @@ def test_a_lock_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path, m
     began = time.monotonic()
     assert _cache(tmp_path, "s", key, lambda tmp, progress: {"built": True}, "test")[1]["built"]
     assert time.monotonic() - began < 5  # STALE_S is 600
+    (index_cache.cache_directory(tmp_path, "s", key) / index_cache.INFO).unlink()
+    lock.write_text(f"{socket.gethostname()} pid {dead.pid}\n")  # as an earlier release wrote it
+    assert _cache(tmp_path, "s", key, lambda tmp, progress: {"again": True}, "test")[1]["again"]
     lock.write_text(f"holder {socket.gethostname()} pid {os.getpid()}\n")  # alive: waited for, not taken over
     monkeypatch.setattr(index_cache, "STALE_S", 0.5)
     other = _cache(tmp_path, "s", {"k": 5}, lambda tmp, progress: {}, "test")  # another key: no wait

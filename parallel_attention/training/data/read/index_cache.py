@@ -135,11 +135,12 @@ def _take(lock: Path) -> bool:
 
 
 def _dead_holder(text: str) -> bool:
-    """Whether a lock's text names this host and a process that is gone."""
-    words = text.split()
-    if len(words) != 4 or words[0] != _HOLDER.strip() or words[2] != "pid" or not words[3].isdigit():
+    """Whether a lock's text ("holder HOST pid PID", or an earlier release's "HOST pid PID") names this host and a
+    process that is gone."""
+    words = text.removeprefix(_HOLDER).split()
+    if len(words) != 3 or words[1] != "pid" or not words[2].isdigit():
         return False
-    return words[1] == socket.gethostname() and not process_alive(int(words[3]))
+    return words[0] == socket.gethostname() and not process_alive(int(words[2]))
 
 
 def _wait(lock: Path, what: str, waiting: tuple[float, float] | None) -> tuple[float, float]:
