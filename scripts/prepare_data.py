@@ -14,7 +14,8 @@ tokenizer.json or a directory holding one. --shard-tokens sets the tokens of eac
 unless --max-bytes caps it (stdlib: 8 MB, as the quick start's config does). Run the same command
 again after a kill and it resumes from the finished shards. The trainer prepares data itself when data_dir does
 not exist; this script is for doing it ahead of time, e.g. once on a login node. It prints a summary, skipped
-files and shards included.
+files and shards included. An --out that holds a dataset of another source or tokenizer, or other files, is
+refused unless --overwrite.
 """
 
 from __future__ import annotations
