@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -201,23 +202,48 @@ def _no_space(*args, **kwargs):
 
 
 def test_an_unwritable_index_cache_of_a_prepared_directory_falls_back_to_data_index_cache(tmp_path, monkeypatch):
-    """DIR/.index_cache that this process cannot write (another user's, read-only): the index goes under
-    data.index_cache; a complete one there is read as it is."""
+    """A complete DIR/.index_cache is read even where it cannot be written; one that this process cannot write
+    (another user's, read-only) and that lacks the index sends it under data.index_cache, where it is then read."""
     prefix = Path(_prefix(tmp_path / "p", [50] * 10))
     data = tmp_path / "data"
     data.mkdir()
     meta = _prepared_meta(prefix, data)
-    (data / source_index.CACHE_DIR).mkdir()
+    built, _ = source_index.prepared_index(data, meta, 0.1, tmp_path / "fallback")
+    assert built.parent == data / source_index.CACHE_DIR
     writable = os.access
+    monkeypatch.setattr(source_index.os, "access", lambda path, mode: False)  # read-only now: the cache is read
+    assert source_index.prepared_index(data, meta, 0.1, tmp_path / "elsewhere")[0] == built
+    shutil.rmtree(built)  # gone, and .index_cache itself cannot be written
     monkeypatch.setattr(source_index.os, "access",
                         lambda path, mode: False if Path(path).name == source_index.CACHE_DIR else writable(path, mode))
     directory, info = source_index.prepared_index(data, meta, 0.1, tmp_path / "fallback")
     assert directory.parent == tmp_path / "fallback" and info["num_documents"] == 10
-    monkeypatch.setattr(source_index.os, "access", writable)
-    built, _ = source_index.prepared_index(data, meta, 0.1, tmp_path / "fallback")
-    assert built.parent == data / source_index.CACHE_DIR
-    monkeypatch.setattr(source_index.os, "access", lambda path, mode: False)  # read-only now: the cache is read
-    assert source_index.prepared_index(data, meta, 0.1, tmp_path / "elsewhere")[0] == built
+    monkeypatch.setattr(source_index.os, "access", writable)  # the cache built there is the one read
+    assert source_index.prepared_index(data, meta, 0.1, tmp_path / "fallback")[0] == directory
+
+
+def test_a_prepared_directory_on_a_full_disk_indexes_under_data_index_cache(tmp_path, monkeypatch, capfd):
+    """A build in DIR/.index_cache that fails for want of space (or permission) is made under data.index_cache,
+    saying why; the next start finds it there without trying DIR/.index_cache again."""
+    prefix = Path(_prefix(tmp_path / "p", [50] * 10))
+    data = tmp_path / "data"
+    data.mkdir()
+    meta = _prepared_meta(prefix, data)
+    real, tried = source_index.write_streams, []
+
+    def full_in_data(directory, *args):
+        tried.append(directory.parent)
+        if directory.parent == data / source_index.CACHE_DIR:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return (yield from real(directory, *args))
+
+    monkeypatch.setattr(source_index, "write_streams", full_in_data)
+    directory, info = source_index.prepared_index(data, meta, 0.1, tmp_path / "fallback")
+    assert directory.parent == tmp_path / "fallback" and info["num_documents"] == 10
+    said = capfd.readouterr().err
+    assert "No space left on device" in said and f"under data.index_cache ({tmp_path / 'fallback'}) instead" in said
+    assert source_index.prepared_index(data, meta, 0.1, tmp_path / "fallback")[0] == directory
+    assert tried == [data / source_index.CACHE_DIR, tmp_path / "fallback"]  # not tried again
 
 
 def _prepared_meta(prefix: Path, data: Path) -> dict:

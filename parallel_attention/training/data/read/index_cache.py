@@ -37,11 +37,17 @@ from ....checkpointing.tensor_io import fsync_dir
 from ...run.run_lock import process_alive
 from ..token_files import DataFileError
 
-__all__ = ["FAILED", "INFO", "POLL_S", "REPORT_S", "STALE_S", "Build", "cache_directory", "claim",
+__all__ = ["FAILED", "INFO", "POLL_S", "REPORT_S", "STALE_S", "Build", "CacheWriteError", "cache_directory", "claim",
            "drop_superseded", "found", "read_verified", "remember_verified", "wait_for"]
 
 INFO = "info.json"
 FAILED = ".failed"  # suffix of a failed build's marker, beside its lock
+_UNWRITABLE = "[cannot write] "  # a marker's first words when its root could not be written
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+class CacheWriteError(DataFileError):
+    """A cache that could not be written where it was to go (no space left, no permission): another root may do."""
 POLL_S = 0.5
 REPORT_S = 30.0
 STALE_S = 600.0
@@ -104,9 +110,11 @@ def _raise_if_failed(failed: Path, began: float, what: str) -> None:
     except OSError:
         return
     if text.startswith(_HOLDER):  # the builder could not write why: its lock, renamed
-        text = (f"{what} could not be built by {text[len(_HOLDER):]} under {failed.parent}, which could not record "
-                "why (no space left or no permission there, as a rule; its own output says): free space there, or "
-                "set data.index_cache to a writable directory with room")
+        raise CacheWriteError(f"{what} could not be built by {text[len(_HOLDER):]} under {failed.parent}, which could "
+                              "not record why (no space left or no permission there, as a rule; its own output says): "
+                              "free space there, or set data.index_cache to a writable directory with room")
+    if text.startswith(_UNWRITABLE):
+        raise CacheWriteError(text[len(_UNWRITABLE):])
     raise DataFileError(text)
 
 
@@ -224,10 +232,13 @@ class Build:
         if not isinstance(error, Exception):  # done, or interrupted (a signal): nothing to report to the waiters
             self.lock.unlink(missing_ok=True)
             return
-        message = str(error) if isinstance(error, ValueError) else self._failure(error)
-        self._leave_failure(message)
-        if not isinstance(error, ValueError):
-            raise DataFileError(message) from error
+        if isinstance(error, ValueError):  # the data's own fault (an .idx that fails its hash): said as it is
+            self._leave_failure(str(error))
+            return
+        message = self._failure(error)
+        unwritable = getattr(error, "errno", None) in _WRITE_ERRNOS
+        self._leave_failure(_UNWRITABLE + message if unwritable else message)
+        raise (CacheWriteError if unwritable else DataFileError)(message) from error
 
     def _failure(self, error: BaseException) -> str:
         """The message of a build that failed for the filesystem (no space left, no permission) or another cause."""
@@ -237,7 +248,8 @@ class Build:
                    "it cannot be written there" if getattr(error, "errno", None) in (errno.EACCES, errno.EPERM,
                                                                                    errno.EROFS) else "the build failed")
                 + ". Free space there or fix its permissions, or set data.index_cache to a writable directory with "
-                  "room (a Megatron-LM prefix's index and a read-only prepared directory's go there)")
+                  "room (a Megatron-LM prefix's index goes there, and a prepared directory's that cannot be written "
+                  "in the directory itself)")
 
     def _leave_failure(self, message: str) -> None:
         """The marker the waiters read, then the lock freed; on a full disk, the lock renamed to it (no space)."""

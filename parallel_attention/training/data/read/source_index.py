@@ -47,7 +47,7 @@ import numpy as np
 from ....checkpointing.tensor_io import file_digest
 from ..chunk_hashes import CHUNK_BYTES, hash_chunks, hash_range
 from ..document_split import validation_range
-from .index_cache import claim, drop_superseded, found, read_verified, remember_verified
+from .index_cache import CacheWriteError, claim, drop_superseded, found, read_verified, remember_verified
 from ..indexed_dataset import IndexedTokens
 from ..token_files import DataFileError, prepare_again
 
@@ -92,19 +92,26 @@ def prepared_index(path: Path, meta: dict, val_fraction: float, fallback_root: P
         return {**info, "shards": [_shard_info(s, shard.get("bin_chunk_sha256"), shard.get("chunk_bytes"))
                                    for s, shard in zip(shards, meta["shards"])]}
 
-    root = _prepared_root(path, key, fallback_root)
-    return _found_or_built(root, "prepared" if root != fallback_root else path.name, key, build,
-                           f"the index of {path}")
+    what, primary = f"the index of {path}", path / CACHE_DIR
+    if _in_primary(path, key, fallback_root):
+        try:
+            return _found_or_built(primary, "prepared", key, build, what)
+        except CacheWriteError as error:  # no space left or no permission there: every process gets here alike
+            print(f"{error}; building it under data.index_cache ({fallback_root}) instead", file=sys.stderr,
+                  flush=True)
+    return _found_or_built(fallback_root, path.name, key, build, what)
 
 
-def _prepared_root(path: Path, key: dict, fallback_root: Path) -> Path:
-    """DIR/.index_cache when it holds this key's cache or can be written (it, or DIR where it does not exist yet),
-    else `fallback_root` (data.index_cache): a read-only directory or cache is read, never refused for it."""
+def _in_primary(path: Path, key: dict, fallback_root: Path) -> bool:
+    """Whether a prepared directory's index goes in DIR/.index_cache: it holds it, or, unless data.index_cache does
+    (an earlier build fell back), it can be written (it, or DIR where it does not exist yet). A read-only directory
+    or cache is read, never refused for it."""
     primary = path / CACHE_DIR
     if found(primary, "prepared", key) is not None:
-        return primary
-    writable = os.access(primary, os.W_OK | os.X_OK) if primary.is_dir() else os.access(path, os.W_OK | os.X_OK)
-    return primary if writable else fallback_root
+        return True
+    if found(fallback_root, path.name, key) is not None:
+        return False
+    return os.access(primary, os.W_OK | os.X_OK) if primary.is_dir() else os.access(path, os.W_OK | os.X_OK)
 
 
 def megatron_index(prefix: Path, val_fraction: float, root: Path) -> tuple[Path, dict]:
