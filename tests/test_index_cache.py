@@ -377,6 +377,52 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+STALLED = """
+import runpy, sys, time
+from parallel_attention.training.data.read import source_index
+
+def stalled(*args, **kwargs):
+    time.sleep(600)  # killed before it ends
+    yield ""
+
+source_index.write_streams = stalled
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow  # the default run keeps the property: test_a_lock_of_a_dead_process_on_this_host_is_taken_over_at_once
+def test_a_job_killed_while_indexing_a_prefix_is_relaunched_and_trains_at_once(tmp_path):
+    """SIGKILL of the whole job while a rank builds a Megatron prefix's index leaves its lock; the relaunch on the
+    same host takes it over at once (not after STALE_S) and trains 2 steps within 150 s."""
+    wrapper, run = tmp_path / "stalled.py", tmp_path / "runs" / "run"
+    wrapper.write_text(STALLED)
+    prefix = _prefix(tmp_path / "web_text_document", [200] * 60)
+    args = ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
+            "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=4",
+            "--training.micro_batch_size=2", "--training.max_steps=2", "--logging.progress_bar=false",
+            "--logging.tensorboard=false", "--parallel.tensor_parallel_size=1", f"--logging.run_dir={run}",
+            f"--data.blend=[{{path: '{prefix}', weight: 1.0}}]"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    first = subprocess.Popen([*launch, str(wrapper), str(ROOT / "scripts" / "pretrain.py"), *args], cwd=ROOT,
+                             env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "runs" / ".index_cache").glob(".web_text_document-*.lock")):
+            assert time.monotonic() < deadline and first.poll() is None, "no index build started"
+            time.sleep(0.5)
+    finally:
+        os.killpg(first.pid, 9)  # the whole job, as an OOM kill or a scheduler's SIGKILL would
+        first.wait(30)
+    began = time.monotonic()
+    again = run_command([*launch, str(ROOT / "scripts" / "pretrain.py"), *args], cwd=ROOT, env=environment(),
+                        capture_output=True, text=True, timeout=300, real=True)
+    assert again.returncode == 0 and time.monotonic() - began < 150, again.stderr[-4000:]
+    assert "its process is gone); building it here" in again.stderr
+    assert sorted(r["step"] for r in metrics(run) if "loss" in r) == [1, 2]
+
+
 @pytest.mark.parametrize("data", ["blend", "data_dir"])
 def test_preparing_or_indexing_longer_than_the_collective_timeout_still_starts_and_trains(tmp_path, data):
     """Rank 0 prepares (data_dir) and one rank indexes, each for longer than parallel.timeout_s, while the other
