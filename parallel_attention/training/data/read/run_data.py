@@ -75,12 +75,12 @@ def check_same_copies(sources: list) -> None:
     """DataFileError on every rank, naming the nodes on each side and the file, when the ranks' copies of a source
     differ (one gather of each rank's `TokenSource.copies`). Nodes often hold their own copy of the data; one copy
     altered would train silently beside the others, as each rank verifies its files against its own record."""
-    everyone = all_gather_objects((node_name(), [source.copies for source in sources]))
+    everyone = all_gather_objects((node_name(), [dict(source.copies) for source in sources]))
     for j, source in enumerate(sources):
-        for k, (file, _) in enumerate(source.copies):
+        for file, _ in source.copies:
             seen: dict[str, dict[str, list[int]]] = {}  # sha256 -> node -> its ranks
             for rank, (node, copies) in enumerate(everyone):
-                seen.setdefault(copies[j][k][1], {}).setdefault(node, []).append(rank)
+                seen.setdefault(copies[j].get(file, "(none)"), {}).setdefault(node, []).append(rank)
             if len(seen) > 1:
                 sides = "; ".join(f"sha256 {sha[:16]} on " + ", ".join(f"{node} (ranks {_ranks(ranks)})"
                                                                       for node, ranks in nodes.items())
