@@ -7,7 +7,8 @@ For each row of each global batch of steps A..B-1: `step`, `row` (its index in t
 data.blend path, as the config writes it; data.data_dir for a blend of one), `document` (the index in that source
 of the document its first token belongs to), `offset` (that token's index in the source's training token stream),
 and with --tokens its seq_len + 1 tokens, with --text their text. --json prints one JSON object per line with
-exactly these keys. The data must be prepared already (a run or scripts/prepare_data.py does it); nothing is
+exactly these keys. The config is validated as pretrain.py validates it (a refusal is the same `config error:`
+line, exit 2). The data must be prepared already (a run or scripts/prepare_data.py does it); nothing is
 written. A run started before data.sampling existed (its newest checkpoint's config has none) is shown with the
 batches it keeps.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from parallel_attention.launch.warning_lines import one_line_warnings
@@ -46,11 +48,24 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parse_with_overrides(parser, argv)
 
 
+def _world_size(cfg) -> int:
+    """The world the config is checked against, as pretrain.py checks it: torchrun's WORLD_SIZE, else the
+    smallest its layout allows (one data-parallel rank): a run's batches do not depend on it."""
+    p = cfg.parallel
+    layout = p.tensor_parallel_size * p.context_parallel_size * p.pipeline_parallel_size
+    return int(os.environ.get("WORLD_SIZE", layout))
+
+
 def main(argv: list[str]) -> int:
     one_line_warnings()
     args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)
+        cfg.validate(_world_size(cfg))
+    except (ValueError, OSError) as error:  # what pretrain.py refuses, in its words
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    try:
         sampler, tokenizer = open_run_data(cfg)
         names = blend_names(cfg)
         for step in args.steps:

@@ -14,7 +14,8 @@ tokenizer.json or a directory holding one. --shard-tokens sets the tokens of eac
 unless --max-bytes caps it (stdlib: 8 MB, as the quick start's config does). Run the same command
 again after a kill and it resumes from the finished shards. The trainer prepares data itself when data_dir does
 not exist; this script is for doing it ahead of time, e.g. once on a login node. It prints a summary, skipped
-files and shards included.
+files and shards included. An --out that holds a dataset of another source or tokenizer, or other files, is
+refused unless --overwrite.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-bad-files", action="store_true",
                         help="skip a truncated, corrupt or missing corpus file (counted in the summary and meta.json) "
                              "instead of refusing it")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what --out holds (a dataset of another source or tokenizer, or other files), "
+                             "which is refused without it")
     args = parser.parse_args(argv)
     if args.max_bytes is _WHOLE:  # the 8 MB cap keeps the quick start quick; a corpus of one's own is read whole
         args.max_bytes = defaults.max_bytes if args.source == "stdlib" else None
@@ -71,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         meta = prepare_data(args.source, args.tokenizer, args.out, val_fraction=args.val_fraction,
                             max_bytes=args.max_bytes, text_field=args.text_field,
                             bpe_vocab_size=args.bpe_vocab_size, num_workers=args.workers,
-                            shard_tokens=args.shard_tokens, skip_bad_files=args.skip_bad_files)
+                            shard_tokens=args.shard_tokens, skip_bad_files=args.skip_bad_files,
+                            overwrite=args.overwrite)
     except (ValueError, OSError) as error:  # bad source, tokenizer or settings: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2

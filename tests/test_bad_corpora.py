@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from launch import ROOT, run_command
@@ -55,13 +56,33 @@ def test_a_damaged_jsonl_gz_is_refused_by_name_and_leaves_nothing(tmp_path, dama
 def test_a_damaged_file_is_skipped_and_counted_on_request(tmp_path):
     corpus = _gz_corpus(tmp_path / "corpus", DAMAGES["truncated"])
     meta = prepare_shards(str(corpus), "byte", tmp_path / "out", skip_bad_files=True)
-    assert meta["skipped"] == {"damaged or unreadable files": 1} and meta["skip_bad_files"] is True
-    example = meta["skipped_examples"]["damaged or unreadable files"]
-    assert example.startswith("b_bad.jsonl.gz (EOFError") and "documents before the damage kept" in example
-    kept = int(example.split("; the ")[1].split()[0])
     with gzip.open(corpus / "b_bad.jsonl.gz", "rb") as f:  # exactly the whole lines a reader gets before the damage
         readable = f.read1(1 << 30)  # all that decompresses, at most
-    assert meta["num_documents"] == 100 + kept and kept == min(readable.count(b"\n"), 300) and kept > 0
+    dropped = min(readable.count(b"\n"), 300)
+    assert dropped > 0 and meta["num_documents"] == 100 and meta["skip_bad_files"] is True
+    assert meta["skipped"] == {"damaged or unreadable files": 1, "documents of damaged files": dropped}
+    example = meta["skipped_examples"]["damaged or unreadable files"]
+    assert example.startswith("b_bad.jsonl.gz (EOFError") and f"the {dropped} documents read before" in example
+
+
+def test_a_crc_failure_drops_the_documents_it_altered(tmp_path):
+    """gzip finds a flipped byte only at the member's end: the documents read before it, one of them altered,
+    go with the file."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    stored = bytearray(gzip.compress(_lines(TEXTS[100:]), compresslevel=0))  # stored blocks: the bytes as they are
+    at = stored.index(b"document 150: ") + len("document 150: ")
+    stored[at] ^= 0x01  # "some" -> "rome": still a JSON line, another text
+    (corpus / "b_bad.jsonl.gz").write_bytes(bytes(stored))
+    (corpus / "a_good.jsonl.gz").write_bytes(gzip.compress(_lines(TEXTS[:100])))
+    meta = prepare_shards(str(corpus), "byte", tmp_path / "out", skip_bad_files=True)
+    assert meta["num_documents"] == 100 and meta["skipped"]["documents of damaged files"] == 300
+    assert "CRC check failed" in meta["skipped_examples"]["damaged or unreadable files"]
+    with gzip.open(corpus / "b_bad.jsonl.gz", "rb") as f:  # the altered line decompresses before the CRC fails
+        assert b"document 150: rome words" in f.read1(1 << 30)
+    kept = b"".join(np.fromfile(path, dtype=meta["dtype"]).astype(np.uint8).tobytes()
+                    for path in sorted((tmp_path / "out").glob("*.bin")))  # the byte tokenizer's ids are the bytes
+    assert b"document 99: " in kept and b"document 150" not in kept
 
 
 def _parquet_corpus(root: Path) -> Path:
@@ -83,7 +104,7 @@ def test_an_unreadable_parquet_file_is_refused_or_skipped(tmp_path):
         prepare_shards(str(corpus), "byte", tmp_path / "out")
     assert _left(tmp_path) == []
     meta = prepare_shards(str(corpus), "byte", tmp_path / "out", skip_bad_files=True)
-    assert meta["num_documents"] == 50 and meta["skipped"] == {"damaged or unreadable files": 1}
+    assert meta["num_documents"] == 50 and meta["skipped"]["damaged or unreadable files"] == 1
 
 
 def _datasets_directory(root: Path, parts: int = 3) -> Path:

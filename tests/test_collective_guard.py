@@ -82,6 +82,19 @@ def test_a_timeout_under_the_guard_lists_the_recent_calls():
     assert "#2 all_reduce of float32[2] on the tensor-parallel group" in message and "in _rank0_waits" in message
 
 
+def _group_names():
+    from parallel_attention.tensor_parallel import parallel_state as ps
+
+    return ps.describe_group(None), ps.describe_group(ps.get_data_parallel_group())
+
+
+def test_a_world_collective_at_pp_1_and_tp_1_is_named_the_world_group():
+    """At pp 1 (no embedding group) and tp 1 (no tensor-parallel group) the absent groups are None: a collective
+    of the whole job must not be labelled with their names."""
+    world, data = run_distributed(_group_names, 2, 1)[0]
+    assert world == "world group" and data == "data-parallel group (global ranks [0, 1])"
+
+
 # runs pretrain.py and reports how many collectives the guard recorded on each rank
 WRAPPER = """import runpy, sys
 sys.argv = [{script!r}] + sys.argv[1:]

@@ -329,7 +329,7 @@ def test_a_failed_preparation_leaves_the_existing_dataset_intact(tmp_path):
     meta = prepare_data(str(good), "byte", out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(ValueError, match="holds no usable text.*skipped 1"):
-        prepare_data(str(bad), "byte", out)
+        prepare_data(str(bad), "byte", out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and read_meta(out) == meta
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "good", "prepared"]  # no staging left behind
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -197,16 +198,57 @@ def test_every_rank_refuses_alike_whichever_rank_finds_the_fault(tmp_path):
     assert said[0] == said[1] and str(bad / "shard_00000.idx") in said[0], said  # rank 0 found it first
 
 
+def _build_data_as_node(cfg, nodes: str):
+    """build_data on this rank as node (global rank) of a job whose nodes each hold their own copy of the data:
+    the same relative blend path, read from the node's own directory. The error message, or None."""
+    from parallel_attention.tensor_parallel import parallel_state as ps
+
+    where, rank = os.getcwd(), ps.get_global_rank()
+    os.environ["GROUP_RANK"] = str(rank)
+    os.chdir(Path(nodes) / f"node{rank}")
+    try:
+        return _build_data_on_each_rank(cfg, None)
+    finally:
+        os.chdir(where)
+        del os.environ["GROUP_RANK"]
+
+
+def test_two_nodes_with_different_copies_of_a_prefix_are_refused_before_step_1(tmp_path):
+    """Two node ranks on one host, each with its own copy of a Megatron-LM prefix (and its own index cache),
+    one copy altered: every rank refuses, naming both nodes and the .bin; equal copies train."""
+    prepare_data("stdlib", "byte", tmp_path / "prepared", val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
+    for node in ("node0", "node1"):
+        (tmp_path / node / "data").mkdir(parents=True)
+        for kind in ("bin", "idx"):
+            (tmp_path / node / "data" / f"web.{kind}").write_bytes((tmp_path / "prepared" / f"shard_00000.{kind}")
+                                                                   .read_bytes())
+    cfg = _pretrain_config(tmp_path / "unused", tmp_path / "run", "--data.blend=[{path: data/web, weight: 1}]",
+                           f"--data.index_cache={tmp_path / 'cache'}")
+    assert run_distributed(_build_data_as_node, 2, 1, cfg, str(tmp_path)) == [None, None]
+    altered = tmp_path / "node1" / "data" / "web.bin"
+    data = bytearray(altered.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one token, another id of the vocabulary
+    altered.write_bytes(bytes(data))
+    said = run_distributed(_build_data_as_node, 2, 1, cfg, str(tmp_path))
+    assert said[0] == said[1] and said[0].startswith("the ranks read different copies of data/web.bin: "), said
+    assert " on node 0 on " in said[0] and " (ranks 0)" in said[0] and " on node 1 on " in said[0], said
+
+
+def _tiny_run_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    """pretrain.py's arguments for a few steps of a tiny model on the stdlib data of `data_dir`."""
+    return ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
+            "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=4",
+            "--training.micro_batch_size=2", "--logging.progress_bar=false", "--logging.tensorboard=false",
+            "--parallel.tensor_parallel_size=1", "--data.source=stdlib", f"--data.max_bytes={MAX_BYTES}",
+            f"--data.val_fraction={VAL_FRACTION}", f"--data.data_dir={data_dir}", f"--logging.run_dir={run_dir}",
+            *extra]
+
+
 def test_pretraining_on_a_zeroed_token_file_stops_at_its_first_read_with_exit_2(tmp_path):
     data_dir = tmp_path / "data"
     prepare_data("stdlib", "byte", data_dir, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
     _zero(data_dir / "shard_00000.bin")
-    args = ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--model.hidden_size=32", "--model.num_layers=2",
-            "--model.max_seq_len=32", "--data.seq_len=32", "--training.global_batch_size=4",
-            "--training.micro_batch_size=2", "--training.max_steps=2", "--logging.progress_bar=false",
-            "--logging.tensorboard=false", "--parallel.tensor_parallel_size=1", "--data.source=stdlib",
-            f"--data.max_bytes={MAX_BYTES}", f"--data.val_fraction={VAL_FRACTION}", f"--data.data_dir={data_dir}",
-            f"--logging.run_dir={tmp_path / 'run'}"]
+    args = _tiny_run_args(data_dir, tmp_path / "run", "--training.max_steps=2")
     # real: what torchrun itself reports of every worker (tests/launch.py, run_command)
     result = run_command(torchrun_command("pretrain.py", 2, args), cwd=ROOT, env=environment(),
                          capture_output=True, text=True, timeout=240, real=True)
@@ -217,6 +259,106 @@ def test_pretraining_on_a_zeroed_token_file_stops_at_its_first_read_with_exit_2(
     # torchrun prints its own ChildFailedError traceback; none comes from the package or the script
     assert "parallel_attention/" not in result.stderr and 'pretrain.py", line' not in result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _build_data_on_a_full_disk(cfg):
+    """build_data with every write of an index cache's arrays failing for want of space: the error message."""
+    import errno as errors
+
+    from parallel_attention.training.data.read import source_index
+
+    real = source_index.write_streams
+
+    def full(directory, *args):
+        (directory / "train_starts.npy").write_bytes(b"\x93NUMPY")
+        yield "0 documents indexed"
+        raise OSError(errors.ENOSPC, "No space left on device")
+
+    source_index.write_streams = full
+    try:
+        return _build_data_on_each_rank(cfg, None)
+    finally:
+        source_index.write_streams = real
+
+
+def test_an_index_cache_on_a_full_disk_names_the_cause_on_every_rank(tmp_path):
+    prepare_data("stdlib", "byte", tmp_path / "prepared", val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
+    cfg = _pretrain_config(tmp_path / "unused", tmp_path / "run",
+                           f"--data.blend=[{{path: {tmp_path / 'prepared' / 'shard_00000'}, weight: 1}}]",
+                           f"--data.index_cache={tmp_path / 'cache'}")
+    said = run_distributed(_build_data_on_a_full_disk, 2, 1, cfg, timeout=120)
+    assert said[0] == said[1] and "No space left on device" in said[0] and "no space is left there" in said[0], said
+    assert "set data.index_cache to a writable directory with room" in said[0], said
+
+
+def _read_with_a_fault_on_rank_1():
+    """Each rank reads a step through the prefetcher, then meets the others in a collective: rank 1's read fails."""
+    import torch
+
+    from parallel_attention.tensor_parallel import parallel_state as ps
+    from parallel_attention.tensor_parallel.collectives import all_reduce
+    from parallel_attention.training.data.read.batch_prefetch import BatchPrefetcher
+
+    def read(step):
+        if ps.get_global_rank() == 1 and step == 1:
+            raise DataFileError("x.bin has sha256 A in its chunk 3")
+        return step
+
+    loader = BatchPrefetcher(read)
+    try:
+        for step in range(3):
+            assert loader.get(step)[0] == step
+            all_reduce(torch.ones(1), None)  # the step's gradients
+    except DataFileError as error:
+        return step, str(error)
+    finally:
+        loader.close()
+    return None
+
+
+def test_a_data_fault_on_one_rank_ends_every_rank_with_its_message():
+    """The others do not wait in their next collective for a rank that stopped: every rank raises its fault."""
+    said = run_distributed(_read_with_a_fault_on_rank_1, 2, 1, timeout=60)
+    assert said == [(1, "x.bin has sha256 A in its chunk 3 (found by global rank 1)")] * 2
+
+
+FAULT_ON_RANK_1 = """
+import os, runpy, sys
+from parallel_attention.training.data.read import batches
+from parallel_attention.training.data.token_files import DataFileError
+
+real = batches.GlobalBatchSampler.local_micro_batches
+
+def read(self, step, *args, **kwargs):
+    if os.environ["RANK"] == "1" and step == 1:  # as ChunkVerifier refuses a chunk only this rank reads
+        raise DataFileError("shard_00000.bin has sha256 X in its chunk 7 of 1024 bytes (from byte 7168), but Y "
+                            "was recorded")
+    return real(self, step, *args, **kwargs)
+
+batches.GlobalBatchSampler.local_micro_batches = read
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_pretraining_with_a_fault_on_one_data_parallel_rank_ends_every_rank_with_its_message(tmp_path):
+    """Rank 1 alone refuses a chunk at step 1: every rank exits 2 within timeout_s, rank 0 says the fault once,
+    and no backend traceback ("Connection closed by peer") appears."""
+    data_dir, wrapper = tmp_path / "data", tmp_path / "fault.py"
+    prepare_data("stdlib", "byte", data_dir, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
+    wrapper.write_text(FAULT_ON_RANK_1)
+    args = _tiny_run_args(data_dir, tmp_path / "run", "--training.max_steps=3", "--parallel.timeout_s=30")
+    command = torchrun_command("pretrain.py", 2, args)
+    script = command.index(str(ROOT / "scripts" / "pretrain.py"))
+    command[script:script] = [str(wrapper)]
+    began = time.monotonic()
+    result = run_command(command, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=240)
+    assert time.monotonic() - began < 30 + 60 and result.returncode != 0, result.stderr[-4000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("config error: ")]
+    assert said == ["config error: shard_00000.bin has sha256 X in its chunk 7 of 1024 bytes (from byte 7168), but Y "
+                    "was recorded (found by global rank 1)"], result.stderr[-4000:]
+    assert "Connection closed" not in result.stderr and "gloo" not in result.stderr.lower(), result.stderr[-4000:]
+    assert 'pretrain.py", line' not in result.stderr and "CollectiveTimeoutError" not in result.stderr
 
 
 def test_data_prepared_for_a_larger_vocabulary_than_the_model_is_a_config_error(data_cfg):

@@ -58,3 +58,25 @@ def test_setup_reads_the_version_from_version_py(tmp_path):
 
 def test_setup_py_names_no_version_of_its_own():
     assert not re.search(r"version\s*=\s*[\"']\d", (ROOT / "setup.py").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("argv, resume", [(["--resume", "--data.text_field=a b"], "auto"),
+                                          (["--data.text_field=a b", "--resume"], "auto"),
+                                          (["--resume", "RUN/checkpoints/step_2", "--data.text_field=a b"],
+                                           "RUN/checkpoints/step_2")])
+def test_resume_leaves_a_following_override_with_a_space_to_the_config(argv, resume):
+    """argparse takes an argument with a space for a value: --resume must not swallow `--key='a b'`."""
+    args, overrides = _script("pretrain.py").parse_args([*argv, "--model.num_layers=3"])
+    assert args.resume == resume and overrides == ["--data.text_field=a b", "--model.num_layers=3"]
+
+
+def test_inspect_data_refuses_what_pretrain_refuses_with_the_same_line(capsys, monkeypatch):
+    """inspect_data.py validates the config as pretrain.py does: the same `config error:` line, exit 2."""
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun would launch pretrain.py
+    bad = ["--config", str(ROOT / "configs" / "gpt_tiny.yaml"), "--training.global_batch_size=5",
+           "--training.micro_batch_size=2"]
+    assert _script("pretrain.py").main(bad) == 2
+    said_by_pretrain = capsys.readouterr().err.strip().splitlines()[-1]
+    assert _script("inspect_data.py").main([*bad, "--steps", "0:1"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("config error: ") and said == said_by_pretrain

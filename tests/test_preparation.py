@@ -142,9 +142,40 @@ def test_a_failed_preparation_leaves_the_existing_dataset_intact(jsonl, tmp_path
     prepare_shards(str(jsonl), "byte", tmp_path / "out")
     before = _files(tmp_path / "out")
     with pytest.raises(ValueError, match="holds no usable text"):
-        prepare_shards(str(tmp_path / "bad"), "byte", tmp_path / "out")
+        prepare_shards(str(tmp_path / "bad"), "byte", tmp_path / "out", overwrite=True)
     assert _files(tmp_path / "out") == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "corpus", "out"]
+
+
+def test_out_onto_a_dataset_of_another_source_or_tokenizer_is_refused_unless_overwrite(jsonl, tmp_path):
+    """A typo in --out must not destroy hours of preparation: the dataset, its index cache included, stays byte
+    for byte; the same source and tokenizer prepare again (other settings), and --overwrite replaces."""
+    prepare_shards(str(jsonl), "byte", tmp_path / "out")
+    (tmp_path / "out" / ".index_cache").mkdir()
+    (tmp_path / "out" / ".index_cache" / "info.json").write_text("{}")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.txt").write_text("another corpus\n")
+    before = _tree(tmp_path / "out")
+    with pytest.raises(ValueError, match=f"holds a dataset prepared from '{jsonl.resolve()}' with the tokenizer "
+                                         f"byte .* this preparation is of '{other.resolve()}' with byte.*--overwrite"):
+        prepare_shards(str(other), "byte", tmp_path / "out")
+    train_bpe(iter(DOCUMENTS), 300, tmp_path / "tok" / "tokenizer.json")
+    with pytest.raises(ValueError, match=f"with the tokenizer byte .* with {tmp_path / 'tok' / 'tokenizer.json'}"):
+        prepare_shards(str(jsonl), str(tmp_path / "tok"), tmp_path / "out")
+    script = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--source", str(other), "--out",
+              str(tmp_path / "out")]
+    refused = run_command(script, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr and _tree(tmp_path / "out") == before
+    assert prepare_shards(str(jsonl), "byte", tmp_path / "out", shard_tokens=500)["shard_tokens"] == 500
+    done = run_command([*script, "--overwrite"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["source"] == str(other.resolve())
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not a dataset")
+    with pytest.raises(ValueError, match="holds files but no prepared dataset"):
+        prepare_shards(str(jsonl), "byte", tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "not a dataset"
 
 
 def test_a_single_document_is_split_by_tokens_and_says_so(tmp_path):
@@ -250,3 +281,19 @@ def test_ensure_prepared_resumes_an_unfinished_preparation(jsonl, tmp_path, monk
     assert not (tmp_path / "out").exists() and "kept 2 finished shards" in capfd.readouterr().err
     assert ensure_prepared(cfg) == whole and _files(tmp_path / "out") == _files(tmp_path / "whole")
     assert "from its 2 finished shards" in capfd.readouterr().err
+
+
+def test_the_fix_for_a_missing_or_truncated_shard_names_the_recorded_settings(jsonl, tmp_path):
+    """meta.json is readable even where a shard is gone: the fix command prepares what was prepared."""
+    from parallel_attention.training.data.read.token_source import open_source
+
+    prepare_shards(str(jsonl), "byte", tmp_path / "out", max_bytes=4000, shard_tokens=300)
+    shard = tmp_path / "out" / "shard_00001.bin"
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(DataFileError) as info:
+        open_source(str(tmp_path / "out"), 0.1, (256, "byte"))
+    assert (f"--source {jsonl.resolve()} --tokenizer byte --text-field text --max-bytes 4000 --val-fraction 0.02 "
+            f"--shard-tokens 300 --out {tmp_path / 'out'}`") in str(info.value)
+    (tmp_path / "out" / "meta.json").unlink()
+    with pytest.raises(DataFileError, match="prepare_data.py --overwrite --source SOURCE --tokenizer TOKENIZER"):
+        open_source(str(tmp_path / "out"), 0.1, (256, "byte"))

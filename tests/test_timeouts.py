@@ -16,18 +16,24 @@ from parallel_attention.tensor_parallel.collectives import CollectiveTimeoutErro
 GROUP_TIMEOUT_S = 4
 
 
+def _rank_0_times_out(wait) -> tuple[str, float] | None:
+    """Rank 1 goes silent past the group's timeout; rank 0 runs `wait()`, which must raise CollectiveTimeoutError:
+    (its message, the seconds it waited) on rank 0, None on rank 1."""
+    if torch.distributed.get_rank() == 1:
+        time.sleep(GROUP_TIMEOUT_S + 4)
+        return None
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError) as info:
+        wait()
+    return str(info.value), time.monotonic() - started
+
+
 def _silent_rank_worker(which: str):
     """Rank 1 never joins; rank 0 reports what its collective raised and how long it waited."""
     pa.destroy_model_parallel()
     pa.initialize_model_parallel(1 if which == "data" else 2, timeout=GROUP_TIMEOUT_S)
-    if torch.distributed.get_rank() == 1:
-        time.sleep(GROUP_TIMEOUT_S + 4)
-        return None
     group = pa.get_data_parallel_group() if which == "data" else pa.get_tensor_model_parallel_group()
-    started = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError) as info:
-        all_reduce(torch.ones(4), group)
-    return str(info.value), time.monotonic() - started
+    return _rank_0_times_out(lambda: all_reduce(torch.ones(4), group))
 
 
 @pytest.mark.parametrize("which,name", [("tensor", "tensor-parallel group"), ("data", "data-parallel group")])
@@ -45,16 +51,14 @@ def _silent_rank_under_ddp_worker():
     pa.initialize_model_parallel(1, timeout=GROUP_TIMEOUT_S)
     model, sync = data_parallel_step(torch.nn.Linear(4, 4), pa.get_data_parallel_group(), debug_collectives=False,
                                      zero_stage=0, pipelined=False)
-    if torch.distributed.get_rank() == 1:
-        time.sleep(GROUP_TIMEOUT_S + 4)
-        return None
-    started = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError) as info:
+
+    def step() -> None:
         with sync.forward(0, last=True):
             loss = model(torch.ones(2, 4)).sum()
         with sync.backward(0, last=True):
             loss.backward()
-    return str(info.value), time.monotonic() - started
+
+    return _rank_0_times_out(step)
 
 
 def test_a_silent_rank_under_ddp_times_out_naming_the_gradient_all_reduce():
@@ -72,14 +76,8 @@ def _silent_rank_under_zero_worker():
     pa.initialize_model_parallel(1, timeout=GROUP_TIMEOUT_S)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     optimizer = sharded_adamw([{"params": list(model.parameters())}], pa.get_data_parallel_group(), lr=0.1)
-    if torch.distributed.get_rank() == 1:
-        time.sleep(GROUP_TIMEOUT_S + 4)
-        return None
     model(torch.ones(2, 4)).sum().backward()
-    started = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError) as info:
-        optimizer.step()
-    return str(info.value), time.monotonic() - started
+    return _rank_0_times_out(optimizer.step)
 
 
 def test_a_silent_rank_under_zero_times_out_naming_the_parameter_broadcast():
@@ -116,16 +114,7 @@ def _silent_rank_under_fsdp2_worker(phase: str, guard: bool):
     model = shard_fully(_Stack(2 if phase == "forward" else 0), mesh_of(pa.get_data_parallel_group()))
     if phase == "backward":
         loss = model(torch.ones(2, 4)).sum()
-    if torch.distributed.get_rank() == 1:
-        time.sleep(GROUP_TIMEOUT_S + 4)
-        return None
-    started = time.monotonic()
-    with pytest.raises(CollectiveTimeoutError) as info:
-        if phase == "forward":
-            model(torch.ones(2, 4))
-        else:
-            loss.backward()
-    return str(info.value), time.monotonic() - started
+    return _rank_0_times_out(lambda: model(torch.ones(2, 4)) if phase == "forward" else loss.backward())
 
 
 @pytest.mark.parametrize("phase,op,guard", [("forward", "FSDP2's parameter all_gather", False),

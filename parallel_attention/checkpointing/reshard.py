@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULES, schedule as registered
 from ..tensor_parallel.parallel_state import group_rank, group_size, resolve_tp_group
 from ..transformer.model_config import ModelConfig
 from ..transformer.model_layout import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
@@ -170,7 +171,7 @@ def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parall
     saved = manifest["config"]
     target = {**saved, "parallel": {**saved["parallel"], "tensor_parallel_size": tensor_parallel_size,
                                      **pipeline_settings(stages or [PipelineStage()], cfg.num_layers,
-                                                         saved["parallel"].get("pipeline_schedule", "1f1b"))}}
+                                                         saved["parallel"].get("pipeline_schedule", DEFAULT_SCHEDULE))}}
     return write_canonical_checkpoint(out_root, target, canonical, manifest["step"],
                                       optimizer=optimizer if optimizer[0] is not None else None,
                                       extra=manifest.get("extra"), stages=stages)
@@ -178,12 +179,12 @@ def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parall
 
 def pipeline_settings(stages: list[PipelineStage], num_layers: int, schedule: str) -> dict:
     """parallel.pipeline_* that build `stages` (one per pipeline rank, v chunks each): layers per virtual stage k
-    (chunk k // pp of rank k % pp) explicit; `schedule` kept where it fits v (interleaved_1f1b needs v >= 2, the
-    others v = 1)."""
+    (chunk k // pp of rank k % pp) explicit; `schedule` kept where it fits v (a chunked schedule needs v >= 2, the
+    others v = 1), else the registry's chunked one or its default."""
     pp, v = len(stages), len(stages[0].layer_ranges(num_layers))
     counts = [len(stages[k % pp].layer_ranges(num_layers)[k // pp]) for k in range(pp * v)]
-    if (schedule == "interleaved_1f1b") != (v > 1):
-        schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+    if registered(schedule).chunked != (v > 1):
+        schedule = next(s.name for s in SCHEDULES.values() if s.chunked) if v > 1 else DEFAULT_SCHEDULE
     return {"pipeline_parallel_size": pp, "virtual_pipeline_stages": v,
             "pipeline_layers": counts if pp > 1 else None, "pipeline_schedule": schedule}
 

@@ -104,7 +104,7 @@ def describe_group(group: ProcessGroup | None) -> str:
              **dict.fromkeys(PP_LINKS.values(), "pipeline link")}
     if _STATE is not None:
         for name, mine in _STATE.groups.items():
-            if group is mine:
+            if mine is not None and group is mine:  # None: a group this layout lacks (pp 1's embedding), not the world
                 return f"{words.get(name, name)} group (global ranks {dist.get_process_group_ranks(group)})"
     return "world group" if group is None else f"group of global ranks {dist.get_process_group_ranks(group)}"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
@@ -167,10 +168,15 @@ def _build_list(cls, value: Any, path: str) -> list:
             for i, item in enumerate(value)]
 
 
+_OVERRIDE = re.compile(r"--[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")  # --section.key=value (the value may hold spaces)
+
+
 def parse_with_overrides(parser, argv: list[str]):
     """(the parser's arguments, the `--section.key=value` overrides) of a script's command line; anything else
-    is refused by the parser's own error."""
-    args, overrides = parser.parse_known_args(argv)
+    is refused by the parser's own error. The overrides are taken out first: argparse reads an argument that holds
+    a space as a value, so `--resume --data.text_field='a b'` would make the override --resume's step directory."""
+    args, others = parser.parse_known_args([a for a in argv if not _OVERRIDE.match(a)])
+    overrides = [a for a in argv if _OVERRIDE.match(a) or a in others]  # in their order: the last one wins
     bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
     if bad:
         parser.error(f"unrecognised arguments {bad}: overrides look like --section.key=value")

@@ -90,7 +90,7 @@ class DataConfig:
     # random_windows: windows drawn with replacement (runs started before 0.3; one source only)
     sampling: Literal["epochs", "random_windows"] = "epochs"
     # where the index caches of Megatron-LM prefixes (and read-only prepared directories) are built once and
-    # memory-mapped by every rank (docs/data.md, "Index caches"); None: RUN/index_cache (logging.run_dir)
+    # memory-mapped by every rank (docs/data.md, "Index caches"); None: .index_cache beside logging.run_dir
     index_cache: str | None = None
 
 

@@ -21,9 +21,9 @@ _FLAGS = (("source", "--source"), ("tokenizer", "--tokenizer"), ("bpe_vocab_size
 
 def preparation_command(data_dir, meta: dict | None = None) -> str:
     """`python scripts/prepare_data.py ... --out DATA_DIR` with every setting `meta` records (SOURCE and TOKENIZER
-    stand for what a missing meta.json cannot say)."""
+    stand for what a missing meta.json cannot say; then --overwrite too, as what DATA_DIR holds is no dataset)."""
+    args = ["python", "scripts/prepare_data.py"] + ([] if meta else ["--overwrite"])
     meta = meta or {}
-    args = ["python", "scripts/prepare_data.py"]
     for key, flag in _FLAGS:
         if key == "bpe_vocab_size" and not trains_bpe(meta.get("tokenizer")):
             continue

@@ -24,8 +24,8 @@ from . import previous_format
 from .preparation_command import preparation_command
 from ..tokenizer import TokenizerIdentity, TokenizerUnavailableError, trains_bpe
 
-__all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "refuse_other_settings",
-           "is_previous_format", "sha256_of", "verify_at_start", "verify_files"]
+__all__ = ["REFUSALS", "DataFileError", "meta_and_reason", "prepare_again", "refusal_message", "recorded_meta",
+           "refuse_other_settings", "is_previous_format", "sha256_of", "verify_at_start", "verify_files"]
 
 META = "meta.json"
 FORMAT_VERSION = 2  # shards in Megatron-LM's indexed-dataset format; 1 (no "format_version" key): train/val .bin
@@ -50,11 +50,22 @@ def refusal_message(error: BaseException, data_dir) -> str:
 
 
 def prepare_again(data_dir, meta: dict | None = None) -> str:
-    """The fix for a bad data directory: prepare it anew with the settings it was prepared with (the trainer
-    prepares a data.data_dir that does not exist)."""
+    """The fix for a bad data directory: prepare it anew with the settings it was prepared with (those of `meta`,
+    else of the meta.json it holds, complete or not; the trainer prepares a data.data_dir that does not exist)."""
+    meta = meta if meta is not None else recorded_meta(data_dir)
     return (f"prepare it again as it was prepared: run `{preparation_command(data_dir, meta)}` (or, for a run's "
             f"data.data_dir, delete {data_dir} and start the run again: it prepares data.data_dir from data.source), "
             "or point data.data_dir at a new directory")
+
+
+def recorded_meta(data_dir) -> dict | None:
+    """The settings the meta.json of `data_dir` records, even where its files are missing or truncated; None
+    without a readable one."""
+    try:
+        meta = json.loads((Path(data_dir) / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def meta_and_reason(data_dir) -> tuple[dict | None, str]:

@@ -36,7 +36,8 @@ class RunDirInUseError(ConfigError):
     """Another live run holds `logging.run_dir`."""
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this host has `pid` (another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -61,7 +62,7 @@ def describe(lease: dict) -> str:
 def is_stale(lease: dict, now: float | None = None) -> bool:
     """Its process is gone (checked on its own host only) or it has not beaten within STALE_AFTER_S."""
     now = time.time() if now is None else now
-    if lease["host"] == socket.gethostname() and not _alive(int(lease["pid"])):
+    if lease["host"] == socket.gethostname() and not process_alive(int(lease["pid"])):
         return True
     return now - float(lease["heartbeat"]) > STALE_AFTER_S
 

@@ -14,7 +14,7 @@ Files are read in the order of their sorted relative paths, so a source always g
 A file that is not UTF-8 text (binary), an empty one, one of another type, a bad JSON line or a parquet file
 without the column is skipped and counted in `CorpusStats.skipped` under its reason. A damaged file (a truncated or
 corrupt .jsonl.gz, a parquet or arrow file pyarrow cannot read, an arrow file a datasets directory lists but lacks)
-is refused by name, or, with `skip_bad_files`, counted among the skipped: the documents read before the damage stay.
+is refused by name, or, with `skip_bad_files`, skipped whole and counted among the skipped, with its documents.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from collections import deque
 from pathlib import Path
 from typing import Iterator
 
-from .corpus_formats import (BINARY, DAMAGED, EMPTY_FILE, OTHER_TYPE, READERS, CorpusStats, DamagedFile,
-                             datasets_files, file_kind, is_datasets_directory)
+from .corpus_formats import (BINARY, CHECKED, DAMAGED, DROPPED, EMPTY_FILE, OTHER_TYPE, READERS, CorpusStats,
+                             DamagedFile, datasets_files, file_kind, is_datasets_directory)
 from .bpe import train_bpe
 
 __all__ = ["Corpus", "CorpusStats", "TEXT_SUFFIXES", "train_bpe_on_corpus"]
@@ -130,20 +130,41 @@ class Corpus:
 
     def _read(self, path: Path, where: str, start: tuple[int, int]) -> Iterator[str]:
         """The documents of one file from `start`, counting it as read unless the whole file is skipped; a damaged
-        file is refused, or skipped and counted with `skip_bad_files`."""
+        file is refused, or, with `skip_bad_files`, skipped whole and counted with its documents.
+
+        gzip checks a member's CRC only at its end, and a truncated parquet or arrow file shows only where it
+        stops, so the documents read before the damage may be altered: with `skip_bad_files`, such a file is read
+        through once before any of its documents is kept (it is decompressed twice)."""
         stats = self.stats
         stats.at, stats.disk_in_file = start, 0
         if path.stat().st_size == 0:
             stats.skip(EMPTY_FILE, where)
             return
-        kept = stats.num_documents
+        reader = READERS.get(file_kind(path), _text_document)
         try:
-            yield from READERS.get(file_kind(path), _text_document)(path, where, self.text_field, stats, start)
+            if self.skip_bad_files and file_kind(path) in CHECKED:
+                _read_through(reader, path, where, self.text_field, start)
+            yield from reader(path, where, self.text_field, stats, start)
         except DamagedFile as error:
             if not self.skip_bad_files:
                 raise ValueError(_damaged_message(path, str(error))) from None
-            stats.skip(DAMAGED, f"{where} ({error}; the {stats.num_documents - kept} documents before the damage "
-                                "kept)")
+            dropped = error.documents
+            stats.skip(DAMAGED, f"{where} ({error}; all of it dropped, the {dropped} documents read before the damage "
+                                "too)")
+            if dropped:
+                stats.skip(DROPPED, where, dropped)
+
+
+def _read_through(reader, path: Path, where: str, text_field: str, start: tuple[int, int]) -> None:
+    """Read a file to its end, keeping nothing: DamagedFile, with the count of documents read before the damage
+    (`documents`), if it cannot be."""
+    documents = 0
+    try:
+        for _ in reader(path, where, text_field, CorpusStats(), start):
+            documents += 1
+    except DamagedFile as error:
+        error.documents = documents
+        raise
 
 
 def _text_document(path: Path, where: str, text_field: str, stats: CorpusStats,
@@ -200,8 +221,8 @@ def _damaged_message(path: Path, why: str, count: int = 1) -> str:
     others = f" (and {count - 1} more like it)" if count > 1 else ""
     return (f"{path}{others} cannot be read to its end ({why}): the corpus file is truncated, corrupt or missing. "
             "Replace it with a good copy (or delete it) and prepare again, or pass --skip-bad-files to "
-            "scripts/prepare_data.py to skip such files (counted in meta.json's skipped, with the documents read "
-            "before the damage kept).")
+            "scripts/prepare_data.py to skip such files whole (counted in meta.json's skipped, with their "
+            "documents).")
 
 
 def _decode_text(data: bytes) -> str | None:

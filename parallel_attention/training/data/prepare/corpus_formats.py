@@ -22,16 +22,22 @@ from typing import Iterator
 
 from ....hf.config import read_json_object
 
-__all__ = ["DAMAGED", "READERS", "CorpusStats", "DamagedFile", "datasets_files", "file_kind", "is_datasets_directory"]
+__all__ = ["CHECKED", "DAMAGED", "DROPPED", "READERS", "CorpusStats", "DamagedFile", "datasets_files", "file_kind",
+           "is_datasets_directory"]
 
 # Reasons something is skipped; each names its unit.
 BINARY, EMPTY_FILE, OTHER_TYPE = "binary or not UTF-8 files", "empty files", "files of another type"
 BAD_LINE, NO_COLUMN, EMPTY_DOC = "bad JSON lines", "parquet files without the text column", "empty documents"
 DAMAGED = "damaged or unreadable files"
+DROPPED = "documents of damaged files"  # read before the damage showed, dropped with their file
+CHECKED = frozenset({".jsonl.gz", ".parquet", ".arrow"})  # damage shows only at a member's (or the file's) end
 
 
 class DamagedFile(Exception):
-    """A corpus file that cannot be read to its end (truncated, corrupt, missing): the reader stops there."""
+    """A corpus file that cannot be read to its end (truncated, corrupt, missing): the reader stops there.
+    `documents`: how many it gave before (corpus.py counts them when it drops the file)."""
+
+    documents = 0
 
 
 @dataclass
@@ -55,8 +61,8 @@ class CorpusStats:
             self._frozen = (dict(sorted(self.skipped.items())), dict(sorted(self.examples.items())))
         return self._frozen
 
-    def skip(self, reason: str, where: str) -> None:
-        self.skipped[reason] += 1
+    def skip(self, reason: str, where: str, count: int = 1) -> None:
+        self.skipped[reason] += count
         self.examples.setdefault(reason, where)
         self._frozen = None
 

@@ -34,25 +34,29 @@ from .encoding import encode_documents, use_threads
 from ..indexed_dataset import IndexedDatasetWriter, IndexedTokens, token_dtype
 from .partial_output import PartialPreparation
 from .progress import PreparationBar, say_if_truncated
-from ..token_files import FORMAT_VERSION
+from ..token_files import FORMAT_VERSION, META, recorded_meta
 from ...tokenizer import TokenizerIdentity, get_tokenizer, trains_bpe
 
-__all__ = ["check_settings", "end_of_text", "prepare_shards", "source_key", "worker_count"]
+__all__ = ["check_settings", "end_of_text", "prepare_shards", "refuse_replacing", "source_key", "worker_count"]
 
 
 def prepare_shards(source: str, tokenizer: str, out_dir, val_fraction: float = 0.02, max_bytes: int | None = None,
                    *, text_field: str = "text", bpe_vocab_size: int = 8192, num_workers: int = 0,
-                   shard_tokens: int = DEFAULT_SHARD_TOKENS, skip_bad_files: bool = False) -> dict:
+                   shard_tokens: int = DEFAULT_SHARD_TOKENS, skip_bad_files: bool = False,
+                   overwrite: bool = False) -> dict:
     """Tokenize `source` into shards in `out_dir` (format 2); return meta.json's dict.
 
     `tokenizer` is "byte", "gpt2", "bpe" (first train a byte-level BPE of `bpe_vocab_size` tokens on the corpus,
     kept as out_dir/tokenizer.json) or a path to a tokenizer.json or a directory holding one. Run it again after a
     kill and it resumes from the finished shards (the same settings and corpus files), byte-identically. A damaged
-    corpus file is refused by name, or skipped and counted with `skip_bad_files` (corpus.py).
+    corpus file is refused by name, or skipped and counted with `skip_bad_files` (corpus.py). An `out_dir` that
+    holds a dataset of another source or tokenizer, or files that are no dataset, is refused unless `overwrite`.
     """
     check_settings(val_fraction, max_bytes, num_workers)
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens={shard_tokens} must be positive (default {DEFAULT_SHARD_TOKENS:,}).")
+    if not overwrite:
+        refuse_replacing(Path(out_dir), source, tokenizer)
     corpus = Corpus(source, text_field, max_bytes, skip_bad_files)
     settings = {"format_version": FORMAT_VERSION, **_spec_key(tokenizer), "source": source_key(source),
                 "corpus_files_sha256": _listing_sha256(corpus), "max_bytes": max_bytes, "text_field": text_field,
@@ -77,6 +81,25 @@ def prepare_shards(source: str, tokenizer: str, out_dir, val_fraction: float = 0
                 "shards": partial.shards}
         partial.complete(meta)
     return meta
+
+
+def refuse_replacing(out_dir: Path, source: str, tokenizer: str) -> None:
+    """ValueError when preparing into `out_dir` would replace a dataset of another source or tokenizer (a typo in
+    --out would destroy hours of preparation), or files that are no prepared dataset, naming both and the fix."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    fix = "give another --out (data.data_dir), or pass --overwrite to replace it"
+    meta = recorded_meta(out_dir)
+    if meta is None:
+        raise ValueError(f"{out_dir} holds files but no prepared dataset (no readable {META}): preparing there would "
+                         f"replace them; {fix}.")
+    have = TokenizerIdentity.from_meta(meta)
+    want = TokenizerIdentity(tokenizer, None) if trains_bpe(tokenizer) else TokenizerIdentity.of_spec(tokenizer)
+    same_tokenizer = have.name == want.name if want.sha256 is None else have.sha256 == want.sha256
+    if meta.get("source") != source_key(source) or not same_tokenizer:
+        raise ValueError(f"{out_dir} holds a dataset prepared from {meta.get('source')!r} with the tokenizer "
+                         f"{have.describe()} (its {META}); this preparation is of {source_key(source)!r} with "
+                         f"{want.describe()}, and would replace it and its index cache: {fix}.")
 
 
 def _write_shards(corpus: Corpus, spec: str, partial: PartialPreparation, dtype: np.dtype, eot: int,

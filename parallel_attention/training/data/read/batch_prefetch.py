@@ -3,7 +3,9 @@
 Reading a step's windows (memory-mapped pages, maybe from a network filesystem, plus the id checks) costs
 milliseconds to seconds; done inline it adds to every step. One worker thread reads step t + 1 while step t
 computes (numpy and the page faults release the GIL), and `get` reports how long the step still waited.
-A batch is a pure function of the step, so reading ahead never changes what a step trains on.
+A batch is a pure function of the step, so reading ahead never changes what a step trains on. A data fault on
+one rank (a chunk that fails its hash) ends every rank with its message (run_data.read_agreed: one small all-reduce
+a step), instead of leaving the others to a backend error in their next collective.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Generic, TypeVar
+
+from .run_data import read_agreed
 
 __all__ = ["BatchPrefetcher"]
 
@@ -32,7 +36,7 @@ class BatchPrefetcher(Generic[T]):
         else:  # the first step, or a jump (a resume): read it now
             self._cancel()
             future = self._pool.submit(self._read, step)
-        batches = future.result()  # a reading error is raised here, in the training thread
+        batches = read_agreed(future.result)  # a reading error is raised here, in the training thread, on every rank
         waited = time.perf_counter() - started
         self._ahead = (step + 1, self._pool.submit(self._read, step + 1))
         return batches, waited

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from ....checkpointing.format import CheckpointError, read_manifest
-from ....checkpointing.tensor_io import file_digest
 from ...config.schema import PretrainConfig
 from ...config.checks import ConfigError
 from .blend_history import continue_run_blend
@@ -35,9 +34,7 @@ class DataChangedError(ConfigError):
 def source_sha256(source: TokenSource) -> str:
     """What identifies a source's content: its meta.json (which records every shard's hash), or a Megatron-LM
     prefix's .idx (hashed once, when its index cache was built)."""
-    if source.meta is not None:
-        return file_digest(Path(source.name) / "meta.json")["sha256"]
-    return source.index["idx_sha256"]
+    return source.copies[0][1]
 
 
 def source_record(path: str, weight: float, source: TokenSource) -> dict:

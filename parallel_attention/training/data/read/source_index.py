@@ -47,12 +47,12 @@ import numpy as np
 from ....checkpointing.tensor_io import file_digest
 from ..chunk_hashes import CHUNK_BYTES, hash_chunks, hash_range
 from ..document_split import validation_range
-from .index_cache import claim
+from .index_cache import CacheWriteError, claim, drop_superseded, found, read_verified, remember_verified
 from ..indexed_dataset import IndexedTokens
 from ..token_files import DataFileError, prepare_again
 
 __all__ = ["CACHE_DIR", "COARSE", "SPLITS", "VERSION", "ChunkVerifier", "chunks_digest", "index_streams",
-           "megatron_index", "open_tokens", "prepared_index", "write_streams"]
+           "megatron_index", "open_tokens", "prepared_index", "verified_record", "write_streams"]
 
 CACHE_DIR = ".index_cache"
 VERSION = 2  # of the cache layout: 2 added the coarse index
@@ -92,9 +92,26 @@ def prepared_index(path: Path, meta: dict, val_fraction: float, fallback_root: P
         return {**info, "shards": [_shard_info(s, shard.get("bin_chunk_sha256"), shard.get("chunk_bytes"))
                                    for s, shard in zip(shards, meta["shards"])]}
 
-    root = path / CACHE_DIR if os.access(path, os.W_OK) else fallback_root
-    return _found_or_built(root, "prepared" if root != fallback_root else path.name, key, build,
-                           f"the index of {path}")
+    what, primary = f"the index of {path}", path / CACHE_DIR
+    if _in_primary(path, key, fallback_root):
+        try:
+            return _found_or_built(primary, "prepared", key, build, what)
+        except CacheWriteError as error:  # no space left or no permission there: every process gets here alike
+            print(f"{error}; building it under data.index_cache ({fallback_root}) instead", file=sys.stderr,
+                  flush=True)
+    return _found_or_built(fallback_root, path.name, key, build, what)
+
+
+def _in_primary(path: Path, key: dict, fallback_root: Path) -> bool:
+    """Whether a prepared directory's index goes in DIR/.index_cache: it holds it, or, unless data.index_cache does
+    (an earlier build fell back), it can be written (it, or DIR where it does not exist yet). A read-only directory
+    or cache is read, never refused for it."""
+    primary = path / CACHE_DIR
+    if found(primary, "prepared", key) is not None:
+        return True
+    if found(fallback_root, path.name, key) is not None:
+        return False
+    return os.access(primary, os.W_OK | os.X_OK) if primary.is_dir() else os.access(path, os.W_OK | os.X_OK)
 
 
 def megatron_index(prefix: Path, val_fraction: float, root: Path) -> tuple[Path, dict]:
@@ -125,6 +142,7 @@ def _found_or_built(root: Path, name: str, key: dict, build, what: str) -> tuple
                 except StopIteration as built:
                     info = claimed.store(built.value)
                     break
+        drop_superseded(directory, key, ("kind", "path", "val_fraction"))
     return directory, info
 
 
@@ -226,15 +244,20 @@ def open_tokens(prefixes: list[Path]) -> list[IndexedTokens]:
 
 
 class ChunkVerifier:
-    """The chunks of one token file this process has verified, and the check of those it has not."""
+    """The chunks of one token file verified so far, and the check of those that are not.
+
+    With `remembered` (a file in the source's index cache, whose key changes with the token file's size, times and
+    inode), the chunks verified by earlier starts are trusted as the cache is: a restart does not hash them again.
+    As with the sha256 cache of whole files, what this cannot see is corruption beneath the filesystem; delete the
+    index cache to verify every chunk again."""
 
     def __init__(self, path: Path, chunk_bytes: int, hashes: list[str], itemsize: int,
-                 fix: str | Callable[[], str]) -> None:
+                 fix: str | Callable[[], str], remembered: Path | None = None) -> None:
         """`fix`: what the refusal tells the user to do (prepare again, or which cache to delete), or the function
         that says it, called only when a chunk is refused."""
         self.path, self.chunk_bytes, self.hashes, self.itemsize = Path(path), chunk_bytes, hashes, itemsize
-        self.fix = fix
-        self.verified: set[int] = set()
+        self.fix, self.remembered = fix, remembered
+        self.verified: set[int] = read_verified(remembered, len(hashes))
         self._lock = threading.Lock()  # the prefetch thread and the main thread may read at once
 
     def check_tokens(self, positions: np.ndarray) -> None:
@@ -248,6 +271,7 @@ class ChunkVerifier:
                 for chunk in todo:
                     if chunk not in self.verified:
                         self._check(f, chunk)
+                remember_verified(self.remembered, self.verified)
 
     def _check(self, f, chunk: int) -> None:
         start = chunk * self.chunk_bytes
@@ -267,3 +291,8 @@ class ChunkVerifier:
 
     def _fix(self) -> str:
         return self.fix() if callable(self.fix) else self.fix
+
+
+def verified_record(shard: int) -> str:
+    """The file of an index cache that records which chunks of its `shard`-th .bin have been verified."""
+    return f"verified_chunks_{shard:05d}.json"

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ...config.schema import BlendEntry, DataConfig, PretrainConfig
 from ...tokenizer import KNOWN_BY_NAME, TokenizerIdentity, tokenizer_vocab_size, trains_bpe
-from .source_index import ChunkVerifier, index_streams, megatron_index, open_tokens, prepared_index
+from ....checkpointing.tensor_io import file_digest
+from .source_index import (ChunkVerifier, chunks_digest, index_streams, megatron_index, open_tokens, prepared_index,
+                           verified_record)
 from ..previous_format import read_splits
 from ..token_files import DataFileError, is_previous_format, meta_and_reason, prepare_again, verify_at_start
 
@@ -123,6 +125,8 @@ class TokenSource:
     meta: dict | None  # the prepared directory's meta.json; None for a Megatron-LM prefix
     num_documents: int
     index: dict | None = None  # its index cache's info.json (source_index.py); None for the previous format
+    # (file, sha256) pairs that identify the bytes this process reads: the ranks compare them (run_data.py)
+    copies: list[tuple[str, str]] = field(default_factory=list)
 
 
 def open_source(path: str, val_fraction: float, tokenizer: tuple[int, str], verify: bool = True,
@@ -164,15 +168,23 @@ def _from_cache(name: str, directory: Path, info: dict, vocab: tuple[int, str], 
     function that says it (ChunkVerifier)."""
     prefixes = [Path(name) / s["prefix"] for s in meta["shards"]] if meta is not None else [Path(name)]
     shards, verifiers = [], []
-    for tokens, shard in zip(open_tokens(prefixes), info["shards"]):
+    for i, (tokens, shard) in enumerate(zip(open_tokens(prefixes), info["shards"])):
         shards.append((tokens.tokens, tokens.bin_path))
         verifiers.append(ChunkVerifier(tokens.bin_path, shard["chunk_bytes"], shard["chunk_sha256"],
-                                       tokens.dtype.itemsize, fix)
+                                       tokens.dtype.itemsize, fix, directory / verified_record(i))
                          if verify and shard["chunk_sha256"] is not None else None)
     streams = index_streams(directory)
     train, val = (TokenStream(shards, segments, vocab, name, verifiers, (info["coarse"], coarse))
                   for segments, coarse in streams)
-    return TokenSource(name, train, val, vocab[0], meta, info["num_documents"], info)
+    return TokenSource(name, train, val, vocab[0], meta, info["num_documents"], info, _copies(name, meta, info))
+
+
+def _copies(name: str, meta: dict | None, info: dict | None) -> list[tuple[str, str]]:
+    """What identifies a copy of the source: its meta.json (which records every file's hashes), or a Megatron-LM
+    prefix's .idx and the hashes of its .bin's chunks (from its index cache)."""
+    if meta is not None:
+        return [(str(Path(name) / "meta.json"), file_digest(Path(name) / "meta.json")["sha256"])]
+    return [(f"{name}.idx", info["idx_sha256"]), (f"{name}.bin", chunks_digest(info))]
 
 
 def _previous_format(path: str, meta: dict) -> TokenSource:
@@ -180,7 +192,8 @@ def _previous_format(path: str, meta: dict) -> TokenSource:
     vocab = (int(meta["vocab_size"]), f"the tokenizer {meta['tokenizer']} ({Path(path) / 'meta.json'})")
     streams = [TokenStream.in_memory([(tokens, bin_path)], starts, lengths, np.arange(len(starts)), vocab, path)
                for tokens, bin_path, starts, lengths in read_splits(path, meta)]
-    return TokenSource(path, *streams, vocab[0], meta, int(meta.get("num_documents", 0)))
+    return TokenSource(path, *streams, vocab[0], meta, int(meta.get("num_documents", 0)), None,
+                       _copies(path, meta, None))
 
 
 def blend_entries(data: DataConfig) -> list[BlendEntry]:
@@ -234,5 +247,8 @@ def open_blend(data: DataConfig, index_cache: Path | None, model_vocab_size: int
 
 
 def index_cache_root(cfg: PretrainConfig) -> Path:
-    """data.index_cache, or RUN/index_cache when it is null."""
-    return Path(cfg.data.index_cache if cfg.data.index_cache is not None else Path(cfg.logging.run_dir) / "index_cache")
+    """data.index_cache, or, when it is null, `.index_cache` beside the run directory (in the directory that holds
+    the runs): shared by the runs there, so a new run does not index and hash a Megatron-LM prefix again."""
+    if cfg.data.index_cache is not None:
+        return Path(cfg.data.index_cache)
+    return Path(cfg.logging.run_dir).resolve().parent / ".index_cache"

@@ -16,6 +16,7 @@ import torch
 
 from ...config.schema import PretrainConfig
 from .batches import SampleRows, blend, check_fits, read_micro_batches
+from .run_data import read_agreed
 from .token_source import TokenSource, TokenStream
 
 __all__ = ["run_validation", "source_labels", "validation_batches", "validation_batches_by_source",
@@ -40,10 +41,11 @@ def _validation_rows(sources: list[TokenSource], weights: list[float], seq_len: 
 
 def run_validation(cfg: PretrainConfig, sources: list[TokenSource], weights, dp_rank: int,
                    dp_size: int) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
-    """The (source, micro-batch) parts a run of `cfg` evaluates on this data-parallel rank."""
-    return validation_batches_by_source(sources, weights, cfg.data.seq_len, cfg.training.micro_batch_size,
-                                        cfg.training.eval_batches, dp_rank=dp_rank, dp_size=dp_size,
-                                        document_masking=cfg.data.document_masking)
+    """The (source, micro-batch) parts a run of `cfg` evaluates on this data-parallel rank; a data fault on any rank
+    is every rank's (run_data.read_agreed)."""
+    return read_agreed(lambda: validation_batches_by_source(
+        sources, weights, cfg.data.seq_len, cfg.training.micro_batch_size, cfg.training.eval_batches, dp_rank=dp_rank,
+        dp_size=dp_size, document_masking=cfg.data.document_masking))
 
 
 def validation_batches(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,
