@@ -164,7 +164,7 @@ def _stopping_worker():
     _pipeline(timeout=GROUP_TIMEOUT_S)
     runner, batches = _runner("1f1b", 4, 16)
     if ps.get_pipeline_parallel_rank() == 1:  # stops answering
-        time.sleep(GROUP_TIMEOUT_S + 4)
+        time.sleep(GROUP_TIMEOUT_S + 2)
         return None
     started = time.monotonic()
     with pytest.raises(CollectiveTimeoutError) as info:
