@@ -40,6 +40,8 @@ LAYOUTS = {  # name: (world, extra arguments)
                                 "--parallel.virtual_pipeline_stages=2"]),
     "pp2_dp2_zero_bubble_zero0": (4, ["--parallel.pipeline_parallel_size=2", "--parallel.pipeline_schedule=zero_bubble",
                                       "--parallel.zero_stage=0"]),
+    # the collective guard records and cross-checks ChunkReducer's all-reduces from inside the backward
+    "pp2_dp2_1f1b_guarded": (4, ["--parallel.pipeline_parallel_size=2", "--parallel.debug_collectives=true"]),
 }
 
 
