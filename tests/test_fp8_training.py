@@ -13,7 +13,12 @@ steps 9-12 to 5e-5 (losses) and 5e-4 (norms)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from distributed import run_distributed
+from launch import torchrun, train_losses
+from tiny_run import tiny_args
+
+from parallel_attention.checkpointing.tensor_io import read_safetensors
 
 from parallel_attention.training.precision import fp8_policy
 from parallel_attention.training.trainer import train_step
@@ -54,3 +59,19 @@ def test_fp8_at_tp2_sp_dp2_trains_like_one_process(data_dir, tmp_path, recipe):
         assert got[key] == pytest.approx(expected[key], rel=drift), key
     assert expected["losses"] != one["fp32"]["losses"]  # FP8 did run
     assert expected["losses"][-1] == pytest.approx(one["fp32"]["losses"][-1], rel=0.02)
+
+
+def test_checkpoints_stay_high_precision_and_resume_across_fp8(shared_data, tmp_path):
+    """pretrain.py: an FP8 run's checkpoint holds float32 weights and resumes without FP8, and that run's
+    checkpoint resumes in FP8 (rowwise, global scales): FP8 is a runtime setting, never the checkpoint's. The
+    trainer does enter FP8: step 2 differs from a float32 run's (within 2 %)."""
+    run_dir = tmp_path / "run"
+    for steps, fp8 in ((2, ("--training.fp8=tensorwise",)), (3, ()),
+                       (4, ("--training.fp8=rowwise", "--training.fp8_global_scales=true"))):
+        torchrun("pretrain.py", 1, tiny_args(shared_data, run_dir, 1, steps, "--checkpoint.interval=1", *fp8))
+    assert sorted(train_losses(run_dir)) == [1, 2, 3, 4]
+    torchrun("pretrain.py", 1, tiny_args(shared_data, tmp_path / "float32", 1, 2))
+    fp8_losses, float32_losses = train_losses(run_dir), train_losses(tmp_path / "float32")
+    assert fp8_losses[2] != float32_losses[2] and fp8_losses[2] == pytest.approx(float32_losses[2], rel=0.02)
+    tensors, _ = read_safetensors(run_dir / "checkpoints" / "step_0000004" / "model_tp00.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
