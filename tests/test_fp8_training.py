@@ -28,20 +28,20 @@ STEPS = 12
 GLOBAL = ("--training.fp8_global_scales=true",)
 
 
-def _layouts_worker(layouts: list[tuple[str, list[str]]]) -> dict:
-    """Each named layout: STEPS steps inside the run's FP8 policy (the trainer enters it so around train_loop)."""
+def _layouts_worker(layouts: list[tuple[str, list[str]]], steps: int = STEPS) -> dict:
+    """Each named layout: `steps` steps inside the run's FP8 policy (the trainer enters it so around its loop)."""
     results = {}
     for name, args in layouts:
         run = build_run(args)
         with fp8_policy(run.cfg.training, run.device):
-            records = [train_step(run) for _ in range(STEPS)]
+            records = [train_step(run) for _ in range(steps)]
         results[name] = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records]}
     return results
 
 
-def _args(data_dir, tmp_path, name, tp, dp, *extra):
-    """overrides() at `STEPS` steps, one micro-batch of 8 / dp sequences per rank and step."""
-    return name, overrides(data_dir, tmp_path / name, tp, f"--training.max_steps={STEPS}",
+def _args(data_dir, tmp_path, name, tp, dp, *extra, steps=STEPS):
+    """overrides() at `steps` steps, one micro-batch of 8 / dp sequences per rank and step."""
+    return name, overrides(data_dir, tmp_path / name, tp, f"--training.max_steps={steps}",
                            f"--training.micro_batch_size={8 // dp}", *extra)
 
 
@@ -75,3 +75,13 @@ def test_checkpoints_stay_high_precision_and_resume_across_fp8(shared_data, tmp_
     assert fp8_losses[2] != float32_losses[2] and fp8_losses[2] == pytest.approx(float32_losses[2], rel=0.02)
     tensors, _ = read_safetensors(run_dir / "checkpoints" / "step_0000004" / "model_tp00.safetensors")
     assert {t.dtype for t in tensors.values()} == {torch.float32}
+
+
+@pytest.mark.slow  # about a minute; test_fp8_at_tp2_sp_dp2_trains_like_one_process keeps the 12-step check
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_200_steps_end_within_2_percent_of_float32(data_dir, tmp_path, recipe):
+    (one,) = run_distributed(_layouts_worker, 1, 1, [
+        _args(data_dir, tmp_path, "fp8", 1, 1, f"--training.fp8={recipe}", "--optimizer.grad_clip=1.0", steps=200),
+        _args(data_dir, tmp_path, "fp32", 1, 1, "--optimizer.grad_clip=1.0", steps=200)], 200, timeout=600)
+    fp8, fp32 = one["fp8"]["losses"], one["fp32"]["losses"]
+    assert len(fp8) == 200 and fp8[-1] == pytest.approx(fp32[-1], rel=0.02), (fp8[-1], fp32[-1])
