@@ -87,7 +87,7 @@ def test_sqnr_against_float32(recipe, dtype):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_all_zero_tensors_and_outliers_stay_finite(recipe):
+def test_all_zero_tensors_and_outliers_stay_finite_and_an_inf_stays_non_finite(recipe):
     torch.manual_seed(3)
     layer = RowParallelLinear(IN, OUT, bias=False)
     zeros = torch.zeros(S, B, IN)
@@ -99,6 +99,10 @@ def test_all_zero_tensors_and_outliers_stay_finite(recipe):
             y, dx, dw = run_linear(layer, x, grad)
             assert all(torch.isfinite(t).all() for t in (y, dx, dw))
     assert torch.equal(run_linear(layer, zeros, torch.zeros(S, B, OUT))[0], torch.zeros(S, B, OUT))
+    with fp8_linears(recipe, "cpu"):  # an fp16 overflow stays visible to the loss scaler: never saturated
+        overflow = torch.randn(S, B, OUT)
+        overflow[1, 2, 3] = float("inf")
+        assert not any(torch.isfinite(t).all() for t in run_linear(layer, outlier, overflow)[1:])
     for peak in (0.0, 1e-30, 1.0, 3.4e38):
         scale = scale_for(torch.tensor(peak), E4M3)
         assert torch.isfinite(scale) and scale > 0

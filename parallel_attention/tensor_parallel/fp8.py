@@ -9,7 +9,8 @@ scaling and unscaling are exact and the largest value still fits:
     scale = 2^floor(log2(fmax / max(amax, AMAX_FLOOR)))        fmax = 448 (e4m3), 57344 (e5m2)
 
 An all-zero tensor (amax 0) gets the finite scale of AMAX_FLOOR and quantizes to zeros; an outlier only lowers the
-scale (every finite float32 amax gives a normal float32 scale); nothing here makes an inf or a NaN of finite input.
+scale (every finite float32 amax gives a normal float32 scale); nothing here makes an inf or a NaN of finite input,
+and a tensor holding an inf or a NaN comes out all NaN (never saturated into finite numbers).
 
 `scaled_matmul(a, sa, b, sb, out_dtype)` is (a / sa) @ (b / sb) for FP8 a [M, K], b [K, N] (any strides) with scales
 broadcastable to a's rows ([M, 1] or 0-dim) and b's columns ([1, N] or 0-dim). `emulated_scaled_matmul` dequantizes
@@ -34,10 +35,13 @@ def amax(x: torch.Tensor, dim: int | None) -> torch.Tensor:
 
 
 def scale_for(amax_: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The power of two 2^floor(log2(fmax / amax)), float32, finite for every finite amax."""
+    """The power of two 2^floor(log2(fmax / amax)), float32, finite for every finite amax; NaN for an inf or NaN
+    amax, so that a non-finite tensor stays non-finite (saturating it would hide an fp16 overflow from the loss
+    scaler and a divergence from its guard)."""
     ratio = torch.finfo(dtype).max / amax_.clamp(min=AMAX_FLOOR)
     mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
-    return torch.ldexp(torch.ones_like(ratio), exponent - 1)
+    scale = torch.ldexp(torch.ones_like(ratio), exponent - 1)
+    return torch.where(torch.isfinite(amax_), scale, torch.nan)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,7 +71,7 @@ def cuda_scaled_matmul(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: t
                        out_dtype: torch.dtype, returns_amax: bool = False) -> torch.Tensor:
     """torch._scaled_mm on a row-major a and a column-major b with the inverse (dequantizing) scales. Rowwise scales
     need a bf16 output (cast after); K and N must be multiples of 16."""
-    rowwise = sa.dim() > 0 and sa.numel() > 1
+    rowwise = sa.dim() > 0  # tensorwise scales are 0-dim
     out = torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=sa.reciprocal().float(),
                            scale_b=sb.reciprocal().float(),
                            out_dtype=torch.bfloat16 if rowwise else out_dtype)
