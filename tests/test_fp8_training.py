@@ -20,7 +20,6 @@ from tiny_run import tiny_args
 
 from parallel_attention.checkpointing.tensor_io import read_safetensors
 
-from parallel_attention.training.precision import fp8_policy
 from parallel_attention.training.trainer import train_step
 from test_data_parallel import build_run, data_dir, overrides  # noqa: F401  (data_dir is a fixture)
 
@@ -29,12 +28,11 @@ GLOBAL = ("--training.fp8_global_scales=true",)
 
 
 def _layouts_worker(layouts: list[tuple[str, list[str]]], steps: int = STEPS) -> dict:
-    """Each named layout: `steps` steps inside the run's FP8 policy (the trainer enters it so around its loop)."""
+    """Each named layout: `steps` of the trainer's train_step (each enters the run's FP8 policy)."""
     results = {}
     for name, args in layouts:
         run = build_run(args)
-        with fp8_policy(run.cfg.training, run.device):
-            records = [train_step(run) for _ in range(steps)]
+        records = [train_step(run) for _ in range(steps)]
         results[name] = {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records]}
     return results
 

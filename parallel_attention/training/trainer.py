@@ -49,7 +49,7 @@ from .evaluation import evaluate
 from .micro_batches import on_device
 from .optim import build_optimizer, learning_rate, set_learning_rate
 from .step import build_runners, forward_backward, model_stage, pipeline_metrics
-from .precision import Precision, fp8_policy
+from .precision import Precision
 from .run.resume import keep_previous_sampling, resume_from_checkpoint
 from .run.run_start import say_start
 from .run.run_dir import ensure_run_dir_held, lock_run_dir, prepare_run_dir, release_run_dir, write_run_config
@@ -250,9 +250,7 @@ def train(cfg: PretrainConfig, resume: str | None = None) -> TrainResult:
         check_resume(resume, "--resume")
     cfg = keep_previous_sampling(cfg, resume or cfg.checkpoint.resume)  # the sampling the run was started with
     try:
-        run = build(cfg)
-        with fp8_policy(cfg.training, run.device):  # the layers' linears in FP8 for the whole run (training.fp8)
-            return _train_built(cfg, run, resume)
+        return _train_built(cfg, build(cfg), resume)
     finally:
         release_run_dir(cfg)
 
