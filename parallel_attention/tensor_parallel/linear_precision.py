@@ -19,7 +19,7 @@ exact). Shapes: T tokens of this rank (s·b), `in`/`out` features, p the TP size
 
 Tensorwise follows Micikevicius et al. 2022 (e4m3 forward, e5m2's range for gradients). Rowwise keeps e4m3 for the
 gradients too, as torchao's rowwise recipe does: a scale per row already follows the gradient's range, e4m3's
-third mantissa bit halves the rounding error, and _scaled_mm's rowwise kernels take e4m3 operands only.
+third mantissa bit halves the rounding error.
 """
 
 from __future__ import annotations
