@@ -149,8 +149,9 @@ class RowwiseGemms:
 
 
 class Fp8:
-    """A precision: every call's GEMMs in FP8 by `recipe`, the amax of token-dependent scales also over
-    `data_group` (dp x cp; None: each data-parallel rank's own tokens, the anchors' behaviour)."""
+    """A precision: every call's GEMMs in FP8 as `gemms` (TensorwiseGemms or RowwiseGemms) computes them with
+    `matmul`, the amax of token-dependent scales also over `data_group` (dp x cp; None: each data-parallel rank's
+    own tokens, the anchors' behaviour)."""
 
     def __init__(self, gemms, matmul, data_group: ProcessGroup | None) -> None:
         self.gemms_class, self.matmul, self.data_group = gemms, matmul, data_group
