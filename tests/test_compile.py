@@ -86,3 +86,11 @@ def test_compile_refuses_layout_invariant_dropout():
                              "--model.hidden_dropout=0.1"])
     with pytest.raises(ConfigError, match="model.compile=true cannot compile .*--model.dropout_rng=per_rank"):
         cfg.validate(1)
+
+
+@pytest.mark.slow
+def test_compiled_fp8_layers_train_like_eager(data_dir, tmp_path):  # noqa: F811
+    """training.fp8 (tensorwise) with compiled layers: the FP8 linears' amax all-reduces and emulated GEMMs run
+    between or inside the compiled graphs, with the same losses as eager FP8 (docs/fp8.md)."""
+    extra = ("--model.num_layers=1", "--parallel.sequence_parallel=true", "--training.fp8=tensorwise")
+    _check(run_distributed(_eager_then_compiled, 2, 2, data_dir, tmp_path, 2, 3, extra)[0], 3)
