@@ -140,3 +140,31 @@ def test_config_keys_are_validated():
         load_config(tiny, ["--training.fp8=fp4"])
     with pytest.raises(ConfigError, match="fp8_global_scales=true needs FP8 linears"):
         load_config(tiny, ["--training.fp8_global_scales=true"]).validate(2)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear])
+def test_the_scaled_mm_call_equals_the_emulation(recipe, kind):
+    """The CUDA path's torch._scaled_mm call (row- and column-major operands, inverse scales, rowwise scale shapes,
+    bf16 rowwise output) through torch's CPU kernel, against the emulation: tensorwise within float32 summation
+    order (1e-6), rowwise within one bf16 ulp of each output (it comes out in bf16 there, which rounds by half of
+    one). The GPU itself is gpu_check's fp8 step."""
+    from functools import partial
+
+    from parallel_attention.tensor_parallel import linear_functions as fn
+    from parallel_attention.tensor_parallel.fp8 import cuda_scaled_matmul, emulated_scaled_matmul
+    from parallel_attention.tensor_parallel.linear_precision import RECIPES, Fp8
+
+    torch.manual_seed(5)
+    w, x, grad = torch.randn(48, 64), torch.randn(4, 8, 64), torch.randn(4, 8, 48)  # multiples of 16
+    results = []
+    for matmul in (partial(cuda_scaled_matmul, returns_amax=False), emulated_scaled_matmul):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        precision = Fp8(RECIPES[recipe], matmul, None)
+        y = (fn.column_parallel_linear(xs, ws, None, fn.LOCAL_COLUMN, precision) if kind is ColumnParallelLinear
+             else fn.row_parallel_linear(xs, ws, fn.LOCAL_ROW, precision))
+        y.backward(grad)
+        results.append((y.detach(), xs.grad, ws.grad))
+    for got, want in zip(*results):
+        bound = 1e-6 * want.abs().max() if recipe == "tensorwise" else torch.finfo(torch.bfloat16).eps * want.abs()
+        assert ((got - want).abs() <= bound + 1e-30).all()
