@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from parallel_attention.hf.tp_embedding import VocabParallelHead
 from parallel_attention.tensor_parallel.fp8 import quantize, scale_for
 from parallel_attention.tensor_parallel.layers import (ColumnParallelLinear, OutputLinear, RowParallelLinear,
                                                       TiedOutputLayer, VocabParallelEmbedding)
@@ -113,7 +114,8 @@ def test_output_layers_and_no_policy_keep_high_precision():
     """Inside fp8_linears the output layers multiply as outside it; outside it, every linear as before."""
     torch.manual_seed(4)
     embedding = VocabParallelEmbedding(OUT, IN)
-    heads = [TiedOutputLayer(embedding), OutputLinear(IN, OUT, bias=False)]
+    heads = [TiedOutputLayer(embedding), OutputLinear(IN, OUT, bias=False),
+             VocabParallelHead(torch.randn(OUT, IN), None)]  # parallelize()'s head of Hugging Face models
     column, x = ColumnParallelLinear(IN, OUT), torch.randn(S, B, IN)
     before = [head(x) for head in heads] + [column(x)]
     with fp8_linears("tensorwise", "cpu"):
