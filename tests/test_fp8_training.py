@@ -1,14 +1,14 @@
-"""FP8 training through the trainer: with global scales, TP 2 + SP x DP 2 trains as one process does in FP8
-(losses and clipped gradient norms within 1e-5, then the drift below), tensorwise and rowwise, and its final loss is within
-2 % of float32's. One micro-batch per step at every layout: a global scale is the amax of the micro-batch the dp
-ranks run together, which one process sees as one micro-batch only then.
+"""FP8 training through the trainer: with global scales, TP 2 + SP x DP 2 trains as one process does in FP8 (losses and
+clipped gradient norms within 1e-5, then the drift below), tensorwise and rowwise, and its final loss is within 2 %
+of float32's. One micro-batch per step at every layout: a global scale is the amax of the micro-batch the dp ranks
+run together, which one process sees as one micro-batch only then.
 
-What "equal" can mean in FP8: the layouts' float32 sums differ in their last bits (about 1e-7 relative, as in
-float32 training), and where such a value lies on an FP8 rounding boundary it rounds the other way, one step of 6 %
-in one element. Such flips appear after a few steps and training amplifies them: measured here, the FP8 losses match
-one process's within 2e-6 for 8 steps (most steps within 1e-7), then drift to 1.3e-5 (tensorwise) and 1e-5
-(rowwise) by step 12 (gradient norms to 1.2e-4), while float32's stay within 2e-7. So steps 1-8 are held to 1e-5,
-steps 9-12 to 5e-5 (losses) and 5e-4 (norms)."""
+What "equal" can mean in FP8: the layouts' float32 sums differ in their last bits (about 1e-7 relative, as in float32
+training), and where such a value lies on an FP8 rounding boundary it rounds the other way, one step of 6 % in one
+element. Such flips appear after a few steps and training amplifies them: measured here, the FP8 losses match one
+process's within 2e-6 for 8 steps (most steps within 1e-7), then drift to 1.3e-5 (tensorwise) and 1e-5 (rowwise) by
+step 12 (gradient norms to 1.2e-4), while float32's stay within 2e-7. So steps 1-8 are held to 1e-5, steps 9-12 to
+5e-5 (losses) and 5e-4 (norms)."""
 
 from __future__ import annotations
 

@@ -78,12 +78,19 @@ def _with_bias(y: torch.Tensor, shape, bias):
     return y if bias is None else y + bias.to(y.dtype)
 
 
-class TensorwiseGemms:
-    """One call's FP8 GEMMs with one scale per tensor; the forward's scales and dY's are kept for backward."""
+class Fp8Gemms:
+    """One call's FP8 GEMMs: the groups their amaxes are reduced over (forward; dX; dp x cp or None) and the
+    scaled matmul."""
 
     def __init__(self, forward_group, grad_group, data_group, matmul) -> None:
-        self.forward_group, self.grad_group, self.data_group, self.matmul = forward_group, grad_group, data_group, matmul
-        self.scaled_grad = None
+        self.forward_group, self.grad_group, self.data_group = forward_group, grad_group, data_group
+        self.matmul = matmul
+
+
+class TensorwiseGemms(Fp8Gemms):
+    """One call's FP8 GEMMs with one scale per tensor; the forward's scales and dY's are kept for backward."""
+
+    scaled_grad = None  # (dY in e5m2, its scale), made by the first backward GEMM
 
     @staticmethod
     def column_groups(tp_group):
@@ -117,11 +124,8 @@ class TensorwiseGemms:
         return self.matmul(qg.t(), sg, quantize(x, self.sx, E4M3), self.sx, weight.dtype)
 
 
-class RowwiseGemms:
+class RowwiseGemms(Fp8Gemms):
     """One call's FP8 GEMMs with one scale per row of each operand along the contraction dimension (all e4m3)."""
-
-    def __init__(self, forward_group, grad_group, data_group, matmul) -> None:
-        self.forward_group, self.grad_group, self.data_group, self.matmul = forward_group, grad_group, data_group, matmul
 
     @staticmethod
     def column_groups(tp_group):

@@ -8,7 +8,8 @@
 torch autocasts on CPU as on CUDA (both half dtypes), so a CPU run trains in the precision it was asked for; a
 device torch cannot autocast on is refused, never silently run in float32. The run summary's precision line says
 what is in effect (`describe`). `training.fp8` is a runtime choice of the layers' linears on top (`fp8_policy`,
-entered around each step's schedule and each evaluation): weights, optimizer state and checkpoints keep the precision above.
+entered around each step's schedule and each evaluation): weights, optimizer state and checkpoints keep the
+precision above.
 """
 
 from __future__ import annotations
