@@ -140,6 +140,7 @@ one_gpu() {
         --iters 3 --warmup 1 --out "$LOGS/bench_attention.json"
     step train_1b 80 "${torchrun[@]}" benchmarks/benchmark_training.py "${one_b[@]}" --no-baselines --no-variants \
         --iters 5 --warmup 2 --out "$LOGS/train_1b.json"
+    step fp8 30 "$PYTHON" benchmarks/_gpu_check_fp8.py  # _scaled_mm vs the emulation; bf16/FP8 linear times
 }
 
 many_gpus() {

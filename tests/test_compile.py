@@ -125,3 +125,11 @@ def test_one_compilation_serves_every_layer_step_and_micro_batch_with_layout_inv
     counters.clear()
     assert losses(model) == eager
     assert counters["frames"]["ok"] == 1 and counters["stats"]["unique_graphs"] == 1, dict(counters["frames"])
+
+
+@pytest.mark.slow
+def test_compiled_fp8_layers_train_like_eager(data_dir, tmp_path):  # noqa: F811
+    """training.fp8 (tensorwise) with compiled layers: the FP8 linears' amax all-reduces and emulated GEMMs run
+    between or inside the compiled graphs, with the same losses as eager FP8 (docs/fp8.md)."""
+    extra = ("--model.num_layers=1", "--parallel.sequence_parallel=true", "--training.fp8=tensorwise")
+    _check(run_distributed(_eager_then_compiled, 2, 2, data_dir, tmp_path, 2, 3, extra)[0], 3)

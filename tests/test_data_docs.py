@@ -19,9 +19,10 @@ FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 TEXTS = [f"document {i}: " + "some words to tokenize " * (5 + i % 13) for i in range(80)]
 
 
-def documented_commands() -> list[str]:
+def documented_commands(page: Path = PAGE) -> list[str]:
+    """The shell commands of `page`'s fenced blocks, comments left out."""
     commands, inside = [], False
-    for line in PAGE.read_text(encoding="utf-8").splitlines():
+    for line in page.read_text(encoding="utf-8").splitlines():
         if FENCE.match(line.strip()):
             inside = True
         elif line.strip().startswith("```"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..tensor_parallel.collectives import all_gather_along_dim
-from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from ..tensor_parallel.layers import OutputLinear, VocabParallelEmbedding
 from ..tensor_parallel.linear_functions import column_parallel_linear
 from ..tensor_parallel.parallel_state import group_rank, group_size
 from ..tensor_parallel.sharding import padded_vocab_size, vocab_shard, vocab_unshard
@@ -39,8 +39,9 @@ class HFVocabParallelEmbedding(VocabParallelEmbedding):
         return {"weight": full_table(self.weight, self.tp_group, self.vocab_size)}
 
 
-class VocabParallelHead(ColumnParallelLinear):
-    """The output head: this rank's vocabulary rows, logits gathered to the full vocabulary."""
+class VocabParallelHead(OutputLinear):
+    """The output head: this rank's vocabulary rows, logits gathered to the full vocabulary (in high precision
+    under FP8 too)."""
 
     def __init__(self, table: torch.Tensor, group) -> None:
         p = group_size(group)
@@ -57,7 +58,7 @@ class VocabParallelHead(ColumnParallelLinear):
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """p = 1: the logits are the GEMM's output over the table's first V rows (the padding is not read), so
         transformers' loss reads them directly."""
-        return column_parallel_linear(x, self.weight[:self.vocab_size], self.bias, self.comm)
+        return column_parallel_linear(x, self.weight[:self.vocab_size], self.bias, self.comm, self.precision)
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         full, local = vocab_major_logits(x.reshape(-1, x.shape[-1]), self.weight, self.tp_group)

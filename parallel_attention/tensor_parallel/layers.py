@@ -18,6 +18,7 @@ from torch import nn
 from . import mappings
 from . import linear_functions as fn
 from .linear_functions import OVERLAP_COMM
+from .linear_precision import FOLLOW_POLICY, HIGH_PRECISION
 from .param_kinds import PartialGrad, Replicated, Sharded
 from .parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 
@@ -76,8 +77,11 @@ class ColumnParallelLinear(_TensorParallelModule):
 
     Under SP only this rank's [s/p, b, in] input is kept for backward (Korthikanti et al. 2022), gathered
     again while dX is computed. overlap_comm: the backward's collectives run while the next GEMM computes
-    (dX's while dA, db are computed); the same collectives either way.
+    (dX's while dA, db are computed); the same collectives either way. It multiplies in the precision policy's
+    precision (`linear_precision`: FP8 inside `fp8_linears`).
     """
+
+    precision = FOLLOW_POLICY
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
@@ -100,7 +104,7 @@ class ColumnParallelLinear(_TensorParallelModule):
         self._exit = self._region(mappings.gather_from_tensor_parallel_region) if gather_output else unchanged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._exit(fn.column_parallel_linear(x, self.weight, self.bias, self.comm))
+        return self._exit(fn.column_parallel_linear(x, self.weight, self.bias, self.comm, self.precision))
 
     def parameter_kinds(self) -> dict:
         return {name: Sharded(0, self.tp_group) for name, _ in self.named_parameters(recurse=False)}
@@ -122,7 +126,10 @@ class RowParallelLinear(_TensorParallelModule):
         Y = sum_r Y_r + b       b is replicated; under SP each rank sees only its tokens, so
                                 finalize_grads() sums its gradient across the group
 
+    It multiplies in the precision policy's precision (`linear_precision`: FP8 inside `fp8_linears`).
     """
+
+    precision = FOLLOW_POLICY
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = False,
                  sequence_parallel: bool = False, init_std: float | None = 0.02, tp_group: ProcessGroup | None = None,
@@ -142,7 +149,7 @@ class RowParallelLinear(_TensorParallelModule):
         self._add_bias = self._plus_bias if bias else unchanged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._add_bias(fn.row_parallel_linear(self._enter(x), self.weight, self.comm))
+        return self._add_bias(fn.row_parallel_linear(self._enter(x), self.weight, self.comm, self.precision))
 
     def _plus_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y + self.bias
@@ -216,7 +223,8 @@ class TiedOutputLayer(_TensorParallelModule):
         Y_r = X E_r^T          E_r: [V/p, h], the embedding's rows on this rank
         Y_r [s, b, V/p]
 
-    The embedding is held outside the module tree, so its weight appears once in state dicts.
+    The embedding is held outside the module tree, so its weight appears once in state dicts. An output layer: it
+    multiplies in high precision under FP8 too.
     """
 
     def __init__(self, embedding: VocabParallelEmbedding, sequence_parallel: bool = False,
@@ -226,7 +234,14 @@ class TiedOutputLayer(_TensorParallelModule):
         self.comm = column_communication(self.tp_group, self.tp_size, sequence_parallel, overlap_comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fn.column_parallel_linear(x, self._embedding[0].weight, None, self.comm)
+        return fn.column_parallel_linear(x, self._embedding[0].weight, None, self.comm, HIGH_PRECISION)
+
+
+class OutputLinear(ColumnParallelLinear):
+    """The output layer's own (untied) ColumnParallelLinear: it multiplies in high precision under FP8 too, as
+    torchao's and Transformer Engine's recipes keep the logits' GEMM."""
+
+    precision = HIGH_PRECISION
 
 
 def column_communication(group, tp_size: int, sequence_parallel: bool, overlap_comm: bool) -> fn.LocalColumn:

@@ -32,11 +32,11 @@ the backward casts the weight to the gradient's dtype and each gradient back to 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .collectives import (CompletedCollective, PendingCollective, all_gather_first_dim, all_reduce,
                           reduce_scatter_first_dim)
+from .linear_precision import FOLLOW_POLICY
 from .parallel_state import ProcessGroup
 from .weight_grads import weight_grad
 
@@ -58,22 +58,18 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.get_autocast_dtype(device))
 
 
-def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _own_tensor(F.linear(x, weight, bias))
-
-
-def _input_grad(grad: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dX = dY W, in the input's dtype."""
-    return grad.matmul(weight.to(grad.dtype)).to(dtype)
+def _input_grad(ctx, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dX = dY W (in this call's precision: `ctx.gemms`), in the input's dtype."""
+    return ctx.gemms.input_grad(grad, weight).to(ctx.input_dtype)
 
 
 def _weight_grads(ctx, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, with_bias: bool):
-    """dW = dY^T X over every token, db = sum of dY, in the parameters' dtypes; None where not needed (dW also
-    where `weight_grads` defers it)."""
+    """dW = dY^T X over every token (in this call's precision), db = sum of dY, in the parameters' dtypes; None
+    where not needed (dW also where `weight_grads` defers it)."""
     if not (ctx.needs_input_grad[1] or (with_bias and ctx.needs_input_grad[2])):
         return None, None
-    flat = grad.reshape(-1, grad.shape[-1])
-    grad_weight = weight_grad(lambda: flat.t().mm(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype),
+    flat, gemms = grad.reshape(-1, grad.shape[-1]), ctx.gemms
+    grad_weight = weight_grad(lambda: gemms.weight_grad(flat, x.reshape(-1, x.shape[-1]), weight).to(weight.dtype),
                               weight) if ctx.needs_input_grad[1] else None  # now, or deferred (zero bubble)
     return grad_weight, flat.sum(0).to(weight.dtype) if with_bias else None
 
@@ -91,6 +87,8 @@ def wait_at_once(pending: PendingCollective) -> CompletedCollective:
 
 class LocalColumn:
     """p = 1: a column-parallel linear without communication."""
+
+    group = None  # no amax to share (FP8)
 
     def gather_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -129,6 +127,8 @@ class SequenceParallelColumn(TensorParallelColumn):
 class LocalRow:
     """p = 1: a row-parallel linear without communication."""
 
+    group = None
+
     def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
         return y
 
@@ -162,57 +162,59 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
     which would keep a contiguous copy of a strided input (the attention's context) for backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm):
+    def forward(ctx, x, weight, bias, comm, precision):
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.with_bias, ctx.input_dtype = comm, bias is not None, x.dtype
-        return _gemm(comm.gather_input(x), weight, bias)
+        ctx.gemms = precision.column(comm.group)
+        return _own_tensor(ctx.gemms.forward(comm.gather_input(x), weight, bias))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         gathering = ctx.comm.gather_input_again(x)
-        grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None  # meanwhile
+        grad_input = _input_grad(ctx, grad, weight) if ctx.needs_input_grad[0] else None  # meanwhile
         total = gathering.wait()
         pending = ctx.comm.reduce_input_grad(grad_input) if grad_input is not None else None
         grad_weight, grad_bias = _weight_grads(ctx, grad, total, weight, ctx.with_bias)
-        return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None
+        return (pending.wait() if pending is not None else None), grad_weight, grad_bias, None, None
 
 
 class RowParallelLinearFunction(torch.autograd.Function):
     """Y = reduce(X_r W_r^T), without the bias; backward: dY gathered (under SP), dX_r = dY W_r, dW_r = dY^T X_r."""
 
     @staticmethod
-    def forward(ctx, x, weight, comm):
+    def forward(ctx, x, weight, comm, precision):
         ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.input_dtype = comm, x.dtype
-        return comm.reduce_output(_gemm(x, weight))
+        ctx.comm, ctx.input_dtype, ctx.gemms = comm, x.dtype, precision.row(comm.group)
+        return comm.reduce_output(_own_tensor(ctx.gemms.forward(x, weight, None)))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad = ctx.comm.gather_output_grad(grad)
-        grad_input = _input_grad(grad, weight, ctx.input_dtype) if ctx.needs_input_grad[0] else None
-        return grad_input, _weight_grads(ctx, grad, x, weight, False)[0], None
+        grad_input = _input_grad(ctx, grad, weight) if ctx.needs_input_grad[0] else None
+        return grad_input, _weight_grads(ctx, grad, x, weight, False)[0], None, None
 
 
 LOCAL_COLUMN, LOCAL_ROW = LocalColumn(), LocalRow()
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           comm: LocalColumn) -> torch.Tensor:
+                           comm: LocalColumn, precision=FOLLOW_POLICY) -> torch.Tensor:
     """A column-parallel linear communicating as `comm` says (LocalColumn, TensorParallelColumn or
-    SequenceParallelColumn), X cast to the autocast dtype first."""
-    return ColumnParallelLinearFunction.apply(autocast_input(x), weight, bias, comm)
+    SequenceParallelColumn), X cast to the autocast dtype first, multiplying in `precision` (`linear_precision`:
+    the policy's, or HIGH_PRECISION for an output layer)."""
+    return ColumnParallelLinearFunction.apply(autocast_input(x), weight, bias, comm, precision)
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, comm: LocalRow) -> torch.Tensor:
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, comm: LocalRow, precision=FOLLOW_POLICY) -> torch.Tensor:
     """A row-parallel linear without its bias, communicating as `comm` says (LocalRow, TensorParallelRow or
-    SequenceParallelRow), X cast to the autocast dtype first."""
-    return RowParallelLinearFunction.apply(autocast_input(x), weight, comm)
+    SequenceParallelRow), X cast to the autocast dtype first, multiplying in `precision`."""
+    return RowParallelLinearFunction.apply(autocast_input(x), weight, comm, precision)
 
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The linear of a layer without communication (p = 1), differentiable once."""
+    """The linear of a layer without communication (p = 1), differentiable once, in the policy's precision."""
     return column_parallel_linear(x, weight, bias, LOCAL_COLUMN)

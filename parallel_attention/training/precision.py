@@ -7,7 +7,9 @@
 
 torch autocasts on CPU as on CUDA (both half dtypes), so a CPU run trains in the precision it was asked for; a
 device torch cannot autocast on is refused, never silently run in float32. The run summary's precision line says
-what is in effect (`describe`).
+what is in effect (`describe`). `training.fp8` is a runtime choice of the layers' linears on top (`fp8_policy`,
+entered around each step's schedule and each evaluation): weights, optimizer state and checkpoints keep the
+precision above.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+
+from ..tensor_parallel import parallel_state as ps
+from ..tensor_parallel.linear_precision import fp8_linears
 
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,3 +56,11 @@ class Precision:
             return f"float32 on {self.device}"
         scaling = ", dynamic loss scaling" if self.loss_scaling else ""
         return f"{self.dtype} autocast, float32 weights{scaling}, on {self.device}"
+
+
+def fp8_policy(training, device: torch.device):
+    """The context a step's schedule and an evaluation run in: the layers' linears in FP8 as `training.fp8` says
+    (nothing for none), the amax of token-dependent scales over dp x cp with `training.fp8_global_scales`
+    (docs/fp8.md). Around the schedule, so that recomputed forwards and deferred weight gradients are inside."""
+    group = ps.get_data_context_parallel_group() if training.fp8_global_scales else None
+    return fp8_linears(training.fp8, device, group)

@@ -34,6 +34,7 @@ from ..transformer.model import GPTModel
 from ..transformer.pipeline_stage import PipelineStage
 from ..pipeline.micro_batch_step import MicroBatchStep
 from .micro_batches import first_sample, on_device
+from .precision import fp8_policy
 
 
 def model_stage(cfg) -> PipelineStage:
@@ -76,7 +77,8 @@ def forward_backward(run, micro_batches: list) -> tuple[torch.Tensor, StepRecord
     first_rows = [first_sample(t, dp_rank, dp_size, i) for i in range(len(micro_batches))]
     work = MicroBatchStep(run.data_parallel_model, micro_batches, first_rows, t.seed, run.step,
                           run.precision.autocast, run.scaler.scale_loss, run.gradient_sync)
-    record = run.runner.run(work)
+    with fp8_policy(t, run.device):  # training.fp8: the layers' linears, recompute and deferred dW included
+        record = run.runner.run(work)
     run.gradient_sync.finish()
     losses = losses_on_every_stage(record, ps.get_pipeline_parallel_group())
     sum_tied_embedding_grads(run.model, ps.get_embedding_group())
@@ -89,7 +91,9 @@ def validation_losses(run) -> torch.Tensor:
     """Each of this data-parallel rank's validation micro-batches' mean loss (float64), on every stage."""
     batches = on_device([batch for _, batch in run.val_batches], run.cfg.model.vocab_size, run.device)
     work = MicroBatchStep(run.model, batches, autocast=run.precision.autocast)
-    return losses_on_every_stage(run.eval_runner.run(work), ps.get_pipeline_parallel_group()).double()
+    with fp8_policy(run.cfg.training, run.device):
+        record = run.eval_runner.run(work)
+    return losses_on_every_stage(record, ps.get_pipeline_parallel_group()).double()
 
 
 def pipeline_metrics(run, record: StepRecord) -> dict:

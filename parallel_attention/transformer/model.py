@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..tensor_parallel import collectives, mappings, sharding
-from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
+from ..tensor_parallel.layers import OutputLinear, TiedOutputLayer, VocabParallelEmbedding
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..tensor_parallel.param_kinds import PartialGrad, Replicated, Sharded, parameter_kinds
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_cp_group, resolve_tp_group
@@ -146,9 +146,9 @@ class GPTModel(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head = TiedOutputLayer(self.embed_tokens, self.sequence_parallel, overlap_comm)
             return
-        self.lm_head = ColumnParallelLinear(h, self.padded_vocab_size, bias=False, init_std=None,
-                                            sequence_parallel=self.sequence_parallel, tp_group=self.tp_group,
-                                            device=device, dtype=dtype, overlap_comm=overlap_comm)
+        self.lm_head = OutputLinear(h, self.padded_vocab_size, bias=False, init_std=None,
+                                    sequence_parallel=self.sequence_parallel, tp_group=self.tp_group,
+                                    device=device, dtype=dtype, overlap_comm=overlap_comm)
         with seeds.seeded(PartSeeds.OUTPUT_LAYER):
             self._load_vocab_rows(self.lm_head.weight, self._normal((cfg.vocab_size, h), cfg.init_std, device, dtype))
 

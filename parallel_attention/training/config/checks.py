@@ -181,6 +181,13 @@ def check_compile(model: Any) -> None:
                           "--model.compile=false, --model.dropout_rng=per_rank, or the dropouts to 0.")
 
 
+def check_fp8(training: Any) -> None:
+    """training.fp8_global_scales reduces the FP8 scales' amax: meaningless, so refused, without FP8."""
+    if training.fp8_global_scales and training.fp8 == "none":
+        raise ConfigError("training.fp8_global_scales=true needs FP8 linears: set --training.fp8=tensorwise (or "
+                          "rowwise), or --training.fp8_global_scales=false.")
+
+
 def check_names(cfg: Any) -> None:
     """Paths and names that an empty string would silently turn into the working directory."""
     for key in ("data.data_dir", "data.text_field", "logging.run_dir"):

@@ -21,8 +21,8 @@ from ...pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES
 from ...tensor_parallel.linear_functions import OVERLAP_COMM
 from ...tensor_parallel.mesh_groups import layout_data_parallel_size
 from ...transformer.model_config import ModelConfig
-from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_names,
-                     check_ranges, check_resume)
+from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_fp8,
+                     check_names, check_ranges, check_resume)
 from .pipeline_checks import check_pipeline
 from .loading import apply_override, build_dataclass, read_yaml_file
 from ..tokenizer import tokenizer_vocab_size
@@ -122,6 +122,8 @@ class TrainingConfig:
     eval_batches: int = 4
     max_skipped_steps: int = 10  # consecutive fp16 loss-scale overflows tolerated (other dtypes: none)
     audit_interval: int = 100  # steps between replicated-parameter audits (0: only at checkpoints)
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"  # the layers' linears' matmuls in FP8 (docs/fp8.md)
+    fp8_global_scales: bool = False  # FP8 scales' amax also over dp x cp: every dp and cp layout equals one process
 
 
 @dataclass
@@ -168,6 +170,7 @@ class PretrainConfig:
         check_blend(self.data)
         check_resume(self.checkpoint.resume)
         check_compile(self.model)
+        check_fp8(self.training)
         p, m, t = self.parallel.tensor_parallel_size, self.model, self.training
         cp, pp = self.parallel.context_parallel_size, self.parallel.pipeline_parallel_size
         if world_size < 1:
