@@ -197,7 +197,7 @@ exit 0
     assert {name: step["status"] for name, step in steps.items()} == {
         "cuda_tests": "passed", "probe": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
         "flash_sdpa": "timeout(25s)", "kernels": "failed(3)", "attention_block": "passed", "bench_attention": "passed",
-        "train_1b": "passed"}
+        "train_1b": "passed", "fp8": "passed"}
     assert 25 <= steps["flash_sdpa"]["seconds"] <= 25 + 15  # the limit, then at most the grace
     # every step that did not pass says why and ends with its log's last 30 lines
     assert steps["kernels"]["reason"] == "its command exited with status 3"
