@@ -22,7 +22,7 @@ from torch import nn
 from ..tensor_parallel import collectives, mappings, sharding
 from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
-from ..tensor_parallel.param_kinds import PartialGrad, Replicated, Sharded, parameter_kinds
+from ..tensor_parallel.param_kinds import ExpertShard, PartialGrad, Replicated, Sharded, parameter_kinds
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_cp_group, resolve_tp_group
 from ..tensor_parallel.rng import checkpoint_with_tp_rng
 from .attention import ParallelSelfAttention
@@ -32,6 +32,7 @@ from .documents import DocumentLayout
 from .dropout import DropoutSite, build_hidden_dropout
 from .kv_cache import KVCache
 from .mlp import ParallelMLP
+from .moe import MoELayer
 from .model_config import ModelConfig
 from .model_layout import shard_state_dict, unshard
 from .norms import build_norm
@@ -52,9 +53,13 @@ class TransformerLayer(nn.Module):
                                                _recomputes_core(cfg), sequence_parallel=sequence_parallel,
                                                overlap_comm=overlap_comm, **context_parallel)
         self.post_attention_norm = norm()
-        self.mlp = ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
-                               sequence_parallel, cfg.init_std, tp_group, device, dtype, overlap_comm)
         cp_group = resolve_cp_group(context_parallel.get("cp_group"))  # hidden dropout hashes global positions
+        if cfg.is_moe_layer(layer_number):
+            self.mlp = MoELayer(cfg, sequence_parallel, resolve_tp_group(tp_group), cp_group, device=device,
+                                dtype=dtype, layer_number=layer_number)
+        else:
+            self.mlp = ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
+                                   sequence_parallel, cfg.init_std, tp_group, device, dtype, overlap_comm)
         dropout = lambda site: build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng,  # noqa: E731
                                                     sequence_parallel, tp_group, layer_number, site, cp_group)
         self.attention_output_dropout = dropout(DropoutSite.ATTENTION_OUTPUT)
@@ -264,7 +269,9 @@ class GPTModel(nn.Module):
         canonical = {}
         for key, (param, kind) in parameter_kinds(self).items():
             dim = kind.dim if isinstance(kind, Sharded) else getattr(kind, "sharded_dim", None)
-            if dim is None:  # the same on every rank
+            if isinstance(kind, ExpertShard):  # every expert, in global order; the same on every tp rank
+                shards = [collectives.all_gather_along_dim(param.detach(), 0, kind.ep_group)] * self.tp_size
+            elif dim is None:  # the same on every rank
                 shards = [param.detach()] * self.tp_size
             else:
                 gathered = collectives.all_gather_along_dim(param.detach(), dim, self.tp_group)
@@ -278,7 +285,11 @@ class GPTModel(nn.Module):
         sharding.check_canonical(sd, self.canonical_shapes(), "model canonical state dict")
         local = self.state_dict()
         sd = {k: v.to(device=local[next(iter(local))].device) for k, v in sd.items()}
-        self.load_state_dict(shard_state_dict(self.config, list(local), sd, self.tp_size, self.tp_rank))
+        local = shard_state_dict(self.config, list(local), sd, self.tp_size, self.tp_rank)
+        for key, (_, kind) in parameter_kinds(self).items():
+            if isinstance(kind, ExpertShard):  # this rank's experts of the whole set
+                local[key] = local[key].chunk(group_size(kind.ep_group))[group_rank(kind.ep_group)].contiguous()
+        self.load_state_dict(local)
 
     def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         """Names and shapes of the canonical state dict (no communication)."""

@@ -20,8 +20,8 @@ from ...checkpointing.compatibility import upgrade_run_config
 from ...tensor_parallel.linear_functions import OVERLAP_COMM
 from ...tensor_parallel.mesh_groups import layout_data_parallel_size
 from ...transformer.model_config import ModelConfig
-from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_names,
-                     check_ranges, check_resume)
+from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_experts,
+                     check_names, check_ranges, check_resume)
 from .pipeline_checks import check_pipeline
 from .loading import apply_override, build_dataclass, read_yaml_file
 from ..tokenizer import tokenizer_vocab_size
@@ -55,6 +55,8 @@ class ParallelConfig:
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     virtual_pipeline_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
     pipeline_layers: list[int] | None = None  # layers per (virtual) stage, e.g. [3, 2]; null: balanced
+    # ep: each MoE layer's experts split over this many ranks of the dp x cp group (docs/moe.md)
+    expert_parallel_size: int = 1
 
 
 @dataclass
@@ -177,6 +179,7 @@ class PretrainConfig:
             "{named} does not divide the world size {world}: launch a multiple of {product} processes "
             "(--nproc-per-node x --nnodes) or change them.")
         check_context_parallel(self)
+        check_experts(self, dp * cp)
         m.attention_config().per_rank_heads(p)  # heads / kv heads vs p, with its own messages
         ffn = m.resolved_ffn_hidden_size()
         if ffn % p != 0:

@@ -1,0 +1,33 @@
+"""DeepSeek-V3's auxiliary-loss-free balancing, once per step: every router's bias moved by its layer's load.
+
+The counts each router gathered during the step's training forwards are summed over every rank that holds other
+tokens of the step (dp x cp, and tp under sequence parallelism) in one all-reduce, so the bias is the same at
+every layout. Recomputed forwards count again, but every expert of the layer alike: the sign of each expert's
+excess load, all the update reads, does not change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...tensor_parallel.collectives import all_reduce
+from ...tensor_parallel.parallel_state import ProcessGroup
+from .router import TopKRouter
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, data_context_group: ProcessGroup | None,
+                       tensor_group: ProcessGroup | None = None) -> None:
+    """After the step's last backward: bias += rate * sign(mean load - load) for every router with a bias, then
+    its counts restart. tensor_group: the tp group under sequence parallelism (its ranks hold other tokens)."""
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    biased = [r for r in routers if r.e_score_correction_bias is not None]
+    if biased:
+        counts = torch.stack([r.step_counts for r in biased])
+        for group in (data_context_group, tensor_group):
+            all_reduce(counts, group)
+        for router, global_counts in zip(biased, counts):
+            router.update_bias(global_counts)
+    for router in routers:
+        router.step_counts.zero_()
