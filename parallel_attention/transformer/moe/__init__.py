@@ -1,8 +1,8 @@
 """Mixture of experts (docs/moe.md): the MoE layer, its router, experts, dispatch and auxiliary losses.
 
-What a training step needs from here: run its forwards and backwards inside `moe_step(loss_scale)` (the scale
-it multiplies its language-model loss by), read `StepRecord.metrics()` for its metrics row, and call
-`update_expert_bias(model)` after the backward of its last micro-batch when bias balancing is on.
+What a training step needs from here: run its forwards and backwards inside `moe_step(loss_scale, model)` (the
+scale it multiplies its language-model loss by; leaving it moves the balancing biases), and read the StepRecord it
+yields (`metrics()`) for its metrics row.
 """
 
 from .balancing import update_expert_bias

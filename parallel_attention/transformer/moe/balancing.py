@@ -12,20 +12,19 @@ import torch
 from torch import nn
 
 from ...tensor_parallel.collectives import all_reduce
-from ...tensor_parallel.parallel_state import ProcessGroup
 from .router import TopKRouter
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, data_context_group: ProcessGroup | None,
-                       tensor_group: ProcessGroup | None = None) -> None:
+def update_expert_bias(model: nn.Module) -> None:
     """After the step's last backward: bias += rate * sign(mean load - load) for every router with a bias, then
-    its counts restart. tensor_group: the tp group under sequence parallelism (its ranks hold other tokens)."""
+    its counts restart. The counts are summed over each router's `count_groups` (the layer's: dp x cp, and tp
+    under sequence parallelism), every router of the model in one all-reduce per group."""
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     biased = [r for r in routers if r.e_score_correction_bias is not None]
     if biased:
         counts = torch.stack([r.step_counts for r in biased])
-        for group in (data_context_group, tensor_group):
+        for group in biased[0].count_groups:
             all_reduce(counts, group)
         for router, global_counts in zip(biased, counts):
             router.update_bias(global_counts)

@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...tensor_parallel.parallel_state import (ProcessGroup, get_expert_data_parallel_group,
-                                               get_expert_model_parallel_group, group_size)
+from ...tensor_parallel.parallel_state import (ProcessGroup, get_data_context_parallel_group,
+                                               get_expert_data_parallel_group, get_expert_model_parallel_group,
+                                               group_size)
 from ...tensor_parallel.param_kinds import ExpertShard, PartialGrad, Replicated
 from ..mlp import ParallelMLP
 from .dispatch import ExpertDispatch
@@ -70,6 +71,7 @@ class MoELayer(nn.Module):
                 self.shared_expert_gate = nn.Linear(h, 1, bias=False, device=device, dtype=dtype)
                 self._shared = self._gated_shared_expert
         token_groups = (tp_group if sequence_parallel else None, cp_group)
+        self.gate.count_groups = (get_data_context_parallel_group(), token_groups[0])  # the step's tokens: dp x cp
         self.losses = RouterLosses(E, cfg.moe_top_k, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, token_groups,
                                    group_size(cp_group))
         self._replicated = PartialGrad(tp_group) if sequence_parallel else Replicated(tp_group)

@@ -25,9 +25,11 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from ...tensor_parallel.collectives import all_reduce
 from ...tensor_parallel.parallel_state import ProcessGroup, group_size
+from .balancing import update_expert_bias
 
 
 @dataclass
@@ -40,13 +42,27 @@ class StepRecord:
     def add(self, layer: int, values: torch.Tensor) -> None:
         self.rows.setdefault(layer, []).append(values)
 
-    def metrics(self) -> dict[str, float]:
-        """Mean over the step's micro-batches (this rank's) of each layer's losses and max/mean load."""
+    def metrics(self, model_config, data_group: ProcessGroup | None = None,
+                pipeline_group: ProcessGroup | None = None) -> dict[str, float]:
+        """Each MoE layer's losses and max/mean load, averaged over the step's micro-batches (those of every rank of
+        `data_group`: each holds its own), gathered from every stage of `pipeline_group`; and the losses' sums over
+        the layers. A collective over both groups when the model (its ModelConfig) has experts; {} without."""
+        if model_config.num_experts == 0:
+            return {}
+        num_layers = model_config.num_layers
+        values = torch.zeros(num_layers, 4, dtype=torch.float64)  # [aux, z, load, micro-batches] per layer
+        for layer, rows in self.rows.items():
+            values[layer, :3] = torch.stack(rows).double().sum(0).cpu()
+            values[layer, 3] = len(rows)
+        device = next((rows[0].device for rows in self.rows.values()), None)
+        values = values.to(device) if device is not None else values
+        for group in (data_group, pipeline_group):
+            all_reduce(values, group)
         out = {}
-        for layer, rows in sorted(self.rows.items()):
-            aux, z, load = torch.stack(rows).mean(0).tolist()
+        for layer in (i for i in range(num_layers) if values[i, 3] > 0):
+            aux, z, load = (values[layer, :3] / values[layer, 3]).tolist()
             out.update({f"moe_aux_loss/{layer}": aux, f"moe_z_loss/{layer}": z, f"moe_load/{layer}": load})
-        if self.rows:
+        if out:
             out["moe_aux_loss"] = sum(v for k, v in out.items() if k.startswith("moe_aux_loss/"))
             out["moe_z_loss"] = sum(v for k, v in out.items() if k.startswith("moe_z_loss/"))
         return out
@@ -56,16 +72,20 @@ _CURRENT = StepRecord()  # outside moe_step: scale 1 (a plain `loss.backward()` 
 
 
 @contextlib.contextmanager
-def moe_step(loss_scale: float = 1.0):
+def moe_step(loss_scale: float = 1.0, model: nn.Module | None = None):
     """The context of one step's (or micro-batch's) forwards and backwards: the auxiliary losses' gradients are
     scaled by `loss_scale` (what the step multiplies its language-model loss by before backward: 1/micro-batches,
-    times the fp16 loss scale), and the layers record their losses and loads into the StepRecord it yields."""
+    times the fp16 loss scale), and the layers record their losses and loads into the StepRecord it yields.
+    With `model`, the context is a whole step's: leaving it, every balancing bias of the model moves by the
+    step's load (`update_expert_bias`, a collective over the ranks that hold the step's tokens)."""
     global _CURRENT
     previous, _CURRENT = _CURRENT, StepRecord(float(loss_scale))
     try:
         yield _CURRENT
     finally:
         _CURRENT = previous
+    if model is not None:
+        update_expert_bias(model)
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -64,6 +64,7 @@ class TopKRouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(num_experts, device=device, dtype=torch.float32), requires_grad=False)
             self._choice_scores = self._biased_scores
+        self.count_groups: tuple = ()  # where other tokens of the step live (the MoE layer sets them)
         # tokens per expert since the last bias update (training forwards only; not saved)
         self.register_buffer("step_counts", torch.zeros(num_experts, device=device, dtype=torch.float32),
                              persistent=False)
