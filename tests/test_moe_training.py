@@ -14,18 +14,18 @@ import torch.distributed as dist
 import parallel_attention as pa
 from distributed import run_distributed
 from launch import ROOT
-from parallel_attention.training import load_config, prepare_data
+from parallel_attention.training import load_config
 from parallel_attention.training.evaluation import evaluate
 from parallel_attention.training.trainer import build, train_step
+from tiny_run import MAX_BYTES, VAL_FRACTION
 
-MAX_BYTES, VAL_FRACTION, STEPS = 60_000, 0.1, 3
+STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data")
-    prepare_data("stdlib", "byte", path, val_fraction=VAL_FRACTION, max_bytes=MAX_BYTES)
-    return path
+def data_dir(shared_data) -> Path:
+    """The session's prepared data (tests/conftest.py)."""
+    return shared_data
 
 
 def moe_overrides(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
