@@ -16,7 +16,8 @@ from distributed import run_distributed
 from launch import ROOT
 from parallel_attention.training import load_config
 from parallel_attention.training.evaluation import evaluate
-from parallel_attention.training.trainer import build, train_step
+from parallel_attention.training.run.run_dir import release_run_dir
+from parallel_attention.training.trainer import build, checkpoint, resume_run, train_step
 from tiny_run import MAX_BYTES, VAL_FRACTION
 
 STEPS = 3
@@ -50,6 +51,7 @@ def _train_worker(args: list[str]) -> dict:
     run = build(cfg)
     records = [train_step(run) for _ in range(STEPS)]
     biases = {name: p.detach().clone() for name, p in run.model.named_parameters() if "e_score_correction" in name}
+    release_run_dir(cfg)  # these ranks live on (tests/rank_pool.py): the next run may use the directory
     return {"records": records, "val_loss": evaluate(run)["val_loss"], "biases": biases}
 
 
@@ -84,3 +86,42 @@ def test_moe_layouts_train_like_one_process(data_dir, one_process, tmp_path, lay
         assert got["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
         for name, bias in one["biases"].items():  # sign updates of integer counts: exactly the one process's
             assert torch.equal(got["biases"][name], bias), name
+
+
+def _save_worker(args: list[str], steps: int) -> None:
+    pa.destroy_model_parallel()
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", args)
+    cfg.validate(dist.get_world_size())
+    run = build(cfg)
+    for _ in range(steps):
+        train_step(run)
+    checkpoint(run)
+    release_run_dir(cfg)
+
+
+def _resume_worker(args: list[str]) -> list[dict]:
+    pa.destroy_model_parallel()
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", args)
+    cfg.validate(dist.get_world_size())
+    run = build(cfg)
+    resume_run(run, "auto")
+    records = [train_step(run) for _ in range(STEPS - run.step)]
+    if run.logger is not None:
+        run.logger.close()
+    release_run_dir(cfg)
+    return records
+
+
+@pytest.mark.parametrize("resumed_at", ["tp2", "ep4"])
+def test_an_ep2_checkpoint_resumes_at_another_layout_like_one_process(data_dir, one_process, tmp_path, resumed_at):
+    """Saved at ep 2 after step 1 (the experts whole, under their global index, with their moments), resumed at
+    tp 2 (ep 1: every expert on each rank) or at ep 4: steps 2 and 3 are the uninterrupted one process's."""
+    run_dir = tmp_path / "run"
+    run_distributed(_save_worker, 2, 1, moe_overrides(data_dir, run_dir, *LAYOUTS["ep2"][1]), 1)
+    layout = {"tp2": ["--parallel.tensor_parallel_size=2"], "ep4": LAYOUTS["ep4"][1]}[resumed_at]
+    for rank_records in run_distributed(_resume_worker, LAYOUTS["ep4"][0] if resumed_at == "ep4" else 2, 1,
+                                        moe_overrides(data_dir, run_dir, *layout)):
+        assert [r["step"] for r in rank_records] == [2, 3]
+        for mine, reference in zip(rank_records, one_process["records"][1:]):
+            for key in ("loss", "grad_norm", "moe_aux_loss", "moe_load/1"):
+                assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (key, mine["step"])

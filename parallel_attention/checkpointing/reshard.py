@@ -25,6 +25,7 @@ from ..tensor_parallel.parallel_state import group_rank, group_size, resolve_tp_
 from ..transformer.model_config import ModelConfig
 from ..transformer.model_layout import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
 from .checkpoint import raise_unless_all_passed
+from .experts import this_ranks_experts, whole_shapes
 from .format import (FORMAT, FORMAT_VERSION, CheckpointError, check_shard_shapes, commit, model_file, optim_file,
                      pipeline_stages, read_manifest, read_shard, step_dir_name, write_manifest)
 from .state_encoding import merged_optimizer_meta, optim_state_dict, optimizer_meta_for, placed_like
@@ -186,7 +187,7 @@ def _read_resharded(step_dir: Path, model: nn.Module, optimizer, tp_group) -> tu
     canonical = _canonical_weights(step_dir, manifest, cfg, p_source)
     keys = list(model.state_dict())
     weights = shard_state_dict(cfg, keys, canonical, p, rank)
-    current = model.state_dict()
+    current = {**model.state_dict(), **whole_shapes(model)}  # experts split over ep: whole in the checkpoint
     differ = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(current[k].shape)}"
               for k, v in weights.items() if v.shape != current[k].shape]
     if differ:
@@ -198,4 +199,5 @@ def _read_resharded(step_dir: Path, model: nn.Module, optimizer, tp_group) -> tu
             live = {name for name, _ in model.named_parameters()}
             optim = optim_state_dict(model, optimizer, _optimizer_shard(cfg, state, keys, p, rank),
                                      optimizer_meta_for(meta, live))
+    this_ranks_experts(model, weights, optimizer, optim)
     return manifest, weights, optim
