@@ -57,6 +57,9 @@ def _train_worker(args: list[str]) -> dict:
 
 LAYOUTS = {  # name: (world, extra overrides)
     "dp2": (2, []),
+    "pp2_recompute": (2, ["--parallel.pipeline_parallel_size=2", "--model.recompute_activations=true"]),
+    "tp2_sp_selective": (2, ["--parallel.tensor_parallel_size=2", "--parallel.sequence_parallel=true",
+                             "--model.recompute_activations=true", "--model.recompute_granularity=selective"]),
     "ep2": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0"]),
     "ep4": (4, ["--parallel.expert_parallel_size=4", "--parallel.zero_stage=0"]),
     "ep2_tp2_sp": (4, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0",
@@ -84,8 +87,9 @@ def test_moe_layouts_train_like_one_process(data_dir, one_process, tmp_path, lay
                 # float32: the layouts sum the same products in other orders (DP means, TP splits, all-to-alls)
                 assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), f"rank {rank} {key} {step}"
         assert got["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
-        for name, bias in one["biases"].items():  # sign updates of integer counts: exactly the one process's
-            assert torch.equal(got["biases"][name], bias), name
+        for name, bias in got["biases"].items():  # sign updates of integer counts: exactly the one process's
+            assert torch.equal(bias, one["biases"][name]), name
+    assert set().union(*(got["biases"] for got in ranks)) == set(one["biases"])  # every stage's layers
 
 
 def _save_worker(args: list[str], steps: int) -> None:
