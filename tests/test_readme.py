@@ -30,7 +30,7 @@ DOC_PAGES = ("embedding", "configuration", "training", "pipeline", "checkpoints-
              "architecture", "performance", "development")
 PAGES = (README, *(ROOT / "docs" / f"{name}.md" for name in DOC_PAGES))
 # pages whose commands a test of their own runs, in their own scratch directory with their own fixtures
-OWN_TESTS = {"data.md": "tests/test_data_docs.py"}
+OWN_TESTS = {"data.md": "tests/test_data_docs.py", "moe.md": "tests/test_moe_docs.py"}
 # commands that another test runs as written and asserts more of: not launched a second time here
 RUN_ELSEWHERE = {command: "tests/test_check.py" for command in CHECK_COMMANDS}
 RUN_ELSEWHERE[PIPELINE_CHECK] = "tests/test_pipeline.py"
