@@ -6,6 +6,7 @@ with transformers' fused tensors bit for bit), and an export loads back in trans
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -98,5 +99,27 @@ def test_export_loads_back_in_transformers_bit_equal(fixtures, name, tmp_path):
     theirs = model.state_dict()
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, theirs[key]), f"{name}: {key}"
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, logits)
+
+
+def test_import_at_ep2_reshard_to_tp2_export_is_bit_equal(fixtures, tmp_path):
+    """convert_hf.py import --tp 1 --ep 2 -> reshard_checkpoint.py --tp 2 --ep 1 -> convert_hf.py export ->
+    transformers: every weight of Qwen2-MoE (experts, shared expert and its gate, the dense layer) bit-equal."""
+    from launch import ROOT, run_command
+
+    directory, model, logits = fixtures["qwen2_moe"]
+    steps = [["scripts/convert_hf.py", "import", "--hf", directory, "--out", tmp_path / "ep2", "--tp", "1", "--ep", "2"],
+             ["scripts/reshard_checkpoint.py", "--in", tmp_path / "ep2", "--out", tmp_path / "tp2", "--tp", "2",
+              "--ep", "1"],
+             ["scripts/convert_hf.py", "export", "--checkpoint", tmp_path / "tp2", "--out", tmp_path / "export"]]
+    for step in steps:
+        result = run_command([sys.executable, *map(str, step)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "expert_parallel_size: 2" in (tmp_path / "ep2" / "config.yaml").read_text()
+    assert "expert_parallel_size: 1" in (tmp_path / "tp2" / "config.yaml").read_text()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    theirs = model.state_dict()
+    assert all(torch.equal(value, theirs[key]) for key, value in loaded.state_dict().items())
     with torch.no_grad():
         assert torch.equal(loaded(TOKENS).logits, logits)

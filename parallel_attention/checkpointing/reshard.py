@@ -139,16 +139,30 @@ def write_canonical_checkpoint(ckpt_root: str | Path, run_config: dict, canonica
     return final
 
 
-def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parallel_size: int) -> Path:
-    """Offline: the checkpoint at `step_dir` (any p) rewritten at `tensor_parallel_size`, optimizer included."""
+def expert_parallel_keys(size: int | None) -> dict:
+    """The parallel keys of a run at expert-parallel size `size` (None: unchanged): ep > 1 runs at zero_stage 0."""
+    if size is None:
+        return {}
+    return {"expert_parallel_size": size, **({"zero_stage": 0} if size > 1 else {})}
+
+
+def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parallel_size: int,
+                       expert_parallel_size: int | None = None) -> Path:
+    """Offline: the checkpoint at `step_dir` (any p) rewritten at `tensor_parallel_size`, optimizer included. The
+    experts of an MoE are whole in every checkpoint: `expert_parallel_size` changes only the config it records."""
     step_dir = Path(step_dir)
     manifest, cfg, p = _source(step_dir)
+    ep = expert_parallel_size
+    if ep is not None and (ep < 1 or (cfg.num_experts or 1) % ep or (not cfg.num_experts and ep > 1)):
+        raise ValueError(f"expert_parallel_size={ep} must be a positive divisor of model.num_experts="
+                         f"{cfg.num_experts} (1 for a dense model).")
+    experts = expert_parallel_keys(ep)
     canonical = _canonical_weights(step_dir, manifest, cfg, p)
     optimizer = _canonical_optimizer(step_dir, manifest, cfg, p)
     saved = manifest["config"]
     target = {**saved, "parallel": {**saved["parallel"], "tensor_parallel_size": tensor_parallel_size,
                                      "pipeline_parallel_size": 1, "virtual_pipeline_stages": 1,
-                                     "pipeline_layers": None, "pipeline_schedule": "1f1b"}}
+                                     "pipeline_layers": None, "pipeline_schedule": "1f1b", **experts}}
     return write_canonical_checkpoint(out_root, target, canonical, manifest["step"],
                                       optimizer=optimizer if optimizer[0] is not None else None,
                                       extra=manifest.get("extra"))

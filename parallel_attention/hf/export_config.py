@@ -1,7 +1,7 @@
 """ModelConfig -> Hugging Face `config.json`: the inverse of hf.config's mapping.
 
 The architecture is the one imported from (pass the source config.json), or, failing that, the one the
-ModelConfig's shape implies (GPT-2, Llama, Qwen2, Qwen3, in that order). A ModelConfig the chosen
+ModelConfig's shape implies (GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, in that order). A ModelConfig the chosen
 architecture cannot express is refused with the fields at fault.
 """
 
@@ -68,13 +68,16 @@ def _expert_misfits(cfg: ModelConfig, arch: str) -> list[str]:
     return out
 
 
+_INFERRED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+             "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # the order an architecture is inferred in
+
+
 def infer_architecture(cfg: ModelConfig) -> str:
-    for arch in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in _INFERRED:
         if not _misfits(cfg, arch):
             return arch
-    raise ValueError("this ModelConfig is neither GPT-2 nor Llama (nor Qwen2, Qwen3) shaped: " + "; ".join(
-        f"as {a} {_misfits(cfg, a)}" for a in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                                              "Qwen3ForCausalLM")) + ".")
+    raise ValueError("this ModelConfig is neither GPT-2 nor Llama (nor Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE) "
+                     "shaped: " + "; ".join(f"as {a} {_misfits(cfg, a)}" for a in _INFERRED) + ".")
 
 
 def hf_config_from_model(cfg: ModelConfig, architecture: str | None = None,

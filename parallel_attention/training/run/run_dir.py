@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from ...checkpointing.format import list_temporaries
+from ...checkpointing.reshard import expert_parallel_keys
 from ...checkpointing.tensor_io import write_atomic
 from ...launch.rank_zero import is_rank_zero
 from ...tensor_parallel.collectives import broadcast_object
@@ -120,16 +121,18 @@ def write_run_config(cfg: PretrainConfig) -> None:
         write_atomic(Path(cfg.logging.run_dir) / "config.yaml", [text.encode("utf-8")])
 
 
-def carry_model_files(source_run: Path, out_run: Path, tensor_parallel_size: int) -> list[str]:
-    """Give a resharded copy of a run (OUT/checkpoints only) the run's config.yaml (at its new tensor-parallel size
-    and run directory) and tokenizer/, so that generation and a resume there never depend on the source run.
-    Returns what was written (nothing the source run lacks)."""
+def carry_model_files(source_run: Path, out_run: Path, tensor_parallel_size: int,
+                      expert_parallel_size: int | None = None) -> list[str]:
+    """Give a resharded copy of a run (OUT/checkpoints only) the run's config.yaml (at its new tensor-parallel size,
+    and expert-parallel size where given, and run directory) and tokenizer/, so that generation and a resume there
+    never depend on the source run. Returns what was written (nothing the source run lacks)."""
     written = []
     out_run.mkdir(parents=True, exist_ok=True)
     config = source_run / "config.yaml"
     if config.is_file():
         data = yaml.safe_load(config.read_text(encoding="utf-8"))
         data.setdefault("parallel", {})["tensor_parallel_size"] = tensor_parallel_size
+        data["parallel"].update(expert_parallel_keys(expert_parallel_size))
         data.setdefault("logging", {})["run_dir"] = str(out_run)
         write_atomic(out_run / "config.yaml", [yaml.safe_dump(data, sort_keys=False).encode("utf-8")])
         written.append("config.yaml")
