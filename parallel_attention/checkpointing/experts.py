@@ -3,8 +3,8 @@
 A checkpoint's files are per tensor-parallel rank and pipeline stage, written by data-parallel rank 0; at ep > 1
 that rank holds only E/ep experts of each MoE layer. So saving gathers every ExpertShard parameter, and its AdamW
 moments, over the ep group (expert e at row e, as at ep = 1), and loading keeps this rank's rows of the whole
-tensors: a checkpoint does not depend on ep, and any (tp, pp, ep) resumes any other (tp and pp through the
-resharding that already handles them).
+tensors (the weights: MoELayer's load_state_dict; the moments: here): a checkpoint does not depend on ep, and any
+(tp, pp, ep) resumes any other (tp and pp through the resharding that already handles them).
 """
 
 from __future__ import annotations
@@ -12,21 +12,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tensor_parallel.collectives import all_gather_along_dim
-from ..tensor_parallel.param_kinds import ExpertShard, parameter_kinds
-from ..tensor_parallel.parallel_state import group_rank, group_size
-
-
-def split_experts(model: nn.Module) -> dict[str, ExpertShard]:
-    """The model's parameters split over more than one expert-parallel rank, by name."""
-    return {name: kind for name, (_, kind) in parameter_kinds(model).items()
-            if isinstance(kind, ExpertShard) and group_size(kind.ep_group) > 1}
+from ..tensor_parallel.expert_shards import split_experts, this_ranks_rows, whole
+from ..tensor_parallel.parallel_state import group_size
+from .state_encoding import full_optimizer_state, gathered
 
 
 def _optimizer_index(optimizer) -> dict[int, int]:
     """id(parameter) -> its index in the optimizer's state dict (numbered across the groups, as torch does)."""
     groups = optimizer.param_groups if optimizer is not None else []
     return {id(p): i for i, p in enumerate(p for group in groups for p in group["params"])}
+
+
+def whole_state(model: nn.Module, optimizer, writer: bool) -> tuple[dict, dict | None]:
+    """(model state dict, packed optimizer state) as a checkpoint holds them, on the writer (data-parallel rank 0):
+    a sharded optimizer consolidated, FSDP2's data-parallel shards and split experts made whole. Collectives: every
+    rank calls it."""
+    packed = full_optimizer_state(optimizer, writer) if optimizer is not None else None
+    weights = gathered(model.state_dict(), writer)
+    return with_whole_experts(model, optimizer, weights, packed, writer)
 
 
 @torch.no_grad()
@@ -40,14 +43,14 @@ def with_whole_experts(model: nn.Module, optimizer, weights: dict, packed: dict 
     params = dict(model.named_parameters())
     index = _optimizer_index(optimizer)
     for name, kind in experts.items():
-        whole = all_gather_along_dim(params[name].detach(), 0, kind.ep_group)
+        experts_whole = whole(params[name], kind)
         if writer:
-            weights[name] = whole
+            weights[name] = experts_whole
         state = optimizer.state.get(params[name], {}) if optimizer is not None else {}
         for key in sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0):
-            whole = all_gather_along_dim(state[key], 0, kind.ep_group)
+            moment = whole(state[key], kind)
             if writer and packed is not None:
-                packed["state"][index[id(params[name])]][key] = whole
+                packed["state"][index[id(params[name])]][key] = moment
     return weights, packed
 
 
@@ -59,24 +62,15 @@ def whole_shapes(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, kind in split_experts(model).items()}
 
 
-def this_ranks_experts(model: nn.Module, weights: dict, optimizer=None, optim_state: dict | None = None) -> None:
-    """Cut, in place, the whole expert tensors read from a checkpoint to this rank's experts (no communication):
-    `weights` by parameter name, `optim_state` (an optimizer state dict) by the optimizer's parameter index."""
+def this_ranks_experts(model: nn.Module, optimizer=None, optim_state: dict | None = None) -> None:
+    """Cut, in place, the whole expert moments of an optimizer state dict read from a checkpoint (by the optimizer's
+    parameter index) to this rank's experts, no communication. (The weights: MoELayer's load_state_dict cuts them.)"""
     experts = split_experts(model)
-    if not experts:
-        return
-
-    def mine(tensor: torch.Tensor, kind: ExpertShard) -> torch.Tensor:
-        return tensor.chunk(group_size(kind.ep_group))[group_rank(kind.ep_group)].contiguous()
-
-    for name, kind in experts.items():
-        if name in weights:
-            weights[name] = mine(weights[name], kind)
-    if optimizer is None or optim_state is None:
+    if not experts or optimizer is None or optim_state is None:
         return
     params, index = dict(model.named_parameters()), _optimizer_index(optimizer)
     for name, kind in experts.items():
         state = optim_state["state"].get(index[id(params[name])], {})
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = mine(value, kind)
+                state[key] = this_ranks_rows(value, kind)

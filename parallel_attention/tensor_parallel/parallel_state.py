@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh_groups import (DP_CP, EMBEDDING, EXPERT, EXPERT_DATA, PP_GRADIENTS, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size,
-                          group_timeout)
+from .mesh_groups import (DP_CP, EMBEDDING, EXPERT, EXPERT_DATA, PP_GRADIENTS, adopt_mesh, build_mesh,
+                          data_context_mesh, data_parallel_size, group_timeout)
 
 ProcessGroup = dist.ProcessGroup
 
@@ -72,8 +72,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     group's). mesh=...: adopt the caller's DeviceMesh, whose dimensions are named ("pp", "dp", "cp", "tp") or that
     without "pp" and/or "cp" (size 1); its groups are used as they are (the dp x cp group of gradient reduction and
     the embedding group are made from the mesh's ranks, with the tp group's timeout).
-    expert_model_parallel_size (ep): each MoE layer's experts split over ep ranks of the dp x cp group (it must
-    divide dp x cp); `get_expert_model_parallel_group` and `get_expert_data_parallel_group` give them.
+    expert_model_parallel_size (ep): MoE experts split over ep ranks of the dp x cp group, which ep divides.
     """
     global _STATE, _EXIT_HANDLER_REGISTERED
     if not is_distributed():
@@ -103,8 +102,7 @@ def describe_group(group: ProcessGroup | None) -> str:
     """"tensor-parallel group (global ranks [0, 1])", for error messages."""
     words = {"tp": "tensor-parallel", "dp": "data-parallel", "cp": "context-parallel", "pp": "pipeline-parallel",
              DP_CP: "data x context-parallel", EMBEDDING: "tied-embedding (first and last stage)",
-             PP_GRADIENTS: "pipeline-parallel (gradients)", EXPERT: "expert-parallel",
-             EXPERT_DATA: "expert data-parallel (ranks holding the same experts)"}
+             PP_GRADIENTS: "pipeline-parallel (gradients)", EXPERT: "expert-parallel", EXPERT_DATA: "same-expert"}
     if _STATE is not None:
         for name, mine in _STATE.groups.items():
             if group is mine:
@@ -191,14 +189,13 @@ def get_embedding_group() -> ProcessGroup | None:
 
 
 def get_expert_model_parallel_group() -> ProcessGroup | None:
-    """The expert-parallel group: ep ranks of this rank's dp x cp group, which split each MoE layer's experts
-    (None at ep = 1)."""
-    return _group(EXPERT) if _STATE is not None else None
+    """ep ranks of this rank's dp x cp group, which split each MoE layer's experts (None at ep = 1)."""
+    return _group(EXPERT)
 
 
 def get_expert_data_parallel_group() -> ProcessGroup | None:
     """The dp x cp ranks that hold the same experts as this one (None at ep = 1)."""
-    return _group(EXPERT_DATA) if _STATE is not None else None
+    return _group(EXPERT_DATA)
 
 
 def get_context_parallel_world_size() -> int:

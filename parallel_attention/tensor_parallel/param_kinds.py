@@ -20,7 +20,7 @@ so a module may declare its children's parameters: the outermost declaration win
 declares are Replicated (plain torch modules inside a tensor-parallel model: same seed, same values).
 
 ExpertShard (mixture of experts at ep > 1): the ep ranks are ranks of the data x context-parallel group, so the
-data-parallel average (DDP) must leave these parameters out (`expert_parameter_names`); `finalize_grads` sums their
+data-parallel average (DDP) must leave these parameters out (`expert_shards.split_experts`); `finalize_grads` sums their
 gradients over the ranks holding the same experts (`expert_data_group`, derived from the ep group within dp x cp)
 and divides by dp x cp, which is the average the other parameters get.
 
@@ -40,7 +40,7 @@ from .collectives import all_reduce
 from .parallel_state import ProcessGroup, group_size
 
 __all__ = ["ExpertShard", "KvReplica", "LocalShard", "ParamKind", "PartialGrad", "REMOVED_NAMES", "Replicated",
-           "SharedRows", "Sharded", "expert_parameter_names", "finalize_grads", "is_distributed", "local_rows",
+           "SharedRows", "Sharded", "finalize_grads", "is_distributed", "local_rows",
            "local_shard", "parameter_kinds", "reduce_expert_grads", "removed_name_error", "shared_rows"]
 
 
@@ -225,13 +225,6 @@ def finalize_grads(module: nn.Module) -> None:
         all_reduce(buffer, groups[key])
         for view, start in zip(views, offsets):
             view.copy_(buffer[start:start + view.numel()].view_as(view))
-
-
-def expert_parameter_names(model: nn.Module) -> list[str]:
-    """The parameters split over an expert-parallel group of more than one rank: the data-parallel average (DDP)
-    leaves them out, finalize_grads averages them over the ranks that hold the same experts."""
-    return [name for name, (_, kind) in parameter_kinds(model).items()
-            if isinstance(kind, ExpertShard) and group_size(kind.ep_group) > 1]
 
 
 @torch.no_grad()

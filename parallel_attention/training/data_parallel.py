@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..tensor_parallel.collectives import named_timeouts
-from ..tensor_parallel.param_kinds import expert_parameter_names
+from ..tensor_parallel.expert_shards import split_experts
 from ..tensor_parallel.parallel_state import ProcessGroup, group_size
 from .fsdp import gradient_sync, mesh_of, shard_fully
 from .gradients import all_reduce_data_parallel
@@ -57,7 +57,7 @@ def wrap_data_parallel(model: nn.Module, group: ProcessGroup | None, debug_colle
         return model
     if zero_stage == 3:
         return shard_fully(model, mesh_of(group))
-    experts = expert_parameter_names(model)  # averaged over the ranks holding them, by finalize_grads
+    experts = list(split_experts(model))  # averaged over the ranks holding them, by finalize_grads
     if debug_collectives:
         return ReducedAfterBackward(model, group, set(experts))
     if experts:

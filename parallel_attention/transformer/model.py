@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tensor_parallel import collectives, mappings, sharding
+from ..tensor_parallel import collectives, expert_shards, mappings, sharding
 from ..tensor_parallel.layers import ColumnParallelLinear, TiedOutputLayer, VocabParallelEmbedding
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
-from ..tensor_parallel.param_kinds import ExpertShard, PartialGrad, Replicated, Sharded, parameter_kinds
+from ..tensor_parallel.param_kinds import PartialGrad, Replicated, Sharded, parameter_kinds
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_cp_group, resolve_tp_group
 from ..tensor_parallel.rng import checkpoint_with_tp_rng
 from .attention import ParallelSelfAttention
@@ -31,8 +31,7 @@ from .cross_entropy import IGNORE_INDEX, check_ids, vocab_parallel_cross_entropy
 from .documents import DocumentLayout
 from .dropout import DropoutSite, build_hidden_dropout
 from .kv_cache import KVCache
-from .mlp import ParallelMLP
-from .moe import MoELayer
+from .moe import build_mlp
 from .model_config import ModelConfig
 from .model_layout import shard_state_dict, unshard
 from .norms import build_norm
@@ -54,12 +53,8 @@ class TransformerLayer(nn.Module):
                                                overlap_comm=overlap_comm, **context_parallel)
         self.post_attention_norm = norm()
         cp_group = resolve_cp_group(context_parallel.get("cp_group"))  # hidden dropout hashes global positions
-        if cfg.is_moe_layer(layer_number):
-            self.mlp = MoELayer(cfg, sequence_parallel, resolve_tp_group(tp_group), cp_group, device=device,
-                                dtype=dtype, layer_number=layer_number)
-        else:
-            self.mlp = ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
-                                   sequence_parallel, cfg.init_std, tp_group, device, dtype, overlap_comm)
+        self.mlp = build_mlp(cfg, layer_number, sequence_parallel, resolve_tp_group(tp_group), cp_group, device, dtype,
+                             overlap_comm)  # dense, or a mixture of experts (model.num_experts)
         dropout = lambda site: build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng,  # noqa: E731
                                                     sequence_parallel, tp_group, layer_number, site, cp_group)
         self.attention_output_dropout = dropout(DropoutSite.ATTENTION_OUTPUT)
@@ -269,10 +264,8 @@ class GPTModel(nn.Module):
         canonical = {}
         for key, (param, kind) in parameter_kinds(self).items():
             dim = kind.dim if isinstance(kind, Sharded) else getattr(kind, "sharded_dim", None)
-            if isinstance(kind, ExpertShard):  # every expert, in global order; the same on every tp rank
-                shards = [collectives.all_gather_along_dim(param.detach(), 0, kind.ep_group)] * self.tp_size
-            elif dim is None:  # the same on every rank
-                shards = [param.detach()] * self.tp_size
+            if dim is None:  # the same on every rank (experts split over ep: all of them, in global order)
+                shards = [expert_shards.whole(param, kind)] * self.tp_size
             else:
                 gathered = collectives.all_gather_along_dim(param.detach(), dim, self.tp_group)
                 shards = list(gathered.chunk(self.tp_size, dim))
@@ -285,11 +278,7 @@ class GPTModel(nn.Module):
         sharding.check_canonical(sd, self.canonical_shapes(), "model canonical state dict")
         local = self.state_dict()
         sd = {k: v.to(device=local[next(iter(local))].device) for k, v in sd.items()}
-        local = shard_state_dict(self.config, list(local), sd, self.tp_size, self.tp_rank)
-        for key, (_, kind) in parameter_kinds(self).items():
-            if isinstance(kind, ExpertShard):  # this rank's experts of the whole set
-                local[key] = local[key].chunk(group_size(kind.ep_group))[group_rank(kind.ep_group)].contiguous()
-        self.load_state_dict(local)
+        self.load_state_dict(shard_state_dict(self.config, list(local), sd, self.tp_size, self.tp_rank))
 
     def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         """Names and shapes of the canonical state dict (no communication)."""

@@ -6,8 +6,8 @@ yields (`metrics()`) for its metrics row.
 """
 
 from .balancing import update_expert_bias
-from .layer import MoELayer
+from .layer import MoELayer, build_mlp
 from .losses import StepRecord, moe_step
 from .router import TopKRouter
 
-__all__ = ["MoELayer", "StepRecord", "TopKRouter", "moe_step", "update_expert_bias"]
+__all__ = ["MoELayer", "build_mlp", "StepRecord", "TopKRouter", "moe_step", "update_expert_bias"]

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ...tensor_parallel.collectives import all_reduce
-from .router import TopKRouter
 
 
 @torch.no_grad()
@@ -20,7 +19,7 @@ def update_expert_bias(model: nn.Module) -> None:
     """After the step's last backward: bias += rate * sign(mean load - load) for every router with a bias, then
     its counts restart. The counts are summed over each router's `count_groups` (the layer's: dp x cp, and tp
     under sequence parallelism), every router of the model in one all-reduce per group."""
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    routers = [m for m in model.modules() if hasattr(m, "update_bias")]  # the MoE layers' routers (router.py)
     biased = [r for r in routers if r.e_score_correction_bias is not None]
     if biased:
         counts = torch.stack([r.step_counts for r in biased])

@@ -78,6 +78,7 @@ class MoELayer(nn.Module):
         self._experts_kind = self._replicated if self.ep_size == 1 else ExpertShard(
             tp_group, ep_group, expert_data_group, self.ep_size * group_size(expert_data_group), sequence_parallel)
         self.load_canonical_state_dict(self._initial_canonical_weights(cfg.init_std))
+        self.register_load_state_dict_pre_hook(_keep_this_ranks_experts)
 
     def parameter_kinds(self) -> dict:
         kinds = {"gate.weight": self._replicated, f"experts.{self.experts.in_name}": self._experts_kind,
@@ -157,6 +158,26 @@ class MoELayer(nn.Module):
         share, record, _ = self.losses(routing.logits, self._probabilities(routing.scores), counts)
         self.gate.step_counts.add_(counts)  # this rank's: update_expert_bias sums them over the step's ranks
         return attach_aux_loss(y, share, record, self.layer_number)
+
+
+def _keep_this_ranks_experts(layer: MoELayer, state_dict: dict, prefix: str, *_) -> None:
+    """load_state_dict takes the experts whole (as checkpoints and canonical state dicts hold them, at any ep) or
+    this rank's: whole ones are cut to this rank's rows (no communication)."""
+    for name in (layer.experts.in_name, layer.experts.out_name):
+        key = f"{prefix}experts.{name}"
+        if key in state_dict and state_dict[key].shape[0] == layer.num_experts != layer.dispatch.num_local:
+            state_dict[key] = layer._local_experts(state_dict[key]).contiguous()
+
+
+def build_mlp(cfg, layer_number: int, sequence_parallel: bool, tp_group: ProcessGroup | None,
+              cp_group: ProcessGroup | None, device, dtype: torch.dtype, overlap_comm: bool) -> nn.Module:
+    """Layer `layer_number`'s MLP: a MoELayer where the config makes it one (ModelConfig.is_moe_layer), else the
+    dense ParallelMLP."""
+    if cfg.is_moe_layer(layer_number):
+        return MoELayer(cfg, sequence_parallel, tp_group, cp_group, device=device, dtype=dtype,
+                        layer_number=layer_number)
+    return ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
+                       sequence_parallel, cfg.init_std, tp_group, device, dtype, overlap_comm)
 
 
 def _as_probabilities(scores: torch.Tensor) -> torch.Tensor:
