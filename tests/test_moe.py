@@ -193,3 +193,21 @@ def test_expert_parallel_equals_one_process_and_counts_its_all_to_alls(ep, world
             torch.testing.assert_close(grad, getattr(reference.experts, name).grad, rtol=1e-5, atol=1e-7)
         assert forward == {"all_to_all_single": 3}  # counts, dispatch, combine (no reduction: dp holds the tokens)
         assert backward == {"all_to_all_single": 2}  # combine's and dispatch's reverse
+
+
+def test_kv_cache_decoding_and_bf16_autocast_run_through_moe_layers():
+    """Generation: decoding with the cache gives the cache-free logits (no auxiliary losses outside training);
+    under bf16 autocast a training forward and backward stay finite and reach the router."""
+    torch.manual_seed(0)
+    model = GPTModel(moe_config(moe_shared_expert_ffn_hidden_size=F_SHARED, moe_shared_expert_gate=True)).eval()
+    tokens = torch.randint(0, 64, (2, 10))
+    cache = model.new_kv_cache(2, 16)
+    model.decode(tokens[:, :6], cache)
+    # float32, the same weights: the cache changes only which positions each matmul sees at once
+    torch.testing.assert_close(model.decode(tokens[:, 6:], cache), model.next_token_logits(tokens), rtol=1e-5,
+                               atol=1e-6)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16), moe_step() as record:
+        model(tokens, tokens).backward()
+    assert torch.isfinite(model.layers[0].mlp.gate.weight.grad).all() and model.layers[0].mlp.gate.weight.grad.any()
+    assert set(record.rows) == {0, 1}
