@@ -1,5 +1,6 @@
 """Every shell command of docs/moe.md runs as written, in page order, shortened (a few steps of a small corpus), in a
-scratch working directory: the ep 2 run, then its resumption at tp 2, ep 1, which continues its steps."""
+scratch working directory: the ep 2 run, then its resumption at tp 2, ep 1, which continues its steps, then the
+picture of its expert load."""
 
 from __future__ import annotations
 
@@ -24,16 +25,21 @@ def test_the_page_commands_run_and_the_second_continues_the_first(tmp_path):
     for name in ("scripts", "configs"):
         (tmp_path / name).symlink_to(ROOT / name)
     commands = [c for c in page_commands(PAGE) if not any(pattern in c for pattern in EXEMPT)]
-    assert len(commands) == 2 and all(c.startswith("torchrun ") for c in commands)
+    trainings = [c for c in commands if c.startswith("torchrun ")]
+    assert len(trainings) == 2 and commands[2] == "python scripts/expert_load.py runs/moe_tiny" and len(commands) == 3
     for i, command in enumerate(commands):
         words = shlex.split(command)
-        argv = INTERPRETERS[words[0]] + words[1:] + SHORTEN + [f"--training.max_steps={2 * (i + 1)}"]
-        result = run_command(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        shorten = SHORTEN + [f"--training.max_steps={2 * (i + 1)}"] if command in trainings else []
+        result = run_command(INTERPRETERS[words[0]] + words[1:] + shorten, cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600)
         assert result.returncode == 0, f"documented command failed: {command}\n{result.stderr[-4000:]}"
+    assert (tmp_path / "runs" / "moe_tiny" / "expert_load.png").stat().st_size > 0
+    assert "layer 3: at step 4 expert" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "runs" / "moe_tiny" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["moe_aux_loss"] > 0 and r["moe_load/3"] >= 1 for r in steps)
+    assert all(sum(r["moe_expert_load/3"]) == pytest.approx(1) and len(r["moe_expert_load/3"]) == 8 for r in steps)
 
 
 @pytest.mark.parametrize("pattern", EXEMPT)

@@ -86,6 +86,9 @@ def test_moe_layouts_train_like_one_process(data_dir, one_process, tmp_path, lay
             for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load/0", "moe_load/1"):
                 # float32: the layouts sum the same products in other orders (DP means, TP splits, all-to-alls)
                 assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), f"rank {rank} {key} {step}"
+            for layer in (0, 1):  # each expert's share of the routed tokens: the same routing at every layout
+                key = f"moe_expert_load/{layer}"
+                assert mine[key] == pytest.approx(reference[key], abs=1e-6), f"rank {rank} {key} {step}"
         assert got["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
         for name, bias in got["biases"].items():  # sign updates of integer counts: exactly the one process's
             assert torch.equal(bias, one["biases"][name]), name

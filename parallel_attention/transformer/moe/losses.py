@@ -37,7 +37,7 @@ class StepRecord:
     """What the MoE layers saw during one step: per layer, each micro-batch's losses and load."""
 
     loss_scale: float = 1.0
-    rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [aux, z, max/mean load]
+    rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [aux, z, max/mean, shares]
 
     def add(self, layer: int, values: torch.Tensor) -> None:
         self.rows.setdefault(layer, []).append(values)
@@ -49,19 +49,21 @@ class StepRecord:
         the layers. A collective over both groups when the model (its ModelConfig) has experts; {} without."""
         if model_config.num_experts == 0:
             return {}
-        num_layers = model_config.num_layers
-        values = torch.zeros(num_layers, 4, dtype=torch.float64)  # [aux, z, load, micro-batches] per layer
+        num_layers, experts = model_config.num_layers, model_config.num_experts
+        # per layer: [aux, z, max/mean load, each expert's share of the routed tokens..., micro-batches]
+        values = torch.zeros(num_layers, 4 + experts, dtype=torch.float64)
         for layer, rows in self.rows.items():
-            values[layer, :3] = torch.stack(rows).double().sum(0).cpu()
-            values[layer, 3] = len(rows)
+            values[layer, :-1] = torch.stack(rows).double().sum(0).cpu()
+            values[layer, -1] = len(rows)
         device = next((rows[0].device for rows in self.rows.values()), None)
         values = values.to(device) if device is not None else values
         for group in (data_group, pipeline_group):
             all_reduce(values, group)
         out = {}
-        for layer in (i for i in range(num_layers) if values[i, 3] > 0):
-            aux, z, load = (values[layer, :3] / values[layer, 3]).tolist()
-            out.update({f"moe_aux_loss/{layer}": aux, f"moe_z_loss/{layer}": z, f"moe_load/{layer}": load})
+        for layer in (i for i in range(num_layers) if values[i, -1] > 0):
+            aux, z, load, *shares = (values[layer, :-1] / values[layer, -1]).tolist()
+            out.update({f"moe_aux_loss/{layer}": aux, f"moe_z_loss/{layer}": z, f"moe_load/{layer}": load,
+                        f"moe_expert_load/{layer}": [round(share, 6) for share in shares]})
         if out:
             out["moe_aux_loss"] = sum(v for k, v in out.items() if k.startswith("moe_aux_loss/"))
             out["moe_z_loss"] = sum(v for k, v in out.items() if k.startswith("moe_z_loss/"))
@@ -122,7 +124,8 @@ class RouterLosses:
 
     def __call__(self, logits: torch.Tensor, probabilities: torch.Tensor,
                  counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(this rank's share of the losses, with gradient; the global [aux, z, max/mean load]; global counts [E]).
+        """(this rank's share of the losses, with gradient; the global [aux, z, max/mean load, each expert's share of
+        the routed tokens]; global counts [E]).
 
         probabilities [T, E] summing to 1 per token; counts [E] this rank's tokens per expert (float32)."""
         E = self.num_experts
@@ -141,4 +144,5 @@ class RouterLosses:
         aux = self.aux_coeff * E * (fraction * global_probability / tokens).sum()
         z = self.z_coeff * global_z / tokens
         load = global_counts.max() / global_counts.mean()
-        return (share * self.cp_size).sum(), torch.stack([aux, z.reshape(()), load]).detach(), global_counts
+        record = torch.cat([torch.stack([aux, z.reshape(()), load]), global_counts / global_counts.sum()]).detach()
+        return (share * self.cp_size).sum(), record, global_counts
