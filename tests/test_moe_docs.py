@@ -1,6 +1,6 @@
 """Every shell command of docs/moe.md runs as written, in page order, shortened (a few steps of a small corpus), in a
-scratch working directory: the ep 2 run, then its resumption at tp 2, ep 1, which continues its steps, then the
-picture of its expert load."""
+scratch working directory: the ep 2 run, then its resumption at tp 2, ep 1, which continues its steps, the self-check
+at ep 2, then the picture of the run's expert load."""
 
 from __future__ import annotations
 
@@ -25,14 +25,17 @@ def test_the_page_commands_run_and_the_second_continues_the_first(tmp_path):
     for name in ("scripts", "configs"):
         (tmp_path / name).symlink_to(ROOT / name)
     commands = [c for c in page_commands(PAGE) if not any(pattern in c for pattern in EXEMPT)]
-    trainings = [c for c in commands if c.startswith("torchrun ")]
-    assert len(trainings) == 2 and commands[2] == "python scripts/expert_load.py runs/moe_tiny" and len(commands) == 3
+    trainings = [c for c in commands if "scripts/pretrain.py" in c]
+    check = "torchrun --standalone --nproc-per-node 2 -m parallel_attention.check --ep 2"
+    assert len(trainings) == 2 and commands[2:] == [check, "python scripts/expert_load.py runs/moe_tiny"]
     for i, command in enumerate(commands):
         words = shlex.split(command)
         shorten = SHORTEN + [f"--training.max_steps={2 * (i + 1)}"] if command in trainings else []
         result = run_command(INTERPRETERS[words[0]] + words[1:] + shorten, cwd=tmp_path, capture_output=True,
                              text=True, timeout=600)
         assert result.returncode == 0, f"documented command failed: {command}\n{result.stderr[-4000:]}"
+        if command == check:
+            assert "[ok] expert-parallel: ep 2 of 4 experts" in result.stdout and "ep 2 (its own check" in result.stdout
     assert (tmp_path / "runs" / "moe_tiny" / "expert_load.png").stat().st_size > 0
     assert "layer 3: at step 4 expert" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "runs" / "moe_tiny" / "metrics.jsonl").read_text().splitlines()]

@@ -35,6 +35,16 @@ def grouped_mm_refusal(hidden_size: int, ffn_hidden_size: int, device, dtype: to
     return None
 
 
+def expert_paths() -> dict[str, str]:
+    """How MoE experts run in this environment, and when (each layer's choice: MoELayer.active_paths())."""
+    where = ("CPU" + (", and CUDA from compute capability 9.0" if torch.cuda.is_available() else "")
+             if hasattr(torch, "_grouped_mm") else None)
+    grouped = (f"torch._grouped_mm on {where} for float32, bfloat16 and float16 when the hidden and expert widths are "
+               "multiples of 8; a loop over the experts otherwise") if where else \
+        f"a loop over the experts (torch {torch.__version__} has no torch._grouped_mm)"
+    return {"MoE experts (model.num_experts > 0)": grouped}
+
+
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
     """x [N, in] @ weight[e]^T for each group: weight [E, out, in], offsets the groups' cumulative ends (int32)."""
     return torch._grouped_mm(x, weight.to(x.dtype).transpose(-2, -1), offs=offsets)
