@@ -1,7 +1,8 @@
 """Mixture of experts in the trainer (build + train_step, in-process gloo ranks): a Llama-style model with 8 experts,
-top-2, the load-balancing and z losses and DeepSeek-V3's balancing bias trains like one process at dp 2, ep 2,
-ep 4, ep 2 x tp 2 + SP and ep 2 x cp 2: the same losses, gradient norms, validation losses, auxiliary losses and
-loads, and bit-identical biases."""
+top-2, the load-balancing and z losses and DeepSeek-V3's balancing bias trains like one process at dp 2 (ZeRO-1 and
+ZeRO-3), pp 2 with full recompute, tp 2 + SP with selective recompute, ep 2, ep 4, ep 2 x tp 2 + SP and ep 2 x cp 2:
+the same losses, gradient norms, validation losses, auxiliary losses and loads, and bit-identical biases; an ep 2
+checkpoint resumes at tp 2 and at ep 4 like one process."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 import parallel_attention as pa
 from distributed import run_distributed
 from launch import ROOT
+from parallel_attention.tensor_parallel.collectives import full_tensor
 from parallel_attention.training import load_config
 from parallel_attention.training.evaluation import evaluate
 from parallel_attention.training.run.run_dir import release_run_dir
@@ -50,13 +52,15 @@ def _train_worker(args: list[str]) -> dict:
     cfg.validate(dist.get_world_size())
     run = build(cfg)
     records = [train_step(run) for _ in range(STEPS)]
-    biases = {name: p.detach().clone() for name, p in run.model.named_parameters() if "e_score_correction" in name}
+    biases = {name: full_tensor(p.detach()).clone() for name, p in run.model.named_parameters()
+              if "e_score_correction" in name}  # FSDP2 (zero_stage 3): the whole of it
     release_run_dir(cfg)  # these ranks live on (tests/rank_pool.py): the next run may use the directory
     return {"records": records, "val_loss": evaluate(run)["val_loss"], "biases": biases}
 
 
 LAYOUTS = {  # name: (world, extra overrides)
     "dp2": (2, []),
+    "dp2_zero3": (2, ["--parallel.zero_stage=3"]),
     "pp2_recompute": (2, ["--parallel.pipeline_parallel_size=2", "--model.recompute_activations=true"]),
     "tp2_sp_selective": (2, ["--parallel.tensor_parallel_size=2", "--parallel.sequence_parallel=true",
                              "--model.recompute_activations=true", "--model.recompute_granularity=selective"]),

@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ...tensor_parallel.param_kinds import local_shard
+
 
 class Routing(NamedTuple):
     logits: torch.Tensor  # [T, E], router dtype
@@ -88,5 +90,6 @@ class TopKRouter(nn.Module):
         """DeepSeek-V3: bias_i += rate * sign(mean load - load_i), from the step's counts over all tokens."""
         if self.e_score_correction_bias is None:
             return
-        error = global_counts.mean() - global_counts
-        self.e_score_correction_bias.add_(torch.sign(error) * self.bias_update_rate)
+        step = torch.sign(global_counts.mean() - global_counts) * self.bias_update_rate
+        mine, first = local_shard(self.e_score_correction_bias)  # FSDP2: this rank's rows of it
+        mine.add_(step[first:first + mine.shape[0]].to(mine.dtype))
