@@ -123,3 +123,27 @@ def test_import_at_ep2_reshard_to_tp2_export_is_bit_equal(fixtures, tmp_path):
     assert all(torch.equal(value, theirs[key]) for key, value in loaded.state_dict().items())
     with torch.no_grad():
         assert torch.equal(loaded(TOKENS).logits, logits)
+
+
+def test_fused_expert_files_import_and_a_missing_expert_is_refused_by_name(fixtures, tmp_path):
+    """transformers 5's fused tensors (experts.gate_up_proj [E, 2f, h]) import as the per-expert files do; a file
+    without one expert's up_proj is refused, naming the layer, the projection and the expert."""
+    from safetensors.torch import load_file, save_file
+
+    directory, model, _ = fixtures["qwen3_moe"]
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((directory / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"))
+    _, from_fused = hf_to_canonical(fused)
+    _, from_split = hf_to_canonical(directory)
+    assert from_fused.keys() == from_split.keys()
+    assert all(torch.equal(from_fused[k], from_split[k]) for k in from_split)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((directory / "config.json").read_text())
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.4.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.1\.experts: up_proj of experts \[4\] missing"):
+        hf_to_canonical(broken)
