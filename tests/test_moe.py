@@ -211,3 +211,26 @@ def test_kv_cache_decoding_and_bf16_autocast_run_through_moe_layers():
         model(tokens, tokens).backward()
     assert torch.isfinite(model.layers[0].mlp.gate.weight.grad).all() and model.layers[0].mlp.gate.weight.grad.any()
     assert set(record.rows) == {0, 1}
+
+
+@pytest.mark.slow
+def test_compiled_moe_layers_train_like_eager():
+    """model.compile (each layer through torch.compile; about 15 s of CPU to compile): the loss, the router's and
+    the experts' gradients and the auxiliary losses of eager MoE layers (float32: the loop is traced where dynamo
+    cannot fake torch._grouped_mm). The default run keeps the layer's own equivalence
+    (test_layer_matches_the_reference_with_every_gradient_and_the_aux_losses)."""
+    from parallel_attention.training.compile import compile_layers
+
+    tokens, results = torch.randint(0, 64, (2, 12)), []
+    for compiled in (True, False):
+        torch.manual_seed(0)
+        model = GPTModel(moe_config())
+        if compiled:
+            compile_layers(model)
+        with moe_step(0.5) as record:
+            loss = model(tokens, tokens)
+            loss.backward()
+        results.append((loss.detach(), model.layers[0].mlp.gate.weight.grad, model.layers[1].mlp.experts.down_proj.grad,
+                        record.metrics(moe_config())["moe_aux_loss"]))
+    for compiled, eager in zip(*results):
+        torch.testing.assert_close(torch.as_tensor(compiled), torch.as_tensor(eager), rtol=1e-5, atol=1e-7)

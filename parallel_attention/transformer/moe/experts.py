@@ -46,7 +46,11 @@ def expert_paths() -> dict[str, str]:
 
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
-    """x [N, in] @ weight[e]^T for each group: weight [E, out, in], offsets the groups' cumulative ends (int32)."""
+    """x [N, in] @ weight[e]^T for each group: weight [E, out, in], offsets the groups' cumulative ends (int32).
+    Under torch.compile outside bfloat16 the loop is traced instead: dynamo's fake kernel of torch._grouped_mm
+    (torch 2.13) accepts bfloat16 only."""
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return _looped(x, weight, offsets, torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist())
     return torch._grouped_mm(x, weight.to(x.dtype).transpose(-2, -1), offs=offsets)
 
 
