@@ -67,6 +67,7 @@ SHORTEN = {
     r"benchmarks/benchmark_scaling\.py": [*TINY_BENCH_MODEL, "--rounds", "1", "--iters", "1", "--warmup", "0"],
     r"benchmarks/benchmark_preparation\.py": ["--sizes-mb", "0.2", "0.4", "--bpe-mb", "0.3", "--repeats", "1"],
     r"benchmarks/pipeline_speed\.py": ["--rounds", "1", "--steps", "3"],
+    r"benchmarks/moe_step\.py": ["--rounds", "1", "--iters", "1", "--seq", "32"],
     r"benchmarks/pipeline_bubble\.py": ["--stages", "2", "--micro-batches", "2", "--step-ms", "5", "--repeats", "1"],
     r"benchmarks/activation_memory\.py": ["--seq", "32", "--batch", "1", "--hidden", "64", "--heads", "4",
                                           "--kv-heads", "2"],
