@@ -32,13 +32,15 @@ def data_dir(shared_data) -> Path:
 
 
 def moe_overrides(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
-    """gpt_tiny as a Llama-style MoE: SwiGLU experts (8, top-2, width 16), RMSNorm, rotary, untied; 8 micro-batches
+    """gpt_tiny as a Llama-style MoE: SwiGLU experts (8, top-2, width 16) beside a gated shared expert (Qwen2-MoE's),
+    RMSNorm, rotary, untied; 8 micro-batches
     of 4 sequences per step at dp 1 (4 rows: every rank of dp 4 evaluates every validation batch); clipping below the norm, so that every step is clipped by the global norm."""
     return ["--model.hidden_size=32", "--model.num_layers=2", "--model.max_seq_len=16", "--data.seq_len=16",
             "--model.activation=swiglu", "--model.norm=rmsnorm", "--model.position_embedding=rotary",
             "--model.tie_embeddings=false", "--model.num_experts=8", "--model.moe_top_k=2",
             "--model.moe_ffn_hidden_size=16", "--model.moe_aux_loss_coeff=0.01", "--model.moe_z_loss_coeff=0.001",
-            "--model.moe_router_bias_update_rate=0.01", "--training.global_batch_size=32",
+            "--model.moe_router_bias_update_rate=0.01", "--model.moe_shared_expert_ffn_hidden_size=16",
+            "--model.moe_shared_expert_gate=true", "--training.global_batch_size=32",
             "--training.micro_batch_size=4", f"--training.max_steps={STEPS}", "--training.eval_batches=2",
             "--schedule.warmup_steps=1", "--optimizer.grad_clip=0.05", "--logging.progress_bar=false",
             "--logging.tensorboard=false", f"--data.data_dir={data_dir}", f"--data.max_bytes={MAX_BYTES}",
