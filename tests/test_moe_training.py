@@ -72,6 +72,9 @@ LAYOUTS = {  # name: (world, extra overrides)
                        "--parallel.tensor_parallel_size=2", "--parallel.sequence_parallel=true"]),
     "ep2_cp2": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0",
                     "--parallel.context_parallel_size=2"]),
+    "ep2_cp2_ring": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0",
+                         "--parallel.context_parallel_size=2", "--parallel.context_parallel_kind=ring"]),
+    "tp2": (2, ["--parallel.tensor_parallel_size=2"]),  # without SP: every tp rank routes the same tokens
 }
 
 
