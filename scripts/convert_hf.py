@@ -1,13 +1,15 @@
 """Import a Hugging Face model as a checkpoint of this project, or export a checkpoint as one.
 
-    python scripts/convert_hf.py import --hf path/to/hf_model --out runs/imported --tp 2 [--tokenizer PATH]
+    python scripts/convert_hf.py import --hf path/to/hf_model --out runs/imported --tp 2 [--ep 2] [--tokenizer PATH]
     python scripts/convert_hf.py export --checkpoint runs/imported --out path/to/hf_export
 
 import reads a save_pretrained directory (config.json + model.safetensors, or shards with
 model.safetensors.index.json; LlamaForCausalLM, MistralForCausalLM or GPT2LMHeadModel), whatever
 its vocabulary, and writes
     RUN/checkpoints/step_0000000/   the weights at tensor_parallel_size=--tp (no optimizer state)
-    RUN/config.yaml                 the run config: defaults, the model from config.json, --tp,
+    RUN/config.yaml                 the run config: defaults, the model from config.json, --tp, --ep
+                                    (a mixture of experts' expert_parallel_size; the checkpoint holds every
+                                    expert whole whatever it is),
                                     data.tokenizer=RUN/tokenizer, data.data_dir=RUN/data
     RUN/tokenizer/                  tokenizer.json, tokenizer_config.json, special_tokens_map.json
                                     as found beside the weights (or --tokenizer PATH: a tokenizer.json or
@@ -47,15 +49,17 @@ from parallel_attention.training.tokenizer import copy_tokenizer as copy_tokeniz
 SOURCE_CONFIG = "hf_config.json"
 
 
-def build_run_config(model: ModelConfig, tp: int, run_dir: Path) -> PretrainConfig:
-    """Defaults, the imported model, tensor_parallel_size=tp, data prepared in RUN/data with RUN/tokenizer."""
+def build_run_config(model: ModelConfig, tp: int, run_dir: Path, ep: int = 1) -> PretrainConfig:
+    """Defaults, the imported model, tensor_parallel_size=tp (and expert_parallel_size=ep, with zero_stage 0, which
+    ep > 1 needs), data prepared in RUN/data with RUN/tokenizer."""
     seq_len = min(DataConfig.seq_len, model.max_seq_len)
     data = DataConfig(tokenizer=str(run_dir / "tokenizer"), data_dir=str(run_dir / "data"), seq_len=seq_len)
-    cfg = PretrainConfig(model=model, parallel=ParallelConfig(tensor_parallel_size=tp), data=data,
+    experts = {"expert_parallel_size": ep, "zero_stage": 0} if ep > 1 else {}
+    cfg = PretrainConfig(model=model, parallel=ParallelConfig(tensor_parallel_size=tp, **experts), data=data,
                          logging=LoggingConfig(run_dir=str(run_dir)))
     # the layout only: the tokenizer is not written yet (and may be missing); any vocabulary is accepted
     dataclasses.replace(cfg, model=dataclasses.replace(model, vocab_size=max(model.vocab_size, 256)),
-                        data=dataclasses.replace(data, tokenizer="byte")).validate(world_size=tp)
+                        data=dataclasses.replace(data, tokenizer="byte")).validate(world_size=tp * ep)
     return cfg
 
 
@@ -77,12 +81,12 @@ def copy_tokenizer(hf_dir: Path, run_dir: Path, tokenizer: Path | None = None) -
     copy_tokenizer_files(tokenizer_file(tokenizer or hf_dir), tokenizer_dir)
 
 
-def run_import(hf_dir: Path, run_dir: Path, tp: int, tokenizer: Path | None = None) -> Path:
+def run_import(hf_dir: Path, run_dir: Path, tp: int, tokenizer: Path | None = None, ep: int = 1) -> Path:
     ckpt_root = run_dir / "checkpoints"
     if ckpt_root.exists() and any(ckpt_root.iterdir()):
         raise ValueError(f"{ckpt_root} already holds checkpoints: import into a new run directory.")
     model, canonical = hf_to_canonical(hf_dir)
-    cfg = build_run_config(model, tp, run_dir)
+    cfg = build_run_config(model, tp, run_dir, ep)
     copy_tokenizer(hf_dir, run_dir, tokenizer)
     step_dir = write_canonical_checkpoint(ckpt_root, cfg.to_dict(), canonical, step=0)
     save_config(cfg, run_dir / "config.yaml")
@@ -114,6 +118,7 @@ def main(argv: list[str]) -> int:
     imp.add_argument("--hf", required=True, type=Path, help="save_pretrained directory")
     imp.add_argument("--out", required=True, type=Path, help="run directory to create")
     imp.add_argument("--tp", required=True, type=int, help="tensor_parallel_size of the checkpoint")
+    imp.add_argument("--ep", type=int, default=1, help="expert_parallel_size of the run config (MoE; default 1)")
     imp.add_argument("--tokenizer", type=Path, default=None,
                      help="tokenizer.json (or a directory holding one) to copy into RUN/tokenizer/; default: the one "
                           "beside the weights")
@@ -125,7 +130,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
-            written = run_import(args.hf, args.out, args.tp, args.tokenizer)
+            written = run_import(args.hf, args.out, args.tp, args.tokenizer, args.ep)
         else:
             written = run_export(args.checkpoint, args.out, args.architecture)
     except (ValueError, OSError) as error:  # CheckpointError, TensorFileError: ValueErrors naming their file

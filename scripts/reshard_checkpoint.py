@@ -1,14 +1,16 @@
 """Rewrite a checkpoint at another layout (tensor-parallel size, pipeline stages), weights and optimizer state,
 offline.
 
-    python scripts/reshard_checkpoint.py --in runs/gpt_tiny --out runs/gpt_tiny_tp4 --tp 4
+    python scripts/reshard_checkpoint.py --in runs/gpt_tiny --out runs/gpt_tiny_tp4 --tp 4 [--ep 2]
     python scripts/reshard_checkpoint.py --in runs/gpt_tiny --out runs/gpt_tiny_pp2 --tp 1 --pp 2 --pipeline-layers 3,1
 
 --in takes a step directory or a run directory (its newest complete checkpoint); the result is
 written as OUT/checkpoints/step_XXXXXXX/, so `--resume` with --logging.run_dir=OUT continues it, with the run's
 config.yaml (at the new layout: parallel.tensor_parallel_size and parallel.pipeline_*, the split explicit) and
 tokenizer/ beside it: OUT is a model directory of its own. The canonical (layout-independent) state dict is the pivot,
-so any layout converts to any other that divides the model. --pp 1 (the default) writes one stage.
+so any layout converts to any other that divides the model. --pp 1 (the default) writes one stage. A mixture of
+experts' checkpoint holds every expert whole at any ep: --ep sets only the expert_parallel_size the copy's config
+runs at (default: the source's).
 """
 
 from __future__ import annotations
@@ -57,20 +59,23 @@ def main(argv: list[str]) -> int:
                         help="target virtual_pipeline_stages (model chunks per pipeline rank; default 1)")
     parser.add_argument("--pipeline-layers", type=_layers, default=None,
                         help="layers per virtual stage, e.g. 3,1 (default: balanced by cost, as a run splits)")
+    parser.add_argument("--ep", type=int, default=None, help="target expert_parallel_size (default: the source's)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
         source = resolve_step_dir(args.source)  # CheckpointError is a ValueError
-        written = reshard_checkpoint(source, args.out / "checkpoints", args.tp, _stages(source, args))
+        written = reshard_checkpoint(source, args.out / "checkpoints", args.tp, _stages(source, args), args.ep)
         parallel = read_manifest(written)["config"]["parallel"]
         carried = carry_model_files(source.parent.parent, args.out, {
             k: parallel[k] for k in ("tensor_parallel_size", "pipeline_parallel_size", "virtual_pipeline_stages",
-                                     "pipeline_layers", "pipeline_schedule")})
+                                     "pipeline_layers", "pipeline_schedule", "expert_parallel_size", "zero_stage")
+            if k in parallel})
     except ValueError as error:
         print(f"cannot reshard {args.source}: {error}", file=sys.stderr)
         return 2
     layout = f"tensor_parallel_size={args.tp}" + (
-        f", pipeline_parallel_size={args.pp}, pipeline_layers={parallel['pipeline_layers']}" if args.pp > 1 else "")
+        f", pipeline_parallel_size={args.pp}, pipeline_layers={parallel['pipeline_layers']}" if args.pp > 1 else "") + (
+        f", expert_parallel_size={args.ep}" if args.ep is not None else "")
     print(f"{source} -> {written} ({layout}) in {time.perf_counter() - started:.1f}s"
           + (f", with {', '.join(carried)}" if carried else ""))
     return 0

@@ -12,7 +12,8 @@ from parallel_attention import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = {"gpt_tiny.yaml": 2, "quickstart.yaml": 2, "gpt2_124m.yaml": 8, "llama_1b_tp8.yaml": 8,
-           "llama_1b_32k_tp2_cp4.yaml": 8, "llama_70b_pp.yaml": 128}  # config -> world size it is sized for
+           "llama_1b_32k_tp2_cp4.yaml": 8, "llama_70b_pp.yaml": 128, "moe_tiny.yaml": 2,
+           "qwen3_30b_a3b.yaml": 16}  # config -> world size it is sized for
 
 
 def test_every_shipped_config_is_listed_here():
@@ -163,3 +164,17 @@ def test_the_70b_pipeline_config_fits_an_80_gb_gpu_per_stage():
     assert all(12 <= share <= 14 for share in shares), shares
     gib = [float(re.search(r"([0-9.]+) GiB/rank", s).group(1)) for s in stages]
     assert all(8 < g < 20 for g in gib), gib
+
+
+def test_the_qwen3_30b_a3b_config_has_its_parameters_active_and_total_and_fits_an_h100():
+    """Qwen3-30B-A3B's shape: the run summary's experts row, from the config alone, gives its published 30.5B
+    parameters and 3.3B active per token, and at ep 16 what each GPU holds (under 80 GB before activations)."""
+    from parallel_attention.training.run.moe_summary import moe_rows, parameter_counts
+
+    cfg = load_config(ROOT / "configs" / "qwen3_30b_a3b.yaml")
+    cfg.validate(16)
+    counts = parameter_counts(cfg.model)
+    assert 30.4e9 < counts["total"] < 30.6e9 and 3.3e9 < counts["active"] < 3.4e9
+    row = moe_rows(cfg)["experts"]
+    assert "30.53B parameters, 3.35B active per token; ep 16: 8 experts a rank" in row
+    assert 40 < float(re.search(r"([0-9.]+) GiB/rank", row).group(1)) < 60

@@ -21,7 +21,8 @@ LAYER = {"tensor_parallel": 1, "launch": 2, "transformer": 2, "checkpointing": 3
          "training": 4}
 # Files allowed past the 300-line budget because their one concept needs it (split by concept, never by count):
 # every collective, its timeout hook, the ring and the pipeline's batched exchanges: one module to follow
-LONGER = {"tensor_parallel/collectives.py": 375}
+# the one owner of every group, the expert-parallel ones included (issue 47): split by line count, it would own less
+LONGER = {"tensor_parallel/collectives.py": 375, "tensor_parallel/parallel_state.py": 315}
 FLAGS_NOT_IN_FORWARD = {"sequence_parallel", "kv_cache", "gated", "rotary", "recompute_activations"}
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 

@@ -43,12 +43,16 @@ def test_a_v0_1_0_manifest_reads_under_todays_keys():
 
 def test_a_v0_2_0_manifest_and_run_config_read_unchanged():
     raw, manifest = _raw_config(V0_2), read_manifest(V0_2 / STEP)
-    assert manifest["config"] == raw  # 0.2.0 wrote today's keys, but for data.sampling
+    added = {k: v for k, v in ADDED_KEYS["model"].items() if k not in raw["model"]}  # since: the MoE keys
+    assert set(added) == {"num_experts"} | {k for k in ADDED_KEYS["model"] if k.startswith("moe_")}
+    # 0.2.0 wrote today's keys, but for data.sampling and the mixture-of-experts keys (read at their dense defaults)
+    assert manifest["config"] == {**raw, "model": {**raw["model"], **added}}
     assert started_before_sampling(raw)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing old in it: no FutureWarning
         cfg = load_config(V0_2 / "config.yaml")
-    assert cfg.to_dict()["model"] == raw["model"] and cfg.data.sampling == "epochs"  # resume.py sets random_windows
+    assert cfg.to_dict()["model"] == {**raw["model"], **added}
+    assert cfg.data.sampling == "epochs"  # resume.py sets random_windows
 
 
 def test_a_raw_old_model_section_is_refused_naming_the_way_in():

@@ -30,7 +30,7 @@ DOC_PAGES = ("embedding", "configuration", "training", "pipeline", "checkpoints-
              "architecture", "performance", "development")
 PAGES = (README, *(ROOT / "docs" / f"{name}.md" for name in DOC_PAGES))
 # pages whose commands a test of their own runs, in their own scratch directory with their own fixtures
-OWN_TESTS = {"data.md": "tests/test_data_docs.py", "fp8.md": "tests/test_fp8_docs.py"}
+OWN_TESTS = {"data.md": "tests/test_data_docs.py", "fp8.md": "tests/test_fp8_docs.py", "moe.md": "tests/test_moe_docs.py"}
 # commands that another test runs as written and asserts more of: not launched a second time here
 RUN_ELSEWHERE = {command: "tests/test_check.py" for command in CHECK_COMMANDS}
 RUN_ELSEWHERE[PIPELINE_CHECK] = "tests/test_pipeline.py"
@@ -70,6 +70,7 @@ SHORTEN = {
     r"benchmarks/benchmark_scaling\.py": [*TINY_BENCH_MODEL, "--rounds", "1", "--iters", "1", "--warmup", "0"],
     r"benchmarks/benchmark_preparation\.py": ["--sizes-mb", "0.2", "0.4", "--bpe-mb", "0.3", "--repeats", "1"],
     r"benchmarks/pipeline_speed\.py": ["--rounds", "1", "--steps", "3"],
+    r"benchmarks/moe_step\.py": ["--rounds", "1", "--iters", "1", "--seq", "32"],
     r"benchmarks/pipeline_bubble\.py": ["--stages", "2", "--micro-batches", "2", "--step-ms", "5", "--repeats", "1"],
     r"benchmarks/activation_memory\.py": ["--seq", "32", "--batch", "1", "--hidden", "64", "--heads", "4",
                                           "--kv-heads", "2"],

@@ -27,11 +27,13 @@ from ..tensor_parallel.parallel_state import (destroy_model_parallel, group_rank
                                               shutdown_distributed)
 from ..transformer import active_paths
 from ..transformer.dropout import dropout_paths
+from ..transformer.moe.experts import expert_paths
 from .collectives_check import check_collectives
 from .context import CheckContext
 from .context_parallel_check import check_context_parallel
 from .counts import check_collective_count
 from .equivalence import check_attention, check_model
+from .expert_parallel_check import check_expert_parallel
 from .pipeline_check import check_pipeline, message_bytes
 from .replicas import check_init, check_replicas
 from .report import Result, agree, report_lines, run_guarded
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pp-message-mib", type=float, default=None,
                         help="size of each message between stages in the --pp check (default: 64 MiB on GPU, beyond "
                              "NCCL's buffering, where a send waits for its receive; the smallest, 4 KiB, on CPU)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size: also check an MoE layer with its experts split over ep ranks")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="parameter dtype of the checked modules (the reference is always float64 on CPU)")
     parser.add_argument("--seed", type=int, default=1234)
@@ -86,10 +90,11 @@ def run_checks(ctx: CheckContext, bandwidth_bytes: int) -> list[Result]:
 def _header(ctx: CheckContext, args: argparse.Namespace) -> list[str]:
     cp = f", cp {args.cp} (its own check, last)" if args.cp > 1 else ""
     cp += f", pp {args.pp} (its own check, last)" if args.pp > 1 else ""
+    cp += f", ep {args.ep} (its own check, last)" if args.ep > 1 else ""
     lines = [f"# parallel_attention {__version__} self-check: world {ctx.world_size}, tp {ctx.tp_size}, "
              f"dp {ctx.world_size // ctx.tp_size}{cp}, backend {dist.get_backend()}, device {ctx.device.type}, "
              f"dtype {args.dtype}, torch {torch.__version__}"]
-    paths = {**active_paths(), **dropout_paths()}
+    paths = {**active_paths(), **dropout_paths(), **expert_paths()}
     lines += [f"# path: {family}: {path}" for family, path in paths.items()]
     return lines + ([f"# injected fault: {args.inject_fault}"] if args.inject_fault else [])
 
@@ -134,6 +139,10 @@ def _check(args: argparse.Namespace, tp: int, start: float) -> int:
         initialize_model_parallel(1, timeout=args.timeout, pipeline_model_parallel_size=args.pp)
         results.append(run_guarded("pipeline", check_pipeline, build_context(args, device),
                                    message_bytes(args.pp_message_mib, device)))
+    if args.ep > 1:  # its own (dp, ep) groups, tp 1: the layer against the whole layer on each rank
+        destroy_model_parallel()
+        initialize_model_parallel(1, timeout=args.timeout, expert_model_parallel_size=args.ep)
+        results.append(run_guarded("expert-parallel", check_expert_parallel, build_context(args, device)))
     results = agree(results)
     if ctx.global_rank == 0:
         lines = _header(ctx, args) + [f"# done in {time.perf_counter() - start:.1f} s"] + report_lines(results)

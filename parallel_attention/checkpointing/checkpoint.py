@@ -43,8 +43,8 @@ from .compatibility import check_config, check_layout
 from .format import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointCorruptError, CheckpointError, check_shard_shapes,
                      commit, latest_checkpoint, list_checkpoints, list_incomplete, model_file, optim_file, prune,
                      read_manifest, read_shard, rng_file, shard_name, step_dir_name, verify_file, write_manifest)
-from .state_encoding import (full_optimizer_state, gathered, optim_state_dict, optim_tensors, placed_like,
-                             rng_tensors, set_rng)
+from .experts import this_ranks_experts, whole_shapes, whole_state
+from .state_encoding import optim_state_dict, optim_tensors, placed_like, rng_tensors, set_rng
 from .tensor_io import cpu_tensors, read_safetensors, write_safetensors
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
@@ -132,9 +132,7 @@ def save_checkpoint(ckpt_root: str | os.PathLike, step: int, model: nn.Module, o
     if error is not None:
         raise CheckpointError(f"saving step {step}: cannot create a directory under {root}: {error}")
     tmp = root / f"{final.name}.tmp-{nonce}"
-    # a collective for a sharded optimizer, so outside the per-rank try below
-    packed = full_optimizer_state(optimizer, at.dp_rank == 0) if optimizer is not None else None
-    weights = gathered(model.state_dict(), at.dp_rank == 0)  # FSDP2's dp shards made whole: a collective too
+    weights, packed = whole_state(model, optimizer, at.dp_rank == 0)  # collectives: outside the per-rank try below
     try:
         report = {"ok": True, **_write_shards(tmp, at, model, weights, optimizer, packed)}
     except Exception as e:  # reported to every rank below, so no rank is left waiting in a collective
@@ -186,7 +184,7 @@ def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, exp
     check_config(manifest, expected_config)
     weights, _ = read_shard(path, manifest, model_file(at.tp_rank, at.stage))
     check_shard_shapes(manifest, at.tp_rank, weights, at.stage)
-    current = model.state_dict()
+    current = {**model.state_dict(), **whole_shapes(model)}
     missing, unexpected = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
     if missing or unexpected:
         raise CheckpointError(f"{model_file(at.tp_rank, at.stage)}: parameters in the model but not in the checkpoint "
@@ -205,6 +203,7 @@ def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, exp
         tensors, meta = read_shard(path, manifest, optim_file(at.tp_rank, at.stage))
         loaded["optim"] = optim_state_dict(model, optimizer, tensors, meta)
     loaded["rng"] = read_safetensors(verify_file(path, manifest, rng_file(at.rank)))
+    this_ranks_experts(model, optimizer, loaded["optim"])
     return loaded
 
 

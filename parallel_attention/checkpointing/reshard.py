@@ -27,6 +27,7 @@ from ..transformer.model_config import ModelConfig
 from ..transformer.model_layout import canonical_sources, shard_state_dict, state_dict_keys, unshard_state_dict
 from ..transformer.pipeline_stage import PipelineStage
 from .checkpoint import raise_unless_all_passed
+from .experts import this_ranks_experts, whole_shapes
 from .format import (FORMAT, FORMAT_VERSION, CheckpointError, check_shard_shapes, commit, model_file, optim_file,
                      pipeline_stages, read_manifest, read_shard, shard_name, step_dir_name, write_manifest)
 from .state_encoding import merged_optimizer_meta, optim_state_dict, optimizer_meta_for, placed_like
@@ -159,19 +160,33 @@ def _write_stage(tmp: Path, cfg: ModelConfig, canonical: dict, optimizer: tuple[
     return files
 
 
+def expert_parallel_keys(size: int | None) -> dict:
+    """The parallel keys of a run at expert-parallel size `size` (None: unchanged): ep > 1 runs at zero_stage 0."""
+    if size is None:
+        return {}
+    return {"expert_parallel_size": size, **({"zero_stage": 0} if size > 1 else {})}
+
+
 def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parallel_size: int,
-                       stages: list[PipelineStage] | None = None) -> Path:
+                       stages: list[PipelineStage] | None = None, expert_parallel_size: int | None = None) -> Path:
     """Offline: the checkpoint at `step_dir` (any layout) rewritten at `tensor_parallel_size` and the pipeline
     `stages` (`pipeline.layout.rank_stages`; None: one stage), optimizer included. The written config's
-    parallel.pipeline_* describe those stages (pipeline_layers explicit), so a run resumed there builds them."""
+    parallel.pipeline_* describe those stages (pipeline_layers explicit), so a run resumed there builds them. The
+    experts of an MoE are whole in every checkpoint: `expert_parallel_size` changes only the config it records."""
     step_dir = Path(step_dir)
     manifest, cfg, p = _source(step_dir)
+    ep = expert_parallel_size
+    if ep is not None and (ep < 1 or (cfg.num_experts or 1) % ep or (not cfg.num_experts and ep > 1)):
+        raise ValueError(f"expert_parallel_size={ep} must be a positive divisor of model.num_experts="
+                         f"{cfg.num_experts} (1 for a dense model).")
+    experts = expert_parallel_keys(ep)
     canonical = _canonical_weights(step_dir, manifest, cfg, p)
     optimizer = _canonical_optimizer(step_dir, manifest, cfg, p)
     saved = manifest["config"]
     target = {**saved, "parallel": {**saved["parallel"], "tensor_parallel_size": tensor_parallel_size,
                                      **pipeline_settings(stages or [PipelineStage()], cfg.num_layers,
-                                                         saved["parallel"].get("pipeline_schedule", DEFAULT_SCHEDULE))}}
+                                                         saved["parallel"].get("pipeline_schedule", DEFAULT_SCHEDULE)),
+                                     **experts}}
     return write_canonical_checkpoint(out_root, target, canonical, manifest["step"],
                                       optimizer=optimizer if optimizer[0] is not None else None,
                                       extra=manifest.get("extra"), stages=stages)
@@ -222,7 +237,7 @@ def _read_resharded(step_dir: Path, model: nn.Module, optimizer, tp_group) -> tu
     canonical = _canonical_weights(step_dir, manifest, cfg, p_source)
     keys = list(model.state_dict())
     weights = shard_state_dict(cfg, keys, canonical, p, rank)
-    current = model.state_dict()
+    current = {**model.state_dict(), **whole_shapes(model)}  # experts split over ep: whole in the checkpoint
     differ = [f"{k}: checkpoint {tuple(v.shape)}, model {tuple(current[k].shape)}"
               for k, v in weights.items() if v.shape != current[k].shape]
     if differ:
@@ -234,4 +249,5 @@ def _read_resharded(step_dir: Path, model: nn.Module, optimizer, tp_group) -> tu
             live = {name for name, _ in model.named_parameters()}
             optim = optim_state_dict(model, optimizer, _optimizer_shard(cfg, state, keys, p, rank),
                                      optimizer_meta_for(meta, live))
+    this_ranks_experts(model, optimizer, optim)
     return manifest, weights, optim

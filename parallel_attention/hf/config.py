@@ -121,6 +121,7 @@ def _llama_to_model(f: _Fields) -> ModelConfig:
         max_seq_len = min(max_seq_len, window)
     if f.arch == "LlamaForCausalLM":
         f.positive_int("pretraining_tp", 1)  # only slices the same matmuls (identical math)
+    experts = _experts(f) if f.arch in MOE_ARCHITECTURES else {}
     return ModelConfig(
         vocab_size=f.positive_int("vocab_size"), hidden_size=h, num_layers=f.positive_int("num_hidden_layers"),
         num_heads=nh, num_kv_heads=nkv, head_dim=None if head_dim * nh == h else head_dim,
@@ -128,19 +129,46 @@ def _llama_to_model(f: _Fields) -> ModelConfig:
         norm_eps=f.number("rms_norm_eps"), position_embedding="rotary", max_seq_len=max_seq_len,
         tie_embeddings=f.flag("tie_word_embeddings"), hidden_dropout=0.0,
         attention_dropout=f.number("attention_dropout"), init_std=f.number("initializer_range"),
-        **rope_from_hf(f), **_attention_variant(f),
+        **rope_from_hf(f), **_attention_variant(f), **experts,
     )
+
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _experts(f: _Fields) -> dict[str, Any]:
+    """The mixture of experts of Mixtral (every layer, top-k renormalised) and Qwen2/3-MoE (norm_topk_prob, a layer
+    every decoder_sparse_step, the first layers dense through mlp_only_layers; Qwen2-MoE's gated shared expert)."""
+    if f.arch == "MixtralForCausalLM":
+        return dict(num_experts=f.positive_int("num_local_experts"), moe_top_k=f.positive_int("num_experts_per_tok"),
+                    moe_ffn_hidden_size=f.positive_int("intermediate_size"), moe_router_renormalize=True,
+                    moe_aux_loss_coeff=f.number("router_aux_loss_coef"))
+    count_key = "num_local_experts" if f.hf.get("num_local_experts") is not None else "num_experts"
+    dense = f.get("mlp_only_layers") or []
+    if dense != list(range(len(dense))):
+        raise ValueError(f"config.json: mlp_only_layers={dense!r} is not supported: the dense layers must be the first "
+                         "k layers (model.moe_first_dense_layers).")
+    out = dict(num_experts=f.positive_int(count_key), moe_top_k=f.positive_int("num_experts_per_tok"),
+               moe_ffn_hidden_size=f.positive_int("moe_intermediate_size"),
+               moe_router_renormalize=f.flag("norm_topk_prob"), moe_aux_loss_coeff=f.number("router_aux_loss_coef"),
+               moe_layer_freq=f.positive_int("decoder_sparse_step"), moe_first_dense_layers=len(dense))
+    if f.arch == "Qwen2MoeForCausalLM":
+        out.update(moe_shared_expert_ffn_hidden_size=f.positive_int("shared_expert_intermediate_size"),
+                   moe_shared_expert_gate=True)
+    return out
 
 
 def _attention_variant(f: _Fields) -> dict[str, bool]:
     """The biases and q/k norms each architecture has (see family_tables)."""
     arch = f.arch
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return dict(qkv_bias=False, out_bias=False, mlp_bias=False)
     if arch == "Qwen2ForCausalLM":
         return dict(qkv_bias=True, out_bias=False, mlp_bias=False)
+    if arch == "Qwen2MoeForCausalLM":
+        return dict(qkv_bias=f.flag("qkv_bias"), out_bias=False, mlp_bias=False)
     bias = f.flag("attention_bias")
-    if arch == "Qwen3ForCausalLM":
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         return dict(qkv_bias=bias, out_bias=bias, mlp_bias=False, qk_norm=True)
     return dict(qkv_bias=bias, out_bias=bias, mlp_bias=f.flag("mlp_bias"))
 
@@ -150,9 +178,9 @@ def _sliding_window(f: _Fields) -> int | None:
 
     Mistral: sliding_window. Qwen2/3: sliding_window if use_sliding_window, on the layers that layer_types marks
     'sliding_attention' (or, without layer_types, on those from max_window_layers on)."""
-    if f.arch == "MistralForCausalLM":
+    if f.arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return None if f.get("sliding_window") is None else f.positive_int("sliding_window")
-    if f.arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if f.arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return None
     enabled, window = f.flag("use_sliding_window"), f.get("sliding_window")  # the window counts only if enabled
     window = f.positive_int("sliding_window") if enabled and window is not None else None

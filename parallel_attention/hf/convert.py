@@ -7,7 +7,8 @@
 
 and back with `canonical_to_hf`, which writes a directory `AutoModelForCausalLM.from_pretrained` loads.
 Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (sliding windows folded into
-max_seq_len), GPT2LMHeadModel (see families).
+max_seq_len), GPT2LMHeadModel, and the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM,
+Qwen3MoeForCausalLM (experts per expert or fused, `expert_layouts`; see families).
 Vocabulary: Hugging Face vocab_size is ModelConfig.vocab_size (GPTModel pads internally; canonical
 tensors are unpadded). Tensors keep their stored dtype. Needs safetensors only, not transformers.
 """
@@ -22,6 +23,7 @@ import torch
 
 from ..transformer.model_config import ModelConfig
 from .config import FAMILY, architecture_of, hf_config_from_model, model_config_from_hf, read_hf_config
+from .expert_layouts import fuse_experts, split_experts
 from .weights import canonical_to_hf_tensors, hf_to_canonical_tensors, load_hf_tensors, save_hf_tensors
 
 __all__ = ["architecture_of", "canonical_to_hf", "hf_to_canonical", "missing_tokenizer_message", "read_hf_config",
@@ -36,6 +38,8 @@ def hf_to_canonical(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Te
     hf = read_hf_config(hf_dir)
     cfg = model_config_from_hf(hf)
     tensors, where = load_hf_tensors(hf_dir)
+    if cfg.num_experts:
+        tensors = fuse_experts(tensors, cfg.num_experts, where)
     return cfg, hf_to_canonical_tensors(tensors, cfg, FAMILY[architecture_of(hf)], where)
 
 
@@ -52,6 +56,8 @@ def canonical_to_hf(model_cfg: ModelConfig, canonical: dict[str, torch.Tensor], 
         raise ValueError(f"{out} exists and is not empty: export into a new directory.")
     hf = hf_config_from_model(model_cfg, architecture, source_config)
     tensors = canonical_to_hf_tensors(canonical, model_cfg, FAMILY[hf["architectures"][0]])
+    if model_cfg.num_experts:  # the per-expert layout transformers' save_pretrained writes
+        tensors = split_experts(tensors, mixtral=hf["architectures"][0] == "MixtralForCausalLM")
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     hf.update(dtype=dtype, torch_dtype=dtype)  # transformers >= 5 reads dtype, older versions torch_dtype
     out.mkdir(parents=True, exist_ok=True)

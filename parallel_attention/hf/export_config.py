@@ -1,7 +1,7 @@
 """ModelConfig -> Hugging Face `config.json`: the inverse of hf.config's mapping.
 
 The architecture is the one imported from (pass the source config.json), or, failing that, the one the
-ModelConfig's shape implies (GPT-2, Llama, Qwen2, Qwen3, in that order). A ModelConfig the chosen
+ModelConfig's shape implies (GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, in that order). A ModelConfig the chosen
 architecture cannot express is refused with the fields at fault.
 """
 
@@ -17,7 +17,13 @@ from .rope_config import rope_to_hf
 
 # (qkv_bias, out_bias, mlp_bias, qk_norm) each architecture can hold; None: either value
 _ATTENTION = {"LlamaForCausalLM": (None, None, None, False), "MistralForCausalLM": (False, False, False, False),
-              "Qwen2ForCausalLM": (True, False, False, False), "Qwen3ForCausalLM": (None, None, False, True)}
+              "Qwen2ForCausalLM": (True, False, False, False), "Qwen3ForCausalLM": (None, None, False, True),
+              "MixtralForCausalLM": (False, False, False, False), "Qwen2MoeForCausalLM": (None, False, False, False),
+              "Qwen3MoeForCausalLM": (None, None, False, True)}
+# what each mixture-of-experts architecture can hold: (renormalised top-k or None: either, shared expert, every
+# layer MoE); the router is softmax without a balancing bias in all three
+_EXPERTS = {"MixtralForCausalLM": (True, False, True), "Qwen2MoeForCausalLM": (None, True, False),
+            "Qwen3MoeForCausalLM": (None, False, False)}
 _SWITCHES = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm")
 
 
@@ -37,18 +43,41 @@ def _misfits(cfg: ModelConfig, arch: str) -> list[str]:
         return out
     out += [f"{k}={getattr(cfg, k)} (needs {v})" for k, v in zip(_SWITCHES, _ATTENTION[arch])
             if v is not None and getattr(cfg, k) != v]
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and cfg.qkv_bias != cfg.out_bias:
+    out += _expert_misfits(cfg, arch)
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and cfg.qkv_bias != cfg.out_bias:
         out.append(f"qkv_bias={cfg.qkv_bias} with out_bias={cfg.out_bias} (one attention_bias for both)")
     return out
 
 
+def _expert_misfits(cfg: ModelConfig, arch: str) -> list[str]:
+    if arch not in _EXPERTS:
+        return [f"num_experts={cfg.num_experts} (needs 0: {arch} is dense)"] if cfg.num_experts else []
+    renormalize, shared, every_layer = _EXPERTS[arch]
+    out = [] if cfg.num_experts else [f"num_experts=0 (needs experts: {arch} is a mixture of experts)"]
+    if renormalize is not None and cfg.moe_router_renormalize != renormalize:
+        out.append(f"moe_router_renormalize={cfg.moe_router_renormalize} (needs {renormalize})")
+    if bool(cfg.moe_shared_expert_ffn_hidden_size) != shared or cfg.moe_shared_expert_gate != shared:
+        out.append(f"moe_shared_expert_ffn_hidden_size={cfg.moe_shared_expert_ffn_hidden_size}, moe_shared_expert_gate="
+                   f"{cfg.moe_shared_expert_gate} (needs {'a gated shared expert' if shared else 'none'})")
+    if every_layer and (cfg.moe_layer_freq, cfg.moe_first_dense_layers) != (1, 0):
+        out.append(f"moe_layer_freq={cfg.moe_layer_freq}, moe_first_dense_layers={cfg.moe_first_dense_layers} "
+                   "(needs every layer MoE)")
+    if cfg.moe_router_score != "softmax" or cfg.moe_router_bias_update_rate:
+        out.append(f"moe_router_score={cfg.moe_router_score!r}, moe_router_bias_update_rate="
+                   f"{cfg.moe_router_bias_update_rate} (needs softmax, 0)")
+    return out
+
+
+_INFERRED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+             "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # the order an architecture is inferred in
+
+
 def infer_architecture(cfg: ModelConfig) -> str:
-    for arch in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in _INFERRED:
         if not _misfits(cfg, arch):
             return arch
-    raise ValueError("this ModelConfig is neither GPT-2 nor Llama (nor Qwen2, Qwen3) shaped: " + "; ".join(
-        f"as {a} {_misfits(cfg, a)}" for a in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM",
-                                              "Qwen3ForCausalLM")) + ".")
+    raise ValueError("this ModelConfig is neither GPT-2 nor Llama (nor Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE) "
+                     "shaped: " + "; ".join(f"as {a} {_misfits(cfg, a)}" for a in _INFERRED) + ".")
 
 
 def hf_config_from_model(cfg: ModelConfig, architecture: str | None = None,
@@ -78,11 +107,26 @@ def _llama_fields(cfg: ModelConfig, arch: str) -> dict[str, Any]:
                initializer_range=cfg.init_std, **rope_to_hf(cfg))
     if arch == "MistralForCausalLM":
         return {**out, "sliding_window": None}
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch == "MixtralForCausalLM":  # its intermediate_size is the experts' width
+        return {**out, "sliding_window": None, "intermediate_size": cfg.resolved_moe_ffn_hidden_size(),
+                "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k,
+                "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers,
                    layer_types=["full_attention"] * cfg.num_layers)
-        return {**out, "attention_bias": cfg.qkv_bias} if arch == "Qwen3ForCausalLM" else out
+        out.update(_qwen_experts(cfg) if cfg.num_experts else {})
+        if arch == "Qwen2MoeForCausalLM":
+            return {**out, "qkv_bias": cfg.qkv_bias,
+                    "shared_expert_intermediate_size": cfg.moe_shared_expert_ffn_hidden_size}
+        return {**out, "attention_bias": cfg.qkv_bias} if arch != "Qwen2ForCausalLM" else out
     return {**out, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias, "pretraining_tp": 1}
+
+
+def _qwen_experts(cfg: ModelConfig) -> dict[str, Any]:
+    return dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_top_k,
+                moe_intermediate_size=cfg.resolved_moe_ffn_hidden_size(), norm_topk_prob=cfg.moe_router_renormalize,
+                decoder_sparse_step=cfg.moe_layer_freq, mlp_only_layers=list(range(cfg.moe_first_dense_layers)),
+                router_aux_loss_coef=cfg.moe_aux_loss_coeff)
 
 
 def _gpt2_fields(cfg: ModelConfig) -> dict[str, Any]:

@@ -125,7 +125,7 @@ class Family:
     embedding: str
     attention: str
     attention_source: object
-    mlp: type[nn.Module]
+    mlp: type[nn.Module] | None  # None: parallelize cannot shard this family's MLP (mixtures of experts)
 
     def intermediate_size(self, config) -> int:
         return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
@@ -141,6 +141,12 @@ FAMILIES = {
                                **_LLAMA_LIKE),
     "Qwen3ForCausalLM": Family("qwen3", defaults=tables.QWEN3, attention_source=LlamaAttentionSource(),
                                **_LLAMA_LIKE),
+    "MixtralForCausalLM": Family("mixtral", defaults=tables.MIXTRAL, attention_source=MistralAttentionSource(),
+                                 **{**_LLAMA_LIKE, "mlp": None}),
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", defaults=tables.QWEN2_MOE, attention_source=LlamaAttentionSource(),
+                                  **{**_LLAMA_LIKE, "mlp": None}),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", defaults=tables.QWEN3_MOE, attention_source=LlamaAttentionSource(),
+                                  **{**_LLAMA_LIKE, "mlp": None}),
     "GPT2LMHeadModel": Family("gpt2", weights="gpt2", defaults=tables.GPT2, decoder="transformer", layers="h",
                               embedding="wte", attention="attn", attention_source=GPT2AttentionSource(),
                               mlp=Conv1DMLP),
@@ -165,8 +171,9 @@ def architecture_of(hf: dict) -> str:
 def family_of(model: nn.Module) -> Family:
     """The family of a transformers *ForCausalLM; ValueError naming it and the supported list otherwise."""
     name = type(model).__name__
-    if name not in FAMILIES:
-        raise ValueError(f"parallelize: architecture {name} is not supported; supported: {sorted(FAMILIES)}.")
+    supported = sorted(a for a, f in FAMILIES.items() if f.mlp is not None)
+    if name not in supported:
+        raise ValueError(f"parallelize: architecture {name} is not supported; supported: {supported}.")
     return FAMILIES[name]
 
 

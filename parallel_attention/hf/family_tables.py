@@ -7,6 +7,9 @@ the fields it ignores or carries. Which architectures those are is `families.FAM
     Qwen2ForCausalLM     qwen2       llama     bias on q, k, v only; sliding window per layer (folded)
     Qwen3ForCausalLM     qwen3       llama     RMSNorm over each head's q and k (qk_norm); attention_bias
     GPT2LMHeadModel      gpt2        gpt2      (its own family: learned positions, LayerNorm, GELU)
+    MixtralForCausalLM   mixtral     llama     Mistral's block with a mixture of experts (top-k renormalised)
+    Qwen2MoeForCausalLM  qwen2_moe   llama     Qwen2's block with experts, a gated shared expert, dense layers
+    Qwen3MoeForCausalLM  qwen3_moe   llama     Qwen3's block with experts (norm_topk_prob), dense layers
 
 A field absent from config.json takes the Hugging Face class default listed here, as from_pretrained would.
 """
@@ -33,12 +36,23 @@ GPT2 = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=1
             scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, add_cross_attention=False,
             tie_word_embeddings=True)
 
+_MOE = dict(num_experts_per_tok=2, output_router_logits=False, router_aux_loss_coef=0.001)
+MIXTRAL = {**MISTRAL, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+           "sliding_window": None, **_MOE, "num_local_experts": 8, "router_jitter_noise": 0.0}
+QWEN2_MOE = {**QWEN2, "intermediate_size": 5632, "num_key_value_heads": 16, "sliding_window": 0, **_MOE,
+             "num_experts_per_tok": 4, "num_experts": 60, "moe_intermediate_size": 1408,
+             "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "qkv_bias": True}
+QWEN3_MOE = {**QWEN3, "intermediate_size": 6144, "num_key_value_heads": 4, "sliding_window": None, **_MOE,
+             "num_experts_per_tok": 8, "num_experts": 128, "num_local_experts": None, "moe_intermediate_size": 768,
+             "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
 # Fields that do not change the forward: identity, bookkeeping, generation, other heads of GPT-2.
 NOT_MATH = {"architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
             "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
             "output_attentions", "output_hidden_states", "return_dict", "torchscript", "id2label", "label2id",
             "problem_type", "tokenizer_class", "prefix", "task_specific_params", "chunk_size_feed_forward",
             "is_encoder_decoder", "n_ctx", "summary_type", "summary_use_proj", "summary_activation",
-            "summary_proj_to_labels", "summary_first_dropout"}
+            "summary_proj_to_labels", "summary_first_dropout", "output_router_logits", "router_jitter_noise"}
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id")  # kept from the source config on export
 

@@ -14,6 +14,9 @@ f ffn, V vocab, P positions, nh/nkv heads, d head dim, i layer.
       model.layers.i.mlp.{gate,up}_proj.*       [f, h]       layers.i.mlp.{gate,up}_proj.*
       model.layers.i.mlp.down_proj.*            [h, f]       layers.i.mlp.down_proj.*
       model.norm.weight                                      final_norm.weight
+      MoE layers (Mixtral, Qwen2/3-MoE): model.layers.i.mlp.gate.weight [E, h], .experts.gate_up_proj [E, 2f, h],
+      .experts.down_proj [E, h, f] (after hf.expert_layouts.fuse_experts), .shared_expert.* and .shared_expert_gate
+      [1, h] (Qwen2-MoE): copies, under the same names from layers.i.mlp.
       lm_head.weight  (untied only)             [V, h]       lm_head.weight
     q/k copy without permutation: our rotary is the rotate-half (HF) form over the whole head.
 
@@ -99,11 +102,29 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
         if cfg.qk_norm:  # Qwen3: one RMSNorm weight [d] each for q and k, shared by the heads
             rules += [_copy(f"{src}self_attn.{n}_norm.weight", f"{dst}attention.{n}_norm.weight", (d,)) for n in "qk"]
         rules.append(_copy(f"{src}post_attention_layernorm.weight", f"{dst}post_attention_norm.weight", (h,)))
+        if cfg.is_moe_layer(i):
+            rules += _moe_rules(cfg, src, dst)
+            continue
         for name, shape in {"gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}.items():
             rules.append(_copy(f"{src}mlp.{name}.weight", f"{dst}mlp.{name}.weight", shape))
             if cfg.mlp_bias:
                 rules.append(_copy(f"{src}mlp.{name}.bias", f"{dst}mlp.{name}.bias", shape[:1]))
     rules.append(_copy("model.norm.weight", "final_norm.weight", (h,)))
+    return rules
+
+
+def _moe_rules(cfg: ModelConfig, src: str, dst: str) -> list[Rule]:
+    """An MoE layer: the router, the experts in the fused layout (hf.expert_layouts), the shared expert and its gate."""
+    h, e, f, s = cfg.hidden_size, cfg.num_experts, cfg.resolved_moe_ffn_hidden_size(), \
+        cfg.moe_shared_expert_ffn_hidden_size
+    rules = [_copy(f"{src}mlp.gate.weight", f"{dst}mlp.gate.weight", (e, h)),
+             _copy(f"{src}mlp.experts.gate_up_proj", f"{dst}mlp.experts.gate_up_proj", (e, 2 * f, h)),
+             _copy(f"{src}mlp.experts.down_proj", f"{dst}mlp.experts.down_proj", (e, h, f))]
+    if s:
+        rules += [_copy(f"{src}mlp.shared_expert.{n}.weight", f"{dst}mlp.shared_expert.{n}.weight", shape)
+                  for n, shape in {"gate_proj": (s, h), "up_proj": (s, h), "down_proj": (h, s)}.items()]
+    if cfg.moe_shared_expert_gate:
+        rules.append(_copy(f"{src}mlp.shared_expert_gate.weight", f"{dst}mlp.shared_expert_gate.weight", (1, h)))
     return rules
 
 

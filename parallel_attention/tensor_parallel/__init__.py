@@ -31,6 +31,8 @@ from .parallel_state import (
     get_data_parallel_rank,
     get_data_parallel_world_size,
     get_device_mesh,
+    get_expert_data_parallel_group,
+    get_expert_model_parallel_group,
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,

@@ -7,7 +7,8 @@ Read from the parameter kinds (no layer class is inspected):
                      (every rank of the group)                      (replicated, or PartialGrad under SP)
     tensor-parallel  the rows of a KvReplica,                       fused-QKV k/v replicas when p > num_kv_heads
                      on the ranks that share its `slot`
-    data-parallel    every parameter (the replicas are copies)      everything
+    data-parallel    every parameter (the replicas are copies)      everything; experts split over ep ranks
+                     (ExpertShard: the ranks of the same ep rank)   (MoE) only between holders of the same ones
 
 Each rank reduces every entry to two float64 checksums (the sum of its values and the sum of its values
 weighted by a position pattern, so a swap of two elements is seen too) and one all-gather per group
@@ -24,8 +25,8 @@ import torch
 from torch import nn
 
 from .collectives import all_gather_along_dim
-from .param_kinds import KvReplica, Sharded, local_rows, local_shard, parameter_kinds
-from .parallel_state import ProcessGroup, get_global_rank, group_size
+from .param_kinds import ExpertShard, KvReplica, Sharded, local_rows, local_shard, parameter_kinds
+from .parallel_state import ProcessGroup, get_global_rank, group_rank, group_size
 
 __all__ = ["AuditEntry", "replica_entries", "replica_mismatches"]
 
@@ -49,9 +50,15 @@ def replica_entries(model: nn.Module) -> tuple[list[AuditEntry], list[AuditEntry
         elif not isinstance(kind, Sharded):
             tensor_parallel.append(AuditEntry(name, local_shard(param).tensor))
     # FSDP2's DTensors are split across the data-parallel ranks, not copied: one copy has no replica to differ from
-    data_parallel = [AuditEntry(name, param) for name, param in model.named_parameters()
+    data_parallel = [AuditEntry(name, param, _expert_slot(kind))
+                     for name, (param, kind) in parameter_kinds(model).items()
                      if getattr(param, "placements", None) is None]
     return tensor_parallel, data_parallel
+
+
+def _expert_slot(kind) -> int:
+    """Experts split over ep ranks (ExpertShard): only the dp ranks at the same ep rank hold the same ones."""
+    return group_rank(kind.ep_group) if isinstance(kind, ExpertShard) else 0
 
 
 @torch.no_grad()
@@ -107,9 +114,13 @@ def _mismatches(entries: list[AuditEntry], group: ProcessGroup | None, where: st
         for slot in slots:
             sides = _sides([r for r in column if r[1] == slot])
             if len(sides) > 1:
-                label = entry.name if len(slots) == 1 else f"{entry.name} (k/v slot {slot})"
+                label = entry.name if len(slots) == 1 else f"{entry.name} ({_slot_word(entry)} {slot})"
                 bad.append(_describe(label, where, sides))
     return bad
+
+
+def _slot_word(entry: AuditEntry) -> str:
+    return "k/v slot" if entry.name.endswith("[k/v replica rows]") else "experts of ep rank"
 
 
 def replica_mismatches(model: nn.Module, tp_group: ProcessGroup | None, dp_group: ProcessGroup | None) -> list[str]:

@@ -8,6 +8,9 @@ states what it does forward and backward. Shapes: `s` sequence, `b` batch, `h` h
 
     name                                   forward                 backward
     all_to_all_along_dims                  split dim a, piece j to rank j, concatenate along dim b; the reverse
+    all_to_all_rows                        rows [a_j] to rank j, rows from each rank in rank order; the reverse
+                                           (uneven splits: expert-parallel dispatch and combine)
+    all_to_all_counts                      [p, ...] counts, row j to rank j (no autograd; splits are exchanged first)
     ring_exchange                          send to the next rank, receive from the previous, batched (no autograd:
                                            the ring's own Function rings its gradients back)
     exchange                               any sends and receives as one batch_isend_irecv (pipeline stages)
@@ -187,6 +190,45 @@ def all_to_all_along_dims(x: torch.Tensor, split_dim: int, cat_dim: int, group: 
     """Forward: split `split_dim` into p equal pieces, send piece j to rank j, concatenate the pieces received (in
     rank order) along `cat_dim` (e.g. heads -> sequence, Ulysses). Backward: the reverse all-to-all."""
     return x if group_size(group) == 1 else _AllToAll.apply(x, split_dim, cat_dim, group)
+
+
+def _all_to_all_rows(x: torch.Tensor, received: list[int], sent: list[int], group: ProcessGroup,
+                     op: str) -> torch.Tensor:
+    out = x.new_empty((sum(received),) + tuple(x.shape[1:]))
+    with _issue(op, x, group):
+        dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, received, sent, group, op):
+        ctx.splits, ctx.group, ctx.op = (received, sent), group, op
+        return _all_to_all_rows(x, received, sent, group, op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        received, sent = ctx.splits
+        return _all_to_all_rows(grad, sent, received, ctx.group, ctx.op), None, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, received: list[int], sent: list[int], group: ProcessGroup | None,
+                    op: str = "all_to_all") -> torch.Tensor:
+    """Forward: the first sent[j] rows of x (then the next sent[j+1], ...) go to rank j; this rank receives received[i]
+    rows from rank i, concatenated in rank order (uneven splits; a zero is fine). Backward: the reverse exchange of
+    the gradient. Named `op` in timeouts and the collective log (the experts' dispatch and combine)."""
+    return x if group_size(group) == 1 else _AllToAllRows.apply(x, received, sent, group, op)
+
+
+@torch.no_grad()
+def all_to_all_counts(counts: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """counts [p, ...]: row j goes to rank j; returns [p, ...] whose row i came from rank i (no autograd)."""
+    if group_size(group) == 1:
+        return counts.clone()
+    out = torch.empty_like(counts)
+    with _issue("all_to_all", counts, group):
+        dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
 
 
 class PendingExchange:

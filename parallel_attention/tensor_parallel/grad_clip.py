@@ -9,6 +9,7 @@ Each parameter counts once, as if the model were on one rank:
     KvReplica                     all of it, minus (1 - 1/replicas) of the shared rows (k/v replicas)
     PartialGrad                   as Replicated (call after the shares are summed)
     a DTensor gradient (FSDP2)    its local shard; the sum also runs over each mesh dimension it is Shard on
+    ExpertShard                   as Replicated over tp; the sum also runs over the expert-parallel group
 
 inf-norm: the maximum of |g| over every local gradient and every rank (replicas change nothing). Call after
 every reduction of the step (data-parallel average, `finalize_grads` where the model needs it).
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_reduce
-from .param_kinds import KvReplica, Sharded, is_distributed, local_rows, local_shard, parameter_kinds
+from .param_kinds import ExpertShard, KvReplica, Sharded, is_distributed, local_rows, local_shard, parameter_kinds
 from .parallel_state import ProcessGroup, group_rank, group_size
 
 
@@ -33,6 +34,11 @@ def _shard_groups(grad: torch.Tensor) -> tuple:
     if placements is None:
         return ()
     return tuple(grad.device_mesh.get_group(i) for i, placement in enumerate(placements) if placement.is_shard())
+
+
+def _expert_groups(kind) -> tuple:
+    """(the expert-parallel group,) for experts split over more than one rank: each holds other experts."""
+    return (kind.ep_group,) if isinstance(kind, ExpertShard) and group_size(kind.ep_group) > 1 else ()
 
 
 def _power_sum(x: torch.Tensor, q: float) -> torch.Tensor:
@@ -84,7 +90,7 @@ def global_grad_norm(model: nn.Module, tp_group: ProcessGroup | None, norm_type:
     for param, kind in parameter_kinds(model).values():
         if param.grad is None or id(param) in skip:
             continue
-        groups = _shard_groups(param.grad)
+        groups = _shard_groups(param.grad) + _expert_groups(kind)
         key = tuple(id(g) for g in groups)
         shard_groups[key] = groups
         partial_sums[key] = _combine(partial_sums.get(key), _share(param.grad, kind, q, tp_rank, tp_size), q)

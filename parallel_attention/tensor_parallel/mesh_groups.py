@@ -38,6 +38,8 @@ def nccl_diagnostics_env(backend: str, world_size: int, environ) -> dict[str, st
     if backend != "nccl" or world_size < 2:
         return {}
     return {name: value for name, value in NCCL_DIAGNOSTICS.items() if name not in environ}
+EXPERT = "ep"  # expert parallelism: ep consecutive ranks of a dp x cp group (None at ep = 1)
+EXPERT_DATA = "ep_data"  # the dp x cp ranks that hold the same experts (None at ep = 1)
 
 
 def group_timeout(group: ProcessGroup | None) -> datetime.timedelta | None:
@@ -56,7 +58,7 @@ def device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def build_mesh(sizes: dict[str, int], timeout) -> tuple[DeviceMesh, dict[str, ProcessGroup]]:
+def build_mesh(sizes: dict[str, int], timeout, ep: int = 1) -> tuple[DeviceMesh, dict[str, ProcessGroup]]:
     """The mesh of `sizes` (MESH_DIMS order, consecutive ranks along the last) and this rank's group along each
     dimension, made with `timeout` (init_device_mesh would give its groups torch's 30-minute default instead)."""
     ranks = torch.arange(dist.get_world_size()).view(*sizes.values())
@@ -64,7 +66,23 @@ def build_mesh(sizes: dict[str, int], timeout) -> tuple[DeviceMesh, dict[str, Pr
               for dim, name in enumerate(sizes)}
     mesh = DeviceMesh.from_group([groups[n] for n in sizes], device_type(), mesh=ranks, mesh_dim_names=tuple(sizes))
     groups.update(derived_groups(ranks, sizes["cp"] == 1, groups["dp"], timeout))
+    groups.update(expert_groups(ranks, ep, timeout))
     return mesh, groups
+
+
+def expert_groups(ranks: torch.Tensor, ep: int, timeout) -> dict[str, ProcessGroup | None]:
+    """EXPERT and EXPERT_DATA of the [pp, dp, cp, tp] grid: each dp x cp group (cp inner) cut into runs of ep
+    consecutive members (Megatron's parallel folding: experts split over data and context-parallel ranks), and the
+    members at the same place in each run. None at ep = 1."""
+    pp, dp, cp, tp = ranks.shape
+    if ep == 1:
+        return {EXPERT: None, EXPERT_DATA: None}
+    if (dp * cp) % ep:
+        raise ValueError(f"expert_model_parallel_size={ep} must divide data x context-parallel size {dp * cp}: the "
+                         "expert-parallel group folds over those ranks.")
+    folded = ranks.flatten(1, 2).movedim(1, -1).reshape(-1, dp * cp // ep, ep)
+    return {EXPERT: new_groups(folded.reshape(-1, ep), timeout, EXPERT),
+            EXPERT_DATA: new_groups(folded.transpose(1, 2).reshape(-1, dp * cp // ep), timeout, EXPERT_DATA)}
 
 
 def derived_groups(ranks: torch.Tensor, cp_is_one: bool, dp_group, timeout) -> dict[str, ProcessGroup | None]:
@@ -131,7 +149,7 @@ def new_groups(rows: torch.Tensor, timeout, desc: str | None = None) -> ProcessG
     return mine
 
 
-def adopt_mesh(mesh: DeviceMesh) -> tuple[dict[str, ProcessGroup | None], datetime.timedelta | None]:
+def adopt_mesh(mesh: DeviceMesh, ep: int = 1) -> tuple[dict[str, ProcessGroup | None], datetime.timedelta | None]:
     """The caller's mesh's groups and their timeout. Its dimensions are MESH_DIMS or leave out pp and/or cp (each
     then has size 1: its group is None); dp x cp and the embedding group are made from the mesh's ranks."""
     names = tuple(mesh.mesh_dim_names or ())
@@ -151,6 +169,7 @@ def adopt_mesh(mesh: DeviceMesh) -> tuple[dict[str, ProcessGroup | None], dateti
     cp_is_one = "cp" not in names or mesh.size(names.index("cp")) == 1
     groups = {"pp": None, "cp": None, **groups}
     groups.update(derived_groups(ranks, cp_is_one, groups["dp"], timeout))
+    groups.update(expert_groups(ranks, ep, timeout))
     return groups, timeout
 
 

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh_groups import (DP_CP, EMBEDDING, PP_LINKS, adopt_mesh, build_mesh, data_context_mesh, data_parallel_size,
-                          group_timeout, nccl_diagnostics_env)
+from .mesh_groups import (DP_CP, EMBEDDING, EXPERT, EXPERT_DATA, PP_LINKS, adopt_mesh, build_mesh, data_context_mesh,
+                          data_parallel_size, group_timeout, nccl_diagnostics_env)
 
 ProcessGroup = dist.ProcessGroup
 
@@ -64,7 +64,7 @@ def as_group(group: ProcessGroup | DeviceMesh | None) -> ProcessGroup | None:
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               timeout: datetime.timedelta | float | None = None, *,
                               context_parallel_size: int = 1, mesh: DeviceMesh | None = None,
-                              pipeline_model_parallel_size: int = 1) -> None:
+                              pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1) -> None:
     """Set up the job's mesh; call once after `init_process_group`, on every rank (group creation is collective).
 
     mesh=None: build a ("pp", "dp", "cp", "tp") mesh with tp = tensor_model_parallel_size, cp =
@@ -72,6 +72,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     group's). mesh=...: adopt the caller's DeviceMesh, whose dimensions are named ("pp", "dp", "cp", "tp") or that
     without "pp" and/or "cp" (size 1); its groups are used as they are (the dp x cp group of gradient reduction and
     the embedding group are made from the mesh's ranks, with the tp group's timeout).
+    expert_model_parallel_size (ep): MoE experts split over ep ranks of the dp x cp group, which ep divides.
     """
     global _STATE, _EXIT_HANDLER_REGISTERED
     if not is_distributed():
@@ -82,12 +83,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     if _STATE is not None:
         raise RuntimeError("initialize_model_parallel() was already called; call destroy_model_parallel() first.")
     if mesh is not None:
-        state = _State(mesh, *adopt_mesh(mesh))
+        state = _State(mesh, *adopt_mesh(mesh, expert_model_parallel_size))
     else:
         cp, tp, pp = context_parallel_size, tensor_model_parallel_size, pipeline_model_parallel_size
         sizes = {"pp": pp, "dp": data_parallel_size(tp, cp, pp), "cp": cp, "tp": tp}
         timeout = _as_timedelta(timeout) or group_timeout(None)
-        state = _State(*build_mesh(sizes, timeout), timeout)
+        state = _State(*build_mesh(sizes, timeout, expert_model_parallel_size), timeout)
     _STATE = replace(state, dp_cp_mesh=data_context_mesh(state.mesh, state.groups))
     if not _EXIT_HANDLER_REGISTERED:
         # Forget the groups at the interpreter's exit where the caller destroyed only the process group: a gloo
@@ -101,7 +102,8 @@ def describe_group(group: ProcessGroup | None) -> str:
     """"tensor-parallel group (global ranks [0, 1])", for error messages."""
     words = {"tp": "tensor-parallel", "dp": "data-parallel", "cp": "context-parallel", "pp": "pipeline-parallel",
              DP_CP: "data x context-parallel", EMBEDDING: "tied-embedding (first and last stage)",
-             **dict.fromkeys(PP_LINKS.values(), "pipeline link")}
+             **dict.fromkeys(PP_LINKS.values(), "pipeline link"), EXPERT: "expert-parallel",
+             EXPERT_DATA: "same-expert"}
     if _STATE is not None:
         for name, mine in _STATE.groups.items():
             if mine is not None and group is mine:  # None: a group this layout lacks (pp 1's embedding), not the world
@@ -187,6 +189,16 @@ def get_embedding_group() -> ProcessGroup | None:
     return _group(EMBEDDING)
 
 
+def get_expert_model_parallel_group() -> ProcessGroup | None:
+    """ep ranks of this rank's dp x cp group, which split each MoE layer's experts (None at ep = 1)."""
+    return _group(EXPERT)
+
+
+def get_expert_data_parallel_group() -> ProcessGroup | None:
+    """The dp x cp ranks that hold the same experts as this one (None at ep = 1)."""
+    return _group(EXPERT_DATA)
+
+
 def get_context_parallel_world_size() -> int:
     return group_size(get_context_parallel_group())
 
@@ -245,7 +257,8 @@ def resolve_cp_group(cp_group: ProcessGroup | DeviceMesh | None) -> ProcessGroup
 
 def init_distributed(tensor_model_parallel_size: int = 1, backend: str | None = None,
                      timeout: datetime.timedelta | float = datetime.timedelta(minutes=10),
-                     context_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> torch.device:
+                     context_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                     expert_model_parallel_size: int = 1) -> torch.device:
     """Initialise torch.distributed from the torchrun environment, then the job's ("pp", "dp", "cp", "tp") mesh.
 
     Picks NCCL when CUDA is available and gloo otherwise (`backend=` overrides), binds this
@@ -276,7 +289,8 @@ def init_distributed(tensor_model_parallel_size: int = 1, backend: str | None = 
             store = dist.HashStore()
             dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
     initialize_model_parallel(tensor_model_parallel_size, timeout=timeout, context_parallel_size=context_parallel_size,
-                              pipeline_model_parallel_size=pipeline_model_parallel_size)
+                              pipeline_model_parallel_size=pipeline_model_parallel_size,
+                              expert_model_parallel_size=expert_model_parallel_size)
     return device
 
 

@@ -7,6 +7,9 @@
     PartialGrad   identical on every rank                           each rank holds only its share of the sum
     KvReplica     rows `rows` identical on the ranks that share     the ranks of a slot each hold their share of
                   `slot`; outside them sharded along `sharded_dim`  rows `rows`; the rest complete
+    ExpertShard   identical on every rank (as Replicated, or        as Replicated or PartialGrad over `group`;
+                  PartialGrad when `partial`); dim 0 (the experts)  over the data-parallel ranks, only the ranks
+                  split over the expert-parallel group              of the same experts hold a copy (see below)
 
 PartialGrad and KvReplica are what tensor parallelism leaves half-finished: under sequence parallelism a
 norm or the row-parallel output bias sees only this rank's tokens (PartialGrad); when p > num_kv_heads each
@@ -15,6 +18,11 @@ Neither is DTensor's `Partial` (pending sums of *values*): here the values are c
 partial. A module declares kinds with `parameter_kinds() -> {local name: kind}` (names relative to the module,
 so a module may declare its children's parameters: the outermost declaration wins). Parameters no module
 declares are Replicated (plain torch modules inside a tensor-parallel model: same seed, same values).
+
+ExpertShard (mixture of experts at ep > 1): the ep ranks are ranks of the data x context-parallel group, so the
+data-parallel average (DDP) must leave these parameters out (`expert_shards.split_experts`); `finalize_grads` sums their
+gradients over the ranks holding the same experts (`expert_data_group`, derived from the ep group within dp x cp)
+and divides by dp x cp, which is the average the other parameters get.
 
 Readers: `finalize_grads` here, the global gradient norm (`grad_clip`), canonical (checkpoint) gathering
 (GPTModel.canonical_state_dict) and the replicated-parameter audit (`audit`). No reader inspects layer classes.
@@ -31,9 +39,9 @@ from torch import nn
 from .collectives import all_reduce
 from .parallel_state import ProcessGroup, group_size
 
-__all__ = ["KvReplica", "LocalShard", "ParamKind", "PartialGrad", "REMOVED_NAMES", "Replicated", "SharedRows",
-           "Sharded", "finalize_grads", "is_distributed", "local_rows", "local_shard", "parameter_kinds",
-           "removed_name_error", "shared_rows"]
+__all__ = ["ExpertShard", "KvReplica", "LocalShard", "ParamKind", "PartialGrad", "REMOVED_NAMES", "Replicated",
+           "SharedRows", "Sharded", "finalize_grads", "is_distributed", "local_rows",
+           "local_shard", "parameter_kinds", "reduce_expert_grads", "removed_name_error", "shared_rows"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,20 @@ class KvReplica:
     reduced_in_backward: bool = False
 
 
-ParamKind = Sharded | Replicated | PartialGrad | KvReplica
+@dataclass(frozen=True)
+class ExpertShard:
+    """An MoE layer's stacked experts split along dim 0 over `ep_group` (ranks of dp x cp); over the tensor-parallel
+    `group` identical, each rank's gradient its tokens' share when `partial` (sequence parallelism)."""
+
+    group: ProcessGroup | None
+    ep_group: ProcessGroup | None
+    expert_data_group: ProcessGroup | None  # the dp x cp ranks that hold the same experts
+    data_context_size: int  # dp x cp: what the gradient average divides by
+    partial: bool = False
+    reduced_in_backward: bool = False
+
+
+ParamKind = Sharded | Replicated | PartialGrad | KvReplica | ExpertShard
 
 
 # names removed in 0.4, each refused (AttributeError) with what replaces it, as AttentionConfig's REMOVED_ARGUMENTS
@@ -111,7 +132,7 @@ class SharedRows(NamedTuple):
 def shared_rows(kind: ParamKind) -> SharedRows | None:
     """The rows of a kind whose gradient finalize_grads must sum, None for the others: a PartialGrad is all rows
     of one slot."""
-    if isinstance(kind, PartialGrad):
+    if isinstance(kind, PartialGrad) or (isinstance(kind, ExpertShard) and kind.partial):
         return SharedRows(slice(None), 0, 1)
     if isinstance(kind, KvReplica):
         return SharedRows(kind.rows, kind.slot, kind.num_slots)
@@ -177,11 +198,13 @@ def finalize_grads(module: nn.Module) -> None:
 
     All partial rows of one group go into one flat buffer, slot by slot, and one all-reduce sums
     them (ranks sharing a slot add their shares, the others add zeros). One all-reduce per group
-    that needs it; none when nothing does (p = 1, no sequence parallelism, no k/v replication).
+    that needs it; none when nothing does (p = 1, no sequence parallelism, no k/v replication). First the
+    experts split over ep > 1 ranks get their data-parallel average (`reduce_expert_grads`).
     Under FSDP2 (zero_stage 3) the gradients are DTensors sharded over the data-parallel group: the
     tensor-parallel sum and the data-parallel reduce-scatter commute, so each rank sums the partial rows
     its local shard holds (`local_rows`; the ranks of one tensor-parallel group hold the same rows).
     """
+    reduce_expert_grads(module)
     groups: dict[int, ProcessGroup] = {}
     by_group: dict[int, list[tuple[nn.Parameter, SharedRows]]] = {}
     for param, kind in parameter_kinds(module).values():
@@ -202,3 +225,21 @@ def finalize_grads(module: nn.Module) -> None:
         all_reduce(buffer, groups[key])
         for view, start in zip(views, offsets):
             view.copy_(buffer[start:start + view.numel()].view_as(view))
+
+
+@torch.no_grad()
+def reduce_expert_grads(module: nn.Module) -> int:
+    """Average the gradients of ExpertShard parameters as DDP averages the others over dp x cp: summed over the
+    ranks that hold the same experts (the dp x cp ranks at this rank's place in its ep group, `expert_data_group`),
+    divided by dp x cp. One all-reduce per ep group that needs it; returns their number."""
+    by_group: dict[int, tuple[ExpertShard, list[nn.Parameter]]] = {}
+    for param, kind in parameter_kinds(module).values():
+        if isinstance(kind, ExpertShard) and group_size(kind.ep_group) > 1:
+            by_group.setdefault(id(kind.expert_data_group), (kind, []))[1].append(param)
+    for kind, params in by_group.values():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), kind.expert_data_group)
+        flat.div_(kind.data_context_size)
+        for param, reduced in zip(params, flat.split([g.numel() for g in grads])):
+            param.grad = reduced.view_as(param).clone()
+    return len(by_group)

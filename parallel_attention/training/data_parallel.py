@@ -14,6 +14,10 @@ in flat buckets after the last micro-batch's backward, through `collectives`, wh
 cross-checks it (DDP's C++ reducer bypasses the guard, and torch 2.13's DDP crashes on the gloo groups that
 TORCH_DISTRIBUTED_DEBUG=DETAIL wraps). Slower, never overlapped: a debugging path.
 
+Experts split over an expert-parallel group (MoE at ep > 1, `param_kinds.ExpertShard`) differ between the dp
+ranks: DDP leaves them out (its documented ignore list) and `finalize_grads` averages them over the ranks that
+hold the same experts.
+
 DDP shares the model's parameters: everything but the training forward (checkpoints, the global norm, the
 replica audit, evaluation) keeps using the raw model. The average runs over the data-parallel group only;
 `finalize_grads` sums partial gradients over the tensor-parallel group afterwards, and the two commute (both
@@ -32,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..pipeline.micro_batch_step import GradientSync
 from ..tensor_parallel.collectives import named_timeouts
+from ..tensor_parallel.expert_shards import split_experts
 from ..tensor_parallel.parallel_state import ProcessGroup, group_size
 from ..transformer.pipeline_stage import chunk_parameters
 from .chunk_reducer import ChunkReducer
@@ -59,8 +64,11 @@ def wrap_data_parallel(model: nn.Module, group: ProcessGroup | None, debug_colle
         return model
     if zero_stage == 3:
         return shard_fully(model, mesh_of(group))
+    experts = list(split_experts(model))  # averaged over the ranks holding them, by finalize_grads
     if debug_collectives:
-        return ReducedAfterBackward(model, group)
+        return ReducedAfterBackward(model, group, set(experts))
+    if experts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
     return DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
                                    gradient_as_bucket_view=True, **_NO_BUFFER_SYNC)
 
@@ -68,9 +76,10 @@ def wrap_data_parallel(model: nn.Module, group: ProcessGroup | None, debug_colle
 class ReducedAfterBackward(nn.Module):
     """The data-parallel average after the backward of a step's last micro-batch, through `collectives`."""
 
-    def __init__(self, module: nn.Module, group: ProcessGroup | None) -> None:
+    def __init__(self, module: nn.Module, group: ProcessGroup | None, left_out: set[str] = frozenset()) -> None:
         super().__init__()
         self.module, self.group = module, group
+        self.params = [p for name, p in module.named_parameters() if name not in left_out]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -78,7 +87,7 @@ class ReducedAfterBackward(nn.Module):
     @contextlib.contextmanager
     def sync(self):
         yield
-        all_reduce_data_parallel(list(self.module.parameters()), self.group)
+        all_reduce_data_parallel(self.params, self.group)
 
 
 class DDPSync(GradientSync):

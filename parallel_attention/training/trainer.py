@@ -30,6 +30,7 @@ from ..tensor_parallel.rng import manual_seed
 from ..pipeline.micro_batch_step import GradientSync
 from ..pipeline.runner import PipelineRunner
 from ..transformer.model import GPTModel
+from ..transformer.moe import moe_step
 from .config.schema import PretrainConfig
 from .config.checks import check_resume
 from .compile import compile_layers
@@ -121,7 +122,8 @@ def build(cfg: PretrainConfig) -> Run:
     backend = None if cfg.parallel.distributed_backend == "auto" else cfg.parallel.distributed_backend
     device = ps.init_distributed(cfg.parallel.tensor_parallel_size, backend=backend, timeout=cfg.parallel.timeout_s,
                                  context_parallel_size=cfg.parallel.context_parallel_size,
-                                 pipeline_model_parallel_size=cfg.parallel.pipeline_parallel_size)
+                                 pipeline_model_parallel_size=cfg.parallel.pipeline_parallel_size,
+                                 expert_model_parallel_size=cfg.parallel.expert_parallel_size)
     check_config_agreement(cfg)  # before anything is written or drawn: every rank must run this same config
     lock_run_dir(cfg)  # one run per directory: refused before anything is written if another run holds it
     prepare_run_dir(cfg)  # rank 0 makes it and clears a dead run's leftovers; every rank refuses an unwritable one
@@ -176,7 +178,8 @@ def train_step(run: Run) -> dict:
     set_learning_rate(run.optimizer, lr)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches, data_wait_s = run.loader.get(run.step)
-    loss_sum, record = forward_backward(run, micro_batches)
+    with moe_step(run.scaler.scale / len(micro_batches), run.model) as moe_record:  # aux losses' scale, bias
+        loss_sum, record = forward_backward(run, micro_batches)
     finalize_grads(run.model)  # after the data-parallel average of the backward: the two commute
     run.scaler.unscale(run.model.parameters())
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_parallel_group()
@@ -192,7 +195,8 @@ def train_step(run: Run) -> dict:
             "skipped_steps": run.guard.skipped_steps, "data_wait_s": round(data_wait_s, 6),
             "epochs": run.sampler.epochs(run.step),
             **step_rates(run.cfg, run.device, run.tokens_per_step, time.perf_counter() - started),
-            **run.scaler.record(), **pipeline_metrics(run, record)}  # fp16: the loss scale after this step
+            **run.scaler.record(), **pipeline_metrics(run, record),  # fp16: the loss scale after this step
+            **moe_record.metrics(run.cfg.model, dp_group, pp_group)}
 
 
 def checkpoint(run: Run) -> None:

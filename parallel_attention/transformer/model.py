@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tensor_parallel import collectives, mappings, sharding
+from ..tensor_parallel import collectives, expert_shards, mappings, sharding
 from ..tensor_parallel.layers import OutputLinear, TiedOutputLayer, VocabParallelEmbedding
 from ..tensor_parallel.linear_functions import OVERLAP_COMM
 from ..tensor_parallel.param_kinds import PartialGrad, Replicated, Sharded, parameter_kinds
@@ -31,7 +31,7 @@ from .cross_entropy import IGNORE_INDEX, check_ids, vocab_parallel_cross_entropy
 from .documents import DocumentLayout
 from .dropout import DropoutSite, build_hidden_dropout
 from .kv_cache import KVCache
-from .mlp import ParallelMLP
+from .moe import build_mlp
 from .model_config import ModelConfig
 from .model_layout import shard_state_dict, unshard
 from .norms import build_norm
@@ -52,9 +52,9 @@ class TransformerLayer(nn.Module):
                                                _recomputes_core(cfg), sequence_parallel=sequence_parallel,
                                                overlap_comm=overlap_comm, **context_parallel)
         self.post_attention_norm = norm()
-        self.mlp = ParallelMLP(cfg.hidden_size, cfg.resolved_ffn_hidden_size(), cfg.activation, cfg.mlp_bias,
-                               sequence_parallel, cfg.init_std, tp_group, device, dtype, overlap_comm)
         cp_group = resolve_cp_group(context_parallel.get("cp_group"))  # hidden dropout hashes global positions
+        self.mlp = build_mlp(cfg, layer_number, sequence_parallel, resolve_tp_group(tp_group), cp_group, device, dtype,
+                             overlap_comm)  # dense, or a mixture of experts (model.num_experts)
         dropout = lambda site: build_hidden_dropout(cfg.hidden_dropout, cfg.dropout_rng,  # noqa: E731
                                                     sequence_parallel, tp_group, layer_number, site, cp_group)
         self.attention_output_dropout = dropout(DropoutSite.ATTENTION_OUTPUT)
@@ -264,8 +264,8 @@ class GPTModel(nn.Module):
         canonical = {}
         for key, (param, kind) in parameter_kinds(self).items():
             dim = kind.dim if isinstance(kind, Sharded) else getattr(kind, "sharded_dim", None)
-            if dim is None:  # the same on every rank
-                shards = [param.detach()] * self.tp_size
+            if dim is None:  # the same on every rank (experts split over ep: all of them, in global order)
+                shards = [expert_shards.whole(param, kind)] * self.tp_size
             else:
                 gathered = collectives.all_gather_along_dim(param.detach(), dim, self.tp_group)
                 shards = list(gathered.chunk(self.tp_size, dim))

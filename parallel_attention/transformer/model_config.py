@@ -54,6 +54,22 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192  # the context length the unscaled model was trained at
     qk_norm: bool = False  # RMSNorm (eps norm_eps) over each head's q and k before rotary, as Qwen3
+    # mixture of experts (docs/moe.md); num_experts 0 keeps every layer's MLP dense
+    num_experts: int = 0
+    moe_top_k: int = 2  # experts per token
+    moe_ffn_hidden_size: int | None = None  # each expert's FFN width; None: the dense ffn_hidden_size
+    moe_shared_expert_ffn_hidden_size: int = 0  # an always-on expert beside the routed ones (0: none)
+    moe_shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(x w), w [1, h]
+    moe_router_score: Literal["softmax", "sigmoid"] = "softmax"  # Mixtral, Qwen: softmax; DeepSeek-V3: sigmoid
+    moe_router_renormalize: bool = True  # the top-k probabilities divided by their sum
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for the choice only,
+    # moved by this much against each expert's excess load after every step (0: no bias)
+    moe_router_bias_update_rate: float = 0.0
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss (Switch / GShard form)
+    moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE): mean logsumexp(logits)^2
+    moe_layer_freq: int = 1  # layer i is MoE when (i + 1) % moe_layer_freq == 0 (Qwen2-MoE decoder_sparse_step)
+    moe_first_dense_layers: int = 0  # the first k layers stay dense (DeepSeek first_k_dense_replace)
+    moe_capacity_factor: float | None = None  # null: dropless (the only mode so far)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -83,6 +99,15 @@ class ModelConfig:
             return None
         return RopeScaling(self.rope_type, self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                            self.rope_original_max_seq_len)
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (global, from 0) has a mixture of experts instead of the dense MLP."""
+        return (self.num_experts > 0 and index >= self.moe_first_dense_layers
+                and (index + 1) % self.moe_layer_freq == 0)
+
+    def resolved_moe_ffn_hidden_size(self) -> int:
+        """Each routed expert's FFN width."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.resolved_ffn_hidden_size()
 
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:

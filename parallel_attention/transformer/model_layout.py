@@ -17,7 +17,7 @@ from .model_config import ModelConfig
 from .pipeline_stage import PipelineStage
 
 _ATTN = re.compile(r"layers\.(\d+)\.attention\.(query_key_value|dense)\.(weight|bias)")
-_MLP = re.compile(r"layers\.(\d+)\.mlp\.(fc_in|fc_out)\.(weight|bias)")
+_MLP = re.compile(r"layers\.(\d+)\.mlp\.((?:shared_expert\.)?)(fc_in|fc_out)\.(weight|bias)")
 
 
 def _mlp_names(cfg: ModelConfig) -> tuple[tuple[str, ...], str]:
@@ -38,11 +38,26 @@ def state_dict_keys(cfg: ModelConfig, stage: PipelineStage = PipelineStage()) ->
         keys += [f"layers.{i}.attention.dense.weight"] + ([f"layers.{i}.attention.dense.bias"] if cfg.out_bias else [])
         keys += [f"layers.{i}.attention.{n}_norm.weight" for n in ("q", "k") if cfg.qk_norm]
         keys += [f"layers.{i}.post_attention_norm.{n}" for n in norm]
-        for module in ("fc_in", "fc_out"):
-            keys += [f"layers.{i}.mlp.{module}.weight"] + ([f"layers.{i}.mlp.{module}.bias"] if cfg.mlp_bias else [])
+        keys += _moe_keys(cfg, i) if cfg.is_moe_layer(i) else [
+            f"layers.{i}.mlp.{module}.{kind}" for module in ("fc_in", "fc_out")
+            for kind in (("weight", "bias") if cfg.mlp_bias else ("weight",))]
     if not stage.has_head:
         return keys
     return keys + [f"final_norm.{n}" for n in norm] + ([] if cfg.tie_embeddings else ["lm_head.weight"])
+
+
+def _moe_keys(cfg: ModelConfig, i: int) -> list[str]:
+    """An MoE layer's keys (MoELayer): its router, its experts (all of them: the checkpoint's are whole), its shared
+    expert and that expert's gate."""
+    prefix = f"layers.{i}.mlp."
+    keys = [f"{prefix}gate.weight"] + ([f"{prefix}gate.e_score_correction_bias"]
+                                       if cfg.moe_router_bias_update_rate > 0 else [])
+    keys += [f"{prefix}experts.{n}" for n in (("gate_up_proj", "down_proj") if cfg.activation == "swiglu"
+                                              else ("fc_in", "fc_out"))]
+    if cfg.moe_shared_expert_ffn_hidden_size:
+        keys += [f"{prefix}shared_expert.fc_in.weight", f"{prefix}shared_expert.fc_out.weight"]
+        keys += [f"{prefix}shared_expert_gate.weight"] if cfg.moe_shared_expert_gate else []
+    return keys
 
 
 def canonical_sources(cfg: ModelConfig, key: str) -> tuple[str, list[str]]:
@@ -60,9 +75,9 @@ def canonical_sources(cfg: ModelConfig, key: str) -> tuple[str, list[str]]:
         return ("row" if kind == "weight" else "replicated"), [f"{prefix}o_proj.{kind}"]
     m = _MLP.fullmatch(key)
     if m:
-        layer, module, kind = m.groups()
+        layer, shared, module, kind = m.groups()
         ins, out = _mlp_names(cfg)
-        prefix = f"layers.{layer}.mlp."
+        prefix = f"layers.{layer}.mlp.{shared}"
         if module == "fc_in":
             return ("gated" if len(ins) == 2 else "column"), [f"{prefix}{n}.{kind}" for n in ins]
         return ("row" if kind == "weight" else "replicated"), [f"{prefix}{out}.{kind}"]

@@ -82,9 +82,20 @@ RANGES: dict[str, Range] = {
     "model.hidden_dropout": PROBABILITY,
     "model.attention_dropout": PROBABILITY,
     "model.init_std": Range(0, low_open=True, meaning="the standard deviation of the initial weights"),
+    "model.num_experts": Range(0, meaning="0: every MLP dense"),
+    "model.moe_top_k": COUNT,
+    "model.moe_ffn_hidden_size": Range(1, null="ffn_hidden_size"),
+    "model.moe_shared_expert_ffn_hidden_size": Range(0, meaning="0: no shared expert"),
+    "model.moe_router_bias_update_rate": Range(0, meaning="0: no balancing bias"),
+    "model.moe_aux_loss_coeff": Range(0),
+    "model.moe_z_loss_coeff": Range(0),
+    "model.moe_layer_freq": COUNT,
+    "model.moe_first_dense_layers": Range(0),
+    "model.moe_capacity_factor": Range(0, low_open=True, null="dropless"),
     "parallel.tensor_parallel_size": COUNT,
     "parallel.context_parallel_size": COUNT,
     "parallel.pipeline_parallel_size": COUNT,
+    "parallel.expert_parallel_size": COUNT,
     "parallel.virtual_pipeline_stages": COUNT,
     "parallel.timeout_s": Range(0, MAX_TIMEOUT_S, low_open=True, meaning="seconds a collective may wait"),
     "parallel.zero_stage": Range(0, 3, meaning="0: every data-parallel rank holds the whole optimizer state; "
@@ -194,6 +205,34 @@ def check_names(cfg: Any) -> None:
         section, name = key.split(".")
         if not getattr(getattr(cfg, section), name).strip():
             raise ConfigError(f"{key} is empty: give it a name (see configs/gpt_tiny.yaml).")
+
+
+def check_experts(cfg: Any, data_context_size: int) -> None:
+    """The mixture-of-experts keys against each other and the layout (docs/moe.md)."""
+    m, ep = cfg.model, cfg.parallel.expert_parallel_size
+    if m.num_experts == 0:
+        if ep > 1:
+            raise ConfigError(f"parallel.expert_parallel_size={ep} needs MoE layers: set model.num_experts.")
+        return
+    if m.moe_top_k > m.num_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} exceeds model.num_experts={m.num_experts}.")
+    if m.moe_capacity_factor is not None:
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor}: only dropless routing is implemented "
+                          "so far; set it to null.")
+    if m.num_experts % ep:
+        raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by parallel.expert_parallel_size={ep}.")
+    if data_context_size % ep:
+        raise ConfigError(f"parallel.expert_parallel_size={ep} must divide the data x context-parallel size "
+                          f"{data_context_size}: the expert-parallel group folds over those ranks.")
+    if ep > 1 and (cfg.parallel.zero_stage != 0 or cfg.parallel.pipeline_parallel_size > 1):
+        raise ConfigError(f"parallel.expert_parallel_size={ep} runs with parallel.zero_stage=0 and "
+                          "pipeline_parallel_size=1 so far (docs/moe.md, 'What remains').")
+    dp = data_context_size // cfg.parallel.context_parallel_size
+    # every rank of an ep group must run each validation micro-batch: each dp rank needs a row of it, from one source
+    if ep > 1 and (cfg.training.micro_batch_size < dp or len(cfg.data.blend) > 1):
+        raise ConfigError(f"parallel.expert_parallel_size={ep} needs training.micro_batch_size="
+                          f"{cfg.training.micro_batch_size} >= the data-parallel size {dp} and one data source, so "
+                          "that every rank evaluates every validation batch (its experts serve the others).")
 
 
 def check_context_parallel(cfg: Any) -> None:

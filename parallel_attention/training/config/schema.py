@@ -21,7 +21,7 @@ from ...pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES
 from ...tensor_parallel.linear_functions import OVERLAP_COMM
 from ...tensor_parallel.mesh_groups import layout_data_parallel_size
 from ...transformer.model_config import ModelConfig
-from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_fp8,
+from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_experts, check_fp8,
                      check_names, check_ranges, check_resume)
 from .pipeline_checks import check_pipeline
 from .loading import apply_override, build_dataclass, read_yaml_file
@@ -56,6 +56,8 @@ class ParallelConfig:
     pipeline_schedule: Literal[SCHEDULE_NAMES] = DEFAULT_SCHEDULE  # pipeline/schedules.py's registry
     virtual_pipeline_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b)
     pipeline_layers: list[int] | None = None  # layers per (virtual) stage, e.g. [3, 2]; null: balanced
+    # ep: each MoE layer's experts split over this many ranks of the dp x cp group (docs/moe.md)
+    expert_parallel_size: int = 1
 
 
 @dataclass
@@ -181,6 +183,7 @@ class PretrainConfig:
             "{named} does not divide the world size {world}: launch a multiple of {product} processes "
             "(--nproc-per-node x --nnodes) or change them.")
         check_context_parallel(self)
+        check_experts(self, dp * cp)
         m.attention_config().per_rank_heads(p)  # heads / kv heads vs p, with its own messages
         ffn = m.resolved_ffn_hidden_size()
         if ffn % p != 0:

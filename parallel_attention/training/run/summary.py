@@ -26,6 +26,7 @@ from ..config.schema import PretrainConfig
 from ..flops import peak_source, peak_tflops
 from ..precision import Precision
 from .pipeline_summary import buffer_row, pipeline_rows, total_parameters
+from .moe_summary import moe_rows
 
 
 def millions(n: int) -> str:
@@ -61,7 +62,8 @@ def _layout_line(cfg: PretrainConfig, world_size: int) -> str:
     stages = f"pipeline parallel {pp} x " if pp > 1 else ""
     dp = _data_parallel(cfg, world_size)
     text = f"world {world_size} = {stages}tensor parallel {p}{context} x data parallel {dp}"
-    return text + (" + sequence parallel" if cfg.parallel.sequence_parallel else "")
+    experts = f", expert parallel {par.expert_parallel_size} (over dp x cp)" if par.expert_parallel_size > 1 else ""
+    return text + (" + sequence parallel" if cfg.parallel.sequence_parallel else "") + experts
 
 
 def _batch_line(cfg: PretrainConfig, world_size: int) -> str:
@@ -101,6 +103,7 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
         "layout": _layout_line(cfg, world_size),
         **pipeline_rows(cfg, world_size, cfg.gradient_accumulation_steps(world_size)),
         **buffer_row(cfg, cfg.gradient_accumulation_steps(world_size)),
+        **moe_rows(cfg),
         "batch": _batch_line(cfg, world_size),
         "tokens": _tokens_line(cfg),
         "optimizer": f"AdamW lr {o.lr:g} -> {o.min_lr:g}, {cfg.schedule.warmup_steps} warm-up steps then "

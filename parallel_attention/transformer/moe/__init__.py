@@ -1,0 +1,13 @@
+"""Mixture of experts (docs/moe.md): the MoE layer, its router, experts, dispatch and auxiliary losses.
+
+What a training step needs from here: run its forwards and backwards inside `moe_step(loss_scale, model)` (the
+scale it multiplies its language-model loss by; leaving it moves the balancing biases), and read the StepRecord it
+yields (`metrics()`) for its metrics row.
+"""
+
+from .balancing import update_expert_bias
+from .layer import MoELayer, build_mlp
+from .losses import StepRecord, moe_step
+from .router import TopKRouter
+
+__all__ = ["MoELayer", "build_mlp", "StepRecord", "TopKRouter", "moe_step", "update_expert_bias"]

@@ -1,0 +1,143 @@
+"""Mixture of experts in the trainer (build + train_step, in-process gloo ranks): a Llama-style model with 8 experts,
+top-2, the load-balancing and z losses and DeepSeek-V3's balancing bias trains like one process at dp 2 (ZeRO-1 and
+ZeRO-3), pp 2 with full recompute, tp 2 + SP with selective recompute, ep 2, ep 4, ep 2 x tp 2 + SP and ep 2 x cp 2:
+the same losses, gradient norms, validation losses, auxiliary losses and loads, and bit-identical biases; an ep 2
+checkpoint resumes at tp 2 and at ep 4 like one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallel_attention as pa
+from distributed import run_distributed
+from launch import ROOT
+from parallel_attention.tensor_parallel.collectives import full_tensor
+from parallel_attention.training import load_config
+from parallel_attention.training.evaluation import evaluate
+from parallel_attention.training.run.run_dir import release_run_dir
+from parallel_attention.training.trainer import build, checkpoint, resume_run, train_step
+from tiny_run import MAX_BYTES, VAL_FRACTION
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def data_dir(shared_data) -> Path:
+    """The session's prepared data (tests/conftest.py)."""
+    return shared_data
+
+
+def moe_overrides(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    """gpt_tiny as a Llama-style MoE: SwiGLU experts (8, top-2, width 16) beside a gated shared expert (Qwen2-MoE's),
+    RMSNorm, rotary, untied; 8 micro-batches
+    of 4 sequences per step at dp 1 (4 rows: every rank of dp 4 evaluates every validation batch); clipping below the norm, so that every step is clipped by the global norm."""
+    return ["--model.hidden_size=32", "--model.num_layers=2", "--model.max_seq_len=16", "--data.seq_len=16",
+            "--model.activation=swiglu", "--model.norm=rmsnorm", "--model.position_embedding=rotary",
+            "--model.tie_embeddings=false", "--model.num_experts=8", "--model.moe_top_k=2",
+            "--model.moe_ffn_hidden_size=16", "--model.moe_aux_loss_coeff=0.01", "--model.moe_z_loss_coeff=0.001",
+            "--model.moe_router_bias_update_rate=0.01", "--model.moe_shared_expert_ffn_hidden_size=16",
+            "--model.moe_shared_expert_gate=true", "--training.global_batch_size=32",
+            "--training.micro_batch_size=4", f"--training.max_steps={STEPS}", "--training.eval_batches=2",
+            "--schedule.warmup_steps=1", "--optimizer.grad_clip=0.05", "--logging.progress_bar=false",
+            "--logging.tensorboard=false", f"--data.data_dir={data_dir}", f"--data.max_bytes={MAX_BYTES}",
+            f"--data.val_fraction={VAL_FRACTION}", f"--logging.run_dir={run_dir}", "--parallel.tensor_parallel_size=1",
+            *extra]
+
+
+def _train_worker(args: list[str]) -> dict:
+    pa.destroy_model_parallel()
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", args)
+    cfg.validate(dist.get_world_size())
+    run = build(cfg)
+    records = [train_step(run) for _ in range(STEPS)]
+    biases = {name: full_tensor(p.detach()).clone() for name, p in run.model.named_parameters()
+              if "e_score_correction" in name}  # FSDP2 (zero_stage 3): the whole of it
+    release_run_dir(cfg)  # these ranks live on (tests/rank_pool.py): the next run may use the directory
+    return {"records": records, "val_loss": evaluate(run)["val_loss"], "biases": biases}
+
+
+LAYOUTS = {  # name: (world, extra overrides)
+    "dp2": (2, []),
+    "dp2_zero3": (2, ["--parallel.zero_stage=3"]),
+    "pp2_recompute": (2, ["--parallel.pipeline_parallel_size=2", "--model.recompute_activations=true"]),
+    "tp2_sp_selective": (2, ["--parallel.tensor_parallel_size=2", "--parallel.sequence_parallel=true",
+                             "--model.recompute_activations=true", "--model.recompute_granularity=selective"]),
+    "ep2": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0"]),
+    "ep4": (4, ["--parallel.expert_parallel_size=4", "--parallel.zero_stage=0"]),
+    "ep2_tp2_sp": (4, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0",
+                       "--parallel.tensor_parallel_size=2", "--parallel.sequence_parallel=true"]),
+    "ep2_cp2": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0",
+                    "--parallel.context_parallel_size=2"]),
+    "ep2_cp2_ring": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0",
+                         "--parallel.context_parallel_size=2", "--parallel.context_parallel_kind=ring"]),
+    "tp2": (2, ["--parallel.tensor_parallel_size=2"]),  # without SP: every tp rank routes the same tokens
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(data_dir, tmp_path_factory) -> dict:
+    return run_distributed(_train_worker, 1, 1, moe_overrides(data_dir, tmp_path_factory.mktemp("one")))[0]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_moe_layouts_train_like_one_process(data_dir, one_process, tmp_path, layout):
+    world, extra = LAYOUTS[layout]
+    one = one_process
+    ranks = run_distributed(_train_worker, world, 1, moe_overrides(data_dir, tmp_path / layout, *extra))
+    expected = one["records"]
+    assert {"moe_aux_loss", "moe_z_loss", "moe_load/0", "moe_load/1"} <= set(expected[0])
+    for rank, got in enumerate(ranks):
+        for step, (mine, reference) in enumerate(zip(got["records"], expected)):
+            for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load/0", "moe_load/1"):
+                # float32: the layouts sum the same products in other orders (DP means, TP splits, all-to-alls)
+                assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), f"rank {rank} {key} {step}"
+            for layer in (0, 1):  # each expert's share of the routed tokens: the same routing at every layout
+                key = f"moe_expert_load/{layer}"
+                assert mine[key] == pytest.approx(reference[key], abs=1e-6), f"rank {rank} {key} {step}"
+        assert got["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+        for name, bias in got["biases"].items():  # sign updates of integer counts: exactly the one process's
+            assert torch.equal(bias, one["biases"][name]), name
+    assert set().union(*(got["biases"] for got in ranks)) == set(one["biases"])  # every stage's layers
+
+
+def _save_worker(args: list[str], steps: int) -> None:
+    pa.destroy_model_parallel()
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", args)
+    cfg.validate(dist.get_world_size())
+    run = build(cfg)
+    for _ in range(steps):
+        train_step(run)
+    checkpoint(run)
+    release_run_dir(cfg)
+
+
+def _resume_worker(args: list[str]) -> list[dict]:
+    pa.destroy_model_parallel()
+    cfg = load_config(ROOT / "configs" / "gpt_tiny.yaml", args)
+    cfg.validate(dist.get_world_size())
+    run = build(cfg)
+    resume_run(run, "auto")
+    records = [train_step(run) for _ in range(STEPS - run.step)]
+    if run.logger is not None:
+        run.logger.close()
+    release_run_dir(cfg)
+    return records
+
+
+@pytest.mark.parametrize("resumed_at", ["tp2", "ep4"])
+def test_an_ep2_checkpoint_resumes_at_another_layout_like_one_process(data_dir, one_process, tmp_path, resumed_at):
+    """Saved at ep 2 after step 1 (the experts whole, under their global index, with their moments), resumed at
+    tp 2 (ep 1: every expert on each rank) or at ep 4: steps 2 and 3 are the uninterrupted one process's."""
+    run_dir = tmp_path / "run"
+    run_distributed(_save_worker, 2, 1, moe_overrides(data_dir, run_dir, *LAYOUTS["ep2"][1]), 1)
+    layout = {"tp2": ["--parallel.tensor_parallel_size=2"], "ep4": LAYOUTS["ep4"][1]}[resumed_at]
+    for rank_records in run_distributed(_resume_worker, LAYOUTS["ep4"][0] if resumed_at == "ep4" else 2, 1,
+                                        moe_overrides(data_dir, run_dir, *layout)):
+        assert [r["step"] for r in rank_records] == [2, 3]
+        for mine, reference in zip(rank_records, one_process["records"][1:]):
+            for key in ("loss", "grad_norm", "moe_aux_loss", "moe_load/1"):
+                assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (key, mine["step"])
