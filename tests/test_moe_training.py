@@ -75,6 +75,9 @@ LAYOUTS = {  # name: (world, extra overrides)
     "ep2_cp2_ring": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0",
                          "--parallel.context_parallel_size=2", "--parallel.context_parallel_kind=ring"]),
     "tp2": (2, ["--parallel.tensor_parallel_size=2"]),  # without SP: every tp rank routes the same tokens
+    # the experts split over the dp ranks of each stage; ChunkReducer leaves them to finalize_grads
+    "ep2_pp2": (4, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0",
+                    "--parallel.pipeline_parallel_size=2"]),
 }
 
 
