@@ -25,8 +25,8 @@ BUCKET_MB = 25  # as DDP's default: the first buckets start early in the backwar
 
 
 class ChunkReducer(GradientSync):
-    """The gradient sync of a pipeline stage (data_parallel.data_parallel_step): `chunks[c]` the parameters chunk c's backward
-    accumulates into."""
+    """The gradient sync of a pipeline stage (data_parallel.data_parallel_step): `chunks[c]` the parameters chunk
+    c's backward accumulates into."""
 
     def __init__(self, chunks: list[list[nn.Parameter]], group: ProcessGroup | None,
                  bucket_mb: float = BUCKET_MB) -> None:

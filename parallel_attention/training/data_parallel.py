@@ -135,8 +135,8 @@ def data_parallel_step(model: nn.Module, group: ProcessGroup | None, debug_colle
     if pipelined:
         if zero_stage == 3:
             return shard_fully(model, mesh_of(group)), GradientSync()
-        params = dict(model.named_parameters())  # split experts: averaged over the ranks holding them, by finalize_grads
-        left_out = {id(params[name]) for name in split_experts(model)}
+        params = dict(model.named_parameters())
+        left_out = {id(params[name]) for name in split_experts(model)}  # finalize_grads averages them
         return model, ChunkReducer([[p for p in chunk if id(p) not in left_out] for chunk in chunk_parameters(model)],
                                    group)
     forward = wrap_data_parallel(model, group, debug_collectives, zero_stage=zero_stage)

@@ -21,8 +21,8 @@ from ...pipeline.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES
 from ...tensor_parallel.linear_functions import OVERLAP_COMM
 from ...tensor_parallel.mesh_groups import layout_data_parallel_size
 from ...transformer.model_config import ModelConfig
-from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_experts, check_fp8,
-                     check_names, check_ranges, check_resume)
+from .checks import (ConfigError, check_blend, check_compile, check_context_parallel, check_data_source, check_experts,
+                     check_fp8, check_names, check_ranges, check_resume)
 from .pipeline_checks import check_pipeline
 from .loading import apply_override, build_dataclass, read_yaml_file
 from ..tokenizer import tokenizer_vocab_size
