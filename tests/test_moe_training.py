@@ -1,11 +1,13 @@
 """Mixture of experts in the trainer (build + train_step, in-process gloo ranks): a Llama-style model with 8 experts,
 top-2, the load-balancing and z losses and DeepSeek-V3's balancing bias trains like one process at dp 2 (ZeRO-1 and
 ZeRO-3), pp 2 with full recompute, tp 2 + SP with selective recompute, ep 2, ep 4, ep 2 x tp 2 + SP and ep 2 x cp 2:
-the same losses, gradient norms, validation losses, auxiliary losses and loads, and bit-identical biases; an ep 2
-checkpoint resumes at tp 2 and at ep 4 like one process."""
+the same losses, gradient norms, validation losses, auxiliary losses and loads, and bit-identical biases (ep 2 with
+ZeRO-1 too, and inside a pipeline); an ep 2 checkpoint (ZeRO-1 or not) resumes at tp 2, at ep 2 and at ep 4 like one
+process."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,9 @@ import torch.distributed as dist
 import parallel_attention as pa
 from distributed import run_distributed
 from launch import ROOT
+from parallel_attention.checkpointing.tensor_io import read_safetensors
 from parallel_attention.tensor_parallel.collectives import full_tensor
-from parallel_attention.training import load_config
+from parallel_attention.training import ConfigError, load_config
 from parallel_attention.training.evaluation import evaluate
 from parallel_attention.training.run.run_dir import release_run_dir
 from parallel_attention.training.trainer import build, checkpoint, resume_run, train_step
@@ -78,6 +81,10 @@ LAYOUTS = {  # name: (world, extra overrides)
     # the experts split over the dp ranks of each stage; ChunkReducer leaves them to finalize_grads
     "ep2_pp2": (4, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=0",
                     "--parallel.pipeline_parallel_size=2"]),
+    # ZeRO-1 over dp x cp for the shared parameters, the split experts updated unsharded beside it
+    "ep2_zero1": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=1"]),
+    "ep2_pp2_zero1": (4, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=1",
+                          "--parallel.pipeline_parallel_size=2"]),
 }
 
 
@@ -131,16 +138,46 @@ def _resume_worker(args: list[str]) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("resumed_at", ["tp2", "ep4"])
-def test_an_ep2_checkpoint_resumes_at_another_layout_like_one_process(data_dir, one_process, tmp_path, resumed_at):
-    """Saved at ep 2 after step 1 (the experts whole, under their global index, with their moments), resumed at
-    tp 2 (ep 1: every expert on each rank) or at ep 4: steps 2 and 3 are the uninterrupted one process's."""
+RESUMED_AT = {"tp2": (2, ["--parallel.tensor_parallel_size=2"]), "ep4": LAYOUTS["ep4"],
+              "ep4_zero1": (4, ["--parallel.expert_parallel_size=4", "--parallel.zero_stage=1"]),
+              "ep2": LAYOUTS["ep2"]}
+
+
+@pytest.mark.parametrize("saved_at, resumed_at", [("ep2", "tp2"), ("ep2", "ep4"), ("ep2_zero1", "ep4_zero1"),
+                                                  ("ep2", "ep4_zero1"), ("ep2_zero1", "ep2")])
+def test_an_ep2_checkpoint_resumes_at_another_layout_like_one_process(data_dir, one_process, tmp_path, saved_at,
+                                                                     resumed_at):
+    """Saved at ep 2 (ZeRO-1 or not) after step 1 (the experts whole, under their global index, with their moments),
+    resumed at tp 2 (ep 1: every expert on each rank), at ep 4 (ZeRO-1 or not) or at ep 2 without ZeRO: steps 2
+    and 3 are the uninterrupted one process's."""
     run_dir = tmp_path / "run"
-    run_distributed(_save_worker, 2, 1, moe_overrides(data_dir, run_dir, *LAYOUTS["ep2"][1]), 1)
-    layout = {"tp2": ["--parallel.tensor_parallel_size=2"], "ep4": LAYOUTS["ep4"][1]}[resumed_at]
-    for rank_records in run_distributed(_resume_worker, LAYOUTS["ep4"][0] if resumed_at == "ep4" else 2, 1,
-                                        moe_overrides(data_dir, run_dir, *layout)):
+    run_distributed(_save_worker, 2, 1, moe_overrides(data_dir, run_dir, *LAYOUTS[saved_at][1]), 1)
+    world, layout = RESUMED_AT[resumed_at]
+    for rank_records in run_distributed(_resume_worker, world, 1, moe_overrides(data_dir, run_dir, *layout)):
         assert [r["step"] for r in rank_records] == [2, 3]
         for mine, reference in zip(rank_records, one_process["records"][1:]):
             for key in ("loss", "grad_norm", "moe_aux_loss", "moe_load/1"):
                 assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (key, mine["step"])
+
+
+def test_an_ep2_zero1_checkpoint_is_the_unsharded_ones(data_dir, tmp_path):
+    """ZeRO-1 beside the split experts, consolidated and the experts made whole on dp rank 0: the optimizer file is
+    ep 2 without ZeRO's, tensor for tensor (every parameter's moments, each expert once, under its global index)."""
+    files = {}
+    for saved_at in ("ep2", "ep2_zero1"):
+        run_dir = tmp_path / saved_at
+        run_distributed(_save_worker, 2, 1, moe_overrides(data_dir, run_dir, *LAYOUTS[saved_at][1]), 1)
+        files[saved_at] = read_safetensors(run_dir / "checkpoints" / "step_0000001" / "optim_tp00.safetensors")
+    (plain, plain_meta), (sharded, sharded_meta) = files["ep2"], files["ep2_zero1"]
+    assert any(".experts." in name for name in plain) and sharded.keys() == plain.keys()
+    assert all(torch.equal(sharded[k], plain[k]) for k in plain)
+    assert {k: json.loads(v) for k, v in sharded_meta.items()} == {k: json.loads(v) for k, v in plain_meta.items()}
+
+
+def test_ep2_validates_with_zero_stage_0_and_1_and_refuses_fsdp2(data_dir, tmp_path):
+    for stage in (0, 1):
+        load_config(ROOT / "configs" / "gpt_tiny.yaml", moe_overrides(
+            data_dir, tmp_path, "--parallel.expert_parallel_size=2", f"--parallel.zero_stage={stage}")).validate(2)
+    with pytest.raises(ConfigError, match="expert_parallel_size=2 runs with parallel.zero_stage 0 or 1"):
+        load_config(ROOT / "configs" / "gpt_tiny.yaml", moe_overrides(
+            data_dir, tmp_path, "--parallel.expert_parallel_size=2", "--parallel.zero_stage=3")).validate(2)

@@ -3,13 +3,16 @@ warm-up + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
+from ..tensor_parallel.expert_shards import split_experts
 from ..tensor_parallel.parallel_state import ProcessGroup, group_size
 from .config.schema import OptimizerConfig, ScheduleConfig
+from .experts_beside_zero import ExpertsBesideZero
 from .sharded_optimizer import sharded_adamw
 
 
@@ -18,7 +21,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, dp_group: ProcessGro
     """Matrices (linear and embedding weights) decay; biases, norms and other vectors do not.
 
     zero_stage 1 with more than one data-parallel rank: the state is sharded across `dp_group` (torch's
-    ZeroRedundancyOptimizer, `sharded_optimizer`); otherwise every rank holds all of it."""
+    ZeroRedundancyOptimizer, `sharded_optimizer`), but for the experts split over an ep group, which each rank
+    updates unsharded beside it (`experts_beside_zero`); otherwise every rank holds all of it."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -30,6 +34,10 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, dp_group: ProcessGro
     # these flags in its param groups: a run resumed from an older one (foreach=False) keeps its loop, bit-exactly
     adamw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
     if zero_stage == 1 and group_size(dp_group) > 1:
+        params = dict(model.named_parameters())
+        experts = {id(params[name]) for name in split_experts(model)}
+        if experts:
+            return ExpertsBesideZero(groups, experts, functools.partial(sharded_adamw, group=dp_group), **adamw)
         return sharded_adamw(groups, dp_group, **adamw)
     return torch.optim.AdamW(groups, **adamw)
 
