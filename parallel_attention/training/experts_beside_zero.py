@@ -86,10 +86,10 @@ class ExpertsBesideZero:
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved.items() if k != "params"})
         for part in self._parts():
-            index = self._index(part)
+            index, saved_state = self._index(part), state_dict["state"]
             numbered = iter(range(len(index)))
             part.load_state_dict({
-                "state": {i: state_dict["state"][index[i]] for i in range(len(index)) if index[i] in state_dict["state"]},
+                "state": {i: saved_state[mine] for i, mine in enumerate(index) if mine in saved_state},
                 "param_groups": [{**{k: v for k, v in saved.items() if k != "params"},
                                   "params": [next(numbered) for _ in group["params"]]}
                                  for saved, group in zip(state_dict["param_groups"], part.param_groups)]})
