@@ -131,12 +131,14 @@ def main(logs: Path, out: Path, dry_run: bool = False) -> int:
         _figures(logs, steps)
     _explain(logs, steps)
     ok = all(s["status"] in ("passed", "dry_run") or s["status"].startswith("skipped") for s in steps.values())
+    skipped = [name for name, s in steps.items() if s["status"].startswith("skipped")]
     summary = {"ok": ok, "dry_run": dry_run, "versions": _json(logs / "versions.json", ()),
-               "logs": str(out.with_name(out.stem + "_logs.tar.gz")), "steps": steps,
-               "skipped": [name for name, s in steps.items() if s["status"].startswith("skipped")],
+               "logs": str(out.with_name(out.stem + "_logs.tar.gz")), "steps": steps, "skipped": skipped,
                "targets": {} if dry_run else _targets(steps)}
     out.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     verdict = ("dry run: every step would start" if dry_run else "all passed") if ok else "FAILED"
+    if ok and skipped:
+        verdict += f" but {', '.join(skipped)} (skipped: see its reason)"
     print(f"gpu_check: {verdict}; summary in {out}", file=sys.stderr)
     return 0 if ok else 1
 

@@ -85,6 +85,7 @@ def test_the_dry_run_from_a_fresh_clone_with_a_bare_python3_checks_every_step(ba
     assert first[0].startswith("torch ") and all(f" {w} " in first[0] for w in ("CUDA", "NCCL", "driver"))
     assert first[1] == "GPU: none visible to torch"
     assert "pytest: not installed for this interpreter: the cuda_tests step is skipped" in result.stderr
+    assert "gpu_check: dry run: every step would start but cuda_tests (skipped: see its reason)" in result.stderr
     summary = json.loads(out.read_text())
     assert summary["ok"] and summary["dry_run"] and list(summary["steps"]) == STEPS
     assert summary["skipped"] == ["cuda_tests"] and "pip install pytest" in summary["steps"]["cuda_tests"]["status"]
