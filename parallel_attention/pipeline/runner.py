@@ -99,7 +99,7 @@ class PipelineRunner:
         group = self.links[(link.kind, end)]
         peer = 1 - group_rank(group)
         if end == "receive":
-            return exchange([], [(torch.empty(expected, dtype=self.dtype, device=self._device()), peer)], group,
+            return exchange([], [(torch.empty(expected, dtype=self.dtype, device=self.device), peer)], group,
                             str(link))
         tensor = self._send(message)
         if tuple(tensor.shape) != expected:
@@ -133,17 +133,14 @@ class PipelineRunner:
             run_weight_grads(self.state["weights"].pop(key))
             record.span(str(Action("W", *key)), started)
 
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     # ------------------------------------------------------------------ the step
     def run(self, work: MicroBatchWork) -> StepRecord:
         """One step: each action through `work` (forward, backward) or the deferred weight gradients, with the
         messages the actions imply. Returns each micro-batch's loss (the last stage's) and the step's events."""
         self.work, self.in_flight, self.ready_weights = work, {}, []
         self.state = {"inputs": {}, "outputs": {}, "weights": {}}  # by (chunk, micro-batch), until their backward
-        device = self._device()
-        record = StepRecord(torch.zeros(self.m, device=device), clock_for(device))
+        self.device = next(self.model.parameters()).device  # where the receives land (read once a step)
+        record = StepRecord(torch.zeros(self.m, device=self.device), clock_for(self.device))
         received = self._communicate(0, record)
         for k, action in enumerate(self.actions):
             started = record.clock.mark()

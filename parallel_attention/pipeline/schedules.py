@@ -108,7 +108,7 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
 DEFAULT_SCHEDULE = "1f1b"  # pp = 1 runs it on one stage: F0 B0 F1 B1 ...
-EVALUATION = Schedule("forward_only", forward_only, lambda p, m, v: _fill_drain(p, m, v), "(p-1)/(m+p-1)")
+EVALUATION = Schedule("forward_only", forward_only, _fill_drain, "(p-1)/(m+p-1)")
 
 
 def schedule(name: str) -> Schedule:

@@ -60,17 +60,8 @@ def wrap_data_parallel(model: nn.Module, group: ProcessGroup | None, debug_colle
     gradient_as_bucket_view: the gradients are views into DDP's buckets (no copy in and out of them), which
     clipping and the optimizer read and scale in place like any gradient.
     """
-    if group_size(group) == 1:
-        return model
-    if zero_stage == 3:
-        return shard_fully(model, mesh_of(group))
-    experts = list(split_experts(model))  # averaged over the ranks holding them, by finalize_grads
-    if debug_collectives:
-        return ReducedAfterBackward(model, group, set(experts))
-    if experts:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
-    return DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
-                                   gradient_as_bucket_view=True, **_NO_BUFFER_SYNC)
+    return data_parallel_step(model, group, debug_collectives, zero_stage, pipelined=False,
+                              bucket_cap_mb=bucket_cap_mb)[0]
 
 
 class ReducedAfterBackward(nn.Module):
@@ -126,22 +117,28 @@ class AfterLastBackward(GradientSync):
 
 
 def data_parallel_step(model: nn.Module, group: ProcessGroup | None, debug_collectives: bool, zero_stage: int,
-                       pipelined: bool) -> tuple[nn.Module, GradientSync]:
-    """(what the training forward runs through, how its gradients are averaged over `group`). At pp = 1 the module
-    of `wrap_data_parallel`; in a pipeline (`pipelined`) the model itself, its chunks' gradients averaged by
-    `ChunkReducer` during each chunk's last backward, or FSDP2 (zero_stage 3) reduce-scattering in each backward."""
+                       pipelined: bool, bucket_cap_mb: float = BUCKET_CAP_MB) -> tuple[nn.Module, GradientSync]:
+    """(what the training forward runs through, how its gradients are averaged over `group`): at pp = 1 DDP
+    (ReducedAfterBackward under debug_collectives) or FSDP2 at zero_stage 3, each with its sync; in a pipeline
+    (`pipelined`) the model itself, its chunks' gradients averaged by `ChunkReducer` during each chunk's last
+    backward, or FSDP2 reduce-scattering in each backward. Experts split over ep ranks are left to finalize_grads,
+    which averages them over the ranks holding them."""
     if group_size(group) == 1:
         return model, GradientSync()
+    if zero_stage == 3:
+        sharded = shard_fully(model, mesh_of(group))
+        return sharded, GradientSync() if pipelined else FullyShardedSync(sharded)
+    experts = list(split_experts(model))
     if pipelined:
-        if zero_stage == 3:
-            return shard_fully(model, mesh_of(group)), GradientSync()
         params = dict(model.named_parameters())
-        left_out = {id(params[name]) for name in split_experts(model)}  # finalize_grads averages them
+        left_out = {id(params[name]) for name in experts}
         return model, ChunkReducer([[p for p in chunk if id(p) not in left_out] for chunk in chunk_parameters(model)],
                                    group)
-    forward = wrap_data_parallel(model, group, debug_collectives, zero_stage=zero_stage)
-    if zero_stage == 3:
-        return forward, FullyShardedSync(forward)
     if debug_collectives:
-        return forward, AfterLastBackward(forward)
-    return forward, DDPSync(forward)
+        reduced = ReducedAfterBackward(model, group, set(experts))
+        return reduced, AfterLastBackward(reduced)
+    if experts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb,
+                                  gradient_as_bucket_view=True, **_NO_BUFFER_SYNC)
+    return ddp, DDPSync(ddp)
