@@ -26,6 +26,12 @@ def model_inputs(batch: tuple) -> dict:
     return dict(zip(INPUT_NAMES, batch))
 
 
+def loss_share(scale_loss: Callable, micro_batches: int) -> float:
+    """What the backward multiplies a micro-batch's loss by: 1 / the step's micro-batches, then the loss scale
+    (`MicroBatchStep.backward`). Auxiliary losses that join the backward (MoE's) are scaled by the same share."""
+    return scale_loss(1.0 / micro_batches)
+
+
 class GradientSync:
     """What a micro-batch's forward and backward run inside, on chunk `chunk`, for the data-parallel reduction;
     `last`: the chunk's last forward, or its last backward that accumulates weight gradients; `finish` completes

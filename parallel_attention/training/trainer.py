@@ -27,7 +27,7 @@ from ..tensor_parallel.collective_log import enable_collective_log
 from ..tensor_parallel.collectives import all_reduce, any_rank
 from ..tensor_parallel.param_kinds import finalize_grads
 from ..tensor_parallel.rng import manual_seed
-from ..pipeline.micro_batch_step import GradientSync
+from ..pipeline.micro_batch_step import GradientSync, loss_share
 from ..pipeline.runner import PipelineRunner
 from ..transformer.model import GPTModel
 from ..transformer.moe import moe_step
@@ -178,7 +178,7 @@ def train_step(run: Run) -> dict:
     set_learning_rate(run.optimizer, lr)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches, data_wait_s = run.loader.get(run.step)
-    with moe_step(run.scaler.scale / len(micro_batches), run.model) as moe_record:  # aux losses' scale, bias
+    with moe_step(loss_share(run.scaler.scale_loss, len(micro_batches)), run.model) as moe_record:  # and the bias
         loss_sum, record = forward_backward(run, micro_batches)
     finalize_grads(run.model)  # after the data-parallel average of the backward: the two commute
     run.scaler.unscale(run.model.parameters())
