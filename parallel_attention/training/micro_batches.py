@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..transformer.cross_entropy import IGNORE_INDEX, check_ids
+from ..transformer.cross_entropy import check_ids, check_labels
 
 
 def on_device(batches: list[tuple], vocab_size: int, device: torch.device) -> list[tuple]:
@@ -14,7 +14,7 @@ def on_device(batches: list[tuple], vocab_size: int, device: torch.device) -> li
     prefetch thread), so that the step itself never waits for the host."""
     for tokens, labels, *_ in batches:
         check_ids(tokens, vocab_size, "token")
-        check_ids(labels.masked_fill(labels == IGNORE_INDEX, 0), vocab_size, "label")
+        check_labels(labels, vocab_size)
     if device.type == "cpu":
         return batches
     return [tuple(t.pin_memory().to(device, non_blocking=True) for t in batch) for batch in batches]

@@ -83,10 +83,16 @@ def _cross_entropy(logits, target, vocab_size: int, group, ignore_index: int, ow
         raise ValueError(f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)}[:-1].")
     if vocab_size > logits.shape[-1] * group_size(group):
         raise ValueError(f"vocab_size={vocab_size} exceeds the padded vocabulary {logits.shape[-1] * group_size(group)}.")
-    ignored = target == ignore_index
-    check_ids(target.masked_fill(ignored, 0), vocab_size, "label")
+    ignored = check_labels(target, vocab_size, ignore_index)
     loss = _VocabParallelCrossEntropy.apply(logits, target.masked_fill(ignored, 0), vocab_size, group, owns_logits)
     return loss.masked_fill(ignored, 0.0)
+
+
+def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The mask of the ignored labels, once every other label is checked to lie in [0, vocab_size) (check_ids)."""
+    ignored = labels == ignore_index
+    check_ids(labels.masked_fill(ignored, 0), vocab_size, "label")
+    return ignored
 
 
 def check_ids(ids: torch.Tensor, vocab_size: int, what: str) -> None:
