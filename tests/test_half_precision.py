@@ -72,23 +72,33 @@ def test_half_precision_trains_under_cpu_autocast_within_two_percent_of_float32(
 
 def _overflow_worker(args):
     """One fp16 step, then one whose scaled gradients overflow fp16 (a scale of 2^40 makes inf out of the first
-    half-precision gradient), then one more step."""
+    half-precision gradient)."""
     run = build_run(args)
+    initial = [p.detach().clone() for p in run.model.parameters()]
     first = train_step(run)
     before = [p.detach().clone() for p in run.model.parameters()]
     run.scaler.scale = 2.0 ** 40
     overflow = train_step(run)
     unchanged = all(torch.equal(a, p) for a, p in zip(before, run.model.parameters()))
-    return first, overflow, unchanged, run.scaler.record()
+    first_moved = all(not torch.equal(a, p) for a, p in zip(initial, before))  # every parameter, biases included
+    return first, overflow, unchanged and first_moved, run.scaler.record()
 
 
-def test_an_fp16_overflow_step_is_skipped_counted_and_halves_the_scale(data_dir, tmp_path):
+MOE_WITH_BIAS = ("--model.num_experts=4", "--model.moe_top_k=2", "--model.moe_ffn_hidden_size=32",
+                 "--model.moe_router_bias_update_rate=0.01")
+
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_an_fp16_overflow_step_is_skipped_counted_and_halves_the_scale(data_dir, tmp_path, model):
+    """The skipped step leaves every parameter as it was: the MoE routers' balancing biases too (they move with the
+    update, from the step's counts), though its forwards did count tokens."""
+    extra = MOE_WITH_BIAS if model == "moe" else ()
     ((first, overflow, unchanged, scaler),) = run_distributed(
-        _overflow_worker, 1, 1, _args(data_dir, tmp_path / "run", "float16"))
+        _overflow_worker, 1, 1, _args(data_dir, tmp_path / "run", "float16", *extra))
     assert first["skipped_steps"] == 0 and math.isfinite(first["grad_norm"])
     assert overflow["skipped_steps"] == 1 and not math.isfinite(overflow["grad_norm"])
     assert math.isfinite(overflow["loss"])  # the loss was fine: an overflow, not a divergence
-    assert unchanged  # the update was not applied
+    assert unchanged  # the first step moved every parameter; the second's update was not applied
     assert scaler == {"loss_scale": 2.0 ** 39}
 
 

@@ -30,7 +30,7 @@ from ..tensor_parallel.rng import manual_seed
 from ..pipeline.micro_batch_step import GradientSync, loss_share
 from ..pipeline.runner import PipelineRunner
 from ..transformer.model import GPTModel
-from ..transformer.moe import moe_step
+from ..transformer.moe import moe_step, update_expert_bias
 from .config.schema import PretrainConfig
 from .config.checks import check_resume
 from .compile import compile_layers
@@ -178,7 +178,7 @@ def train_step(run: Run) -> dict:
     set_learning_rate(run.optimizer, lr)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches, data_wait_s = run.loader.get(run.step)
-    with moe_step(loss_share(run.scaler.scale_loss, len(micro_batches)), run.model) as moe_record:  # and the bias
+    with moe_step(loss_share(run.scaler.scale_loss, len(micro_batches))) as moe_record:
         loss_sum, record = forward_backward(run, micro_batches)
     finalize_grads(run.model)  # after the data-parallel average of the backward: the two commute
     run.scaler.unscale(run.model.parameters())
@@ -186,9 +186,11 @@ def train_step(run: Run) -> dict:
     grad_norm = global_grad_norm(run.model, tp_group, pp_group=pp_group, counted_elsewhere=run.model.pipeline_copies())
     dp_group = ps.get_data_parallel_group()
     loss = (all_reduce(loss_sum, dp_group) / ps.group_size(dp_group)).item()  # the mean over data-parallel ranks
-    if run.guard.update(run.step + 1, loss, grad_norm.item()):
+    applied = run.guard.update(run.step + 1, loss, grad_norm.item())
+    if applied:
         clip_gradients(run.model, run.cfg.optimizer.grad_clip, grad_norm)
         run.optimizer.step()
+    update_expert_bias(run.model, applied)  # the balancing biases move with the update, or not at all
     run.step += 1
     run.losses[run.step] = loss
     return {"step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),

@@ -1,8 +1,8 @@
 """Mixture of experts (docs/moe.md): the MoE layer, its router, experts, dispatch and auxiliary losses.
 
-What a training step needs from here: run its forwards and backwards inside `moe_step(loss_scale, model)` (the
-scale it multiplies its language-model loss by; leaving it moves the balancing biases), and read the StepRecord it
-yields (`metrics()`) for its metrics row.
+What a training step needs from here: run its forwards and backwards inside `moe_step(loss_scale)` (the scale it
+multiplies its language-model loss by), read the StepRecord it yields (`metrics()`) for its metrics row, and call
+`update_expert_bias(model, applied)` once it knows whether the step's update applies.
 """
 
 from .balancing import update_expert_bias

@@ -15,13 +15,15 @@ from ...tensor_parallel.collectives import all_reduce
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module) -> None:
-    """After the step's last backward: bias += rate * sign(mean load - load) for every router with a bias, then
-    its counts restart. The counts are summed over each router's `count_groups` (the layer's: dp x cp, and tp
-    under sequence parallelism), every router of the model in one all-reduce per group."""
+def update_expert_bias(model: nn.Module, applied: bool = True) -> None:
+    """After the step's last backward: bias += rate * sign(mean load - load) for every router with a bias when the
+    step's update is `applied`, then the counts restart either way. A step the guard skips (an fp16 overflow)
+    leaves the biases as they were, as it leaves every other parameter. The counts are summed over each router's
+    `count_groups` (the layer's: dp x cp, and tp under sequence parallelism), every router of the model in one
+    all-reduce per group (no collective on a skipped step: every rank judges the step alike)."""
     routers = [m for m in model.modules() if hasattr(m, "update_bias")]  # the MoE layers' routers (router.py)
     biased = [r for r in routers if r.e_score_correction_bias is not None]
-    if biased:
+    if biased and applied:
         counts = torch.stack([r.step_counts for r in biased])
         for group in biased[0].count_groups:
             all_reduce(counts, group)

@@ -25,11 +25,9 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from ...tensor_parallel.collectives import all_reduce
 from ...tensor_parallel.parallel_state import ProcessGroup, group_size
-from .balancing import update_expert_bias
 
 
 @dataclass
@@ -74,20 +72,17 @@ _CURRENT = StepRecord()  # outside moe_step: scale 1 (a plain `loss.backward()` 
 
 
 @contextlib.contextmanager
-def moe_step(loss_scale: float = 1.0, model: nn.Module | None = None):
+def moe_step(loss_scale: float = 1.0):
     """The context of one step's (or micro-batch's) forwards and backwards: the auxiliary losses' gradients are
     scaled by `loss_scale` (what the step multiplies its language-model loss by before backward: 1/micro-batches,
-    times the fp16 loss scale), and the layers record their losses and loads into the StepRecord it yields.
-    With `model`, the context is a whole step's: leaving it, every balancing bias of the model moves by the
-    step's load (`update_expert_bias`, a collective over the ranks that hold the step's tokens)."""
+    times the fp16 loss scale), and the layers record their losses and loads into the StepRecord it yields. The
+    balancing biases move once the step's update is known to apply (`update_expert_bias`, the trainer's)."""
     global _CURRENT
     previous, _CURRENT = _CURRENT, StepRecord(float(loss_scale))
     try:
         yield _CURRENT
     finally:
         _CURRENT = previous
-    if model is not None:
-        update_expert_bias(model)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
