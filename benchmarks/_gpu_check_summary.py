@@ -117,9 +117,13 @@ def _figures(logs: Path, steps: dict) -> None:
         if name in steps:
             steps[name].update(_last_json_line(logs, steps[name]))
     steps.get("bench_attention", {}).update(result=_json(logs / "bench_attention.json", ()))
-    steps.get("train_1b", {}).update(result=_json(logs / "train_1b.json", (
-        "step_ms", "tokens_per_s", "tflops", "mfu", "peak_tflops", "flops_per_token", "optimizer_state_bytes_per_rank",
-        "saved_activation_bytes")))
+    for name in ("train_1b", "train_1b_fp8"):
+        steps.get(name, {}).update(result=_json(logs / f"{name}.json", (
+            "step_ms", "tokens_per_s", "tflops", "mfu", "peak_tflops", "flops_per_token",
+            "optimizer_state_bytes_per_rank", "saved_activation_bytes")))
+    bf16_ms, fp8_ms = (steps.get(name, {}).get("result", {}).get("step_ms") for name in ("train_1b", "train_1b_fp8"))
+    if bf16_ms and fp8_ms:  # the same step in bf16 over FP8: > 1 where FP8 pays
+        steps["train_1b_fp8"]["fp8_step_speedup"] = round(bf16_ms / fp8_ms, 3)
 
 
 def main(logs: Path, out: Path, dry_run: bool = False) -> int:

@@ -31,6 +31,8 @@
 #   bench_attention  benchmarks/benchmark_attention.py on its CUDA preset (p = 1)
 #   train_1b         a training step of configs/llama_1b_tp8.yaml's shape at p = 1, 8 of its 22 layers, s 2048,
 #                    b 4, bf16, no recomputation, with its MFU (target >= 40 %)
+#   train_1b_fp8     the same step with training.fp8 tensorwise: its MFU (against the bf16 peak) and its speed-up
+#                    over train_1b's step (the summary's "fp8_step_speedup")
 # --gpus N (N >= 2 GPUs of one machine), instead:
 #   ring_cp          a cp = N ring (NCCL, bf16) with k/v blocks of 64 MiB each against one flash SDPA call over the
 #                    whole sequence, forward and backward (benchmarks/_gpu_check_ring.py)
@@ -140,6 +142,8 @@ one_gpu() {
         --iters 3 --warmup 1 --out "$LOGS/bench_attention.json"
     step train_1b 80 "${torchrun[@]}" benchmarks/benchmark_training.py "${one_b[@]}" --no-baselines --no-variants \
         --iters 5 --warmup 2 --out "$LOGS/train_1b.json"
+    step train_1b_fp8 80 "${torchrun[@]}" benchmarks/benchmark_training.py "${one_b[@]}" --no-baselines \
+        --no-variants --iters 5 --warmup 2 --out "$LOGS/train_1b_fp8.json" --training.fp8=tensorwise
     step fp8 30 "$PYTHON" benchmarks/_gpu_check_fp8.py  # _scaled_mm vs the emulation; bf16/FP8 linear times
 }
 

@@ -23,7 +23,7 @@ from _gpu_check_plumbing import problems  # noqa: E402
 from _gpu_check_summary import main as summarize  # noqa: E402
 
 STEPS = ["cuda_tests", "probe", "pretrain_bf16", "pretrain_fp16", "flash_sdpa", "kernels", "attention_block",
-         "bench_attention", "train_1b", "fp8"]
+         "bench_attention", "train_1b", "train_1b_fp8", "fp8"]
 HIDDEN = ("parallel_attention", "__editable__", "pytest", "_pytest", "xdist", "pytest_timeout")
 
 
@@ -158,11 +158,15 @@ def test_the_plumbing_check_names_what_would_not_start(tmp_path):
 def test_the_summary_reports_each_target_met_or_not(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    (logs / "steps.tsv").write_text("attention_block\tpassed\t20\ntrain_1b\tpassed\t60\n")
+    (logs / "steps.tsv").write_text("attention_block\tpassed\t20\ntrain_1b\tpassed\t60\ntrain_1b_fp8\tpassed\t60\n")
     (logs / "attention_block.log").write_text("warming up\n" + json.dumps({"fraction_of_peak": 0.31}) + "\n")
-    (logs / "train_1b.json").write_text(json.dumps({"mfu": 0.45, "tflops": 445.0}))
+    (logs / "train_1b.json").write_text(json.dumps({"mfu": 0.45, "tflops": 445.0, "step_ms": 500.0}))
+    (logs / "train_1b_fp8.json").write_text(json.dumps({"mfu": 0.56, "step_ms": 400.0}))
     assert summarize(logs, tmp_path / "out.json") == 0  # a missed target does not fail the check
-    targets = json.loads((tmp_path / "out.json").read_text())["targets"]
+    summary = json.loads((tmp_path / "out.json").read_text())
+    assert summary["steps"]["train_1b_fp8"]["result"]["mfu"] == 0.56
+    assert summary["steps"]["train_1b_fp8"]["fp8_step_speedup"] == 1.25  # bf16's step over FP8's
+    targets = summary["targets"]
     assert targets == {"attention_block": {"fraction_of_peak": 0.31, "target": 0.5, "met": False},
                        "train_1b": {"mfu": 0.45, "target": 0.4, "met": True}}
 
@@ -198,7 +202,7 @@ exit 0
     assert {name: step["status"] for name, step in steps.items()} == {
         "cuda_tests": "passed", "probe": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
         "flash_sdpa": "timeout(25s)", "kernels": "failed(3)", "attention_block": "passed", "bench_attention": "passed",
-        "train_1b": "passed", "fp8": "passed"}
+        "train_1b": "passed", "train_1b_fp8": "passed", "fp8": "passed"}
     assert 25 <= steps["flash_sdpa"]["seconds"] <= 25 + 15  # the limit, then at most the grace
     # every step that did not pass says why and ends with its log's last 30 lines
     assert steps["kernels"]["reason"] == "its command exited with status 3"
