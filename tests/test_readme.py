@@ -34,6 +34,9 @@ OWN_TESTS = {"data.md": "tests/test_data_docs.py", "fp8.md": "tests/test_fp8_doc
 # commands that another test runs as written and asserts more of: not launched a second time here
 RUN_ELSEWHERE = {command: "tests/test_check.py" for command in CHECK_COMMANDS}
 RUN_ELSEWHERE[PIPELINE_CHECK] = "tests/test_pipeline.py"
+# the README's MoE recipe is docs/moe.md's first command, which that page's own test runs (and continues)
+RUN_ELSEWHERE["torchrun --standalone --nproc-per-node 2 scripts/pretrain.py --config configs/moe_tiny.yaml"] = \
+    "tests/test_moe_docs.py"
 FENCE = re.compile(r"^```(bash|sh|shell|console)\s*$")
 BENCHMARK = re.compile(r"\bbenchmarks/")
 
