@@ -102,3 +102,22 @@ def test_a_blend_trains_and_evaluates_at_pp_2_as_one_process(blend, tmp_path):
     for got, want in zip(two, one):  # float32: the same products, summed in other orders across the stages
         for key in [k for k in want if k == "loss" or k.startswith("val_loss")]:
             assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)
+
+
+def test_experts_split_over_two_ranks_train_and_evaluate_a_blend_as_one_process(blend, tmp_path):
+    """ep 2 (the experts split over the two data-parallel ranks) on a blend with one-row micro-batches: a
+    validation batch is one rank's part of one source, so the other rank pads its forward (every MoE layer's
+    all-to-all needs both); the losses, per source too, are one process's."""
+    moe = ("--model.num_experts=4", "--model.moe_top_k=2", "--model.moe_ffn_hidden_size=32",
+           "--model.moe_aux_loss_coeff=0.01", "--training.eval_batches=4")
+
+    def run(name: str, world: int, *extra: str) -> list[dict]:
+        torchrun("pretrain.py", world, blend_args(blend, tmp_path / name, 3, f"--data.val_fraction={VAL_FRACTION}",
+                                                  *moe, *extra, micro_batch_size=1))
+        return [r for r in metrics(tmp_path / name) if "loss" in r or "val_loss" in r]
+
+    one, two = run("ep1", 1), run("ep2", 2, "--parallel.expert_parallel_size=2")
+    assert [r["step"] for r in two] == [r["step"] for r in one] and any("val_loss/web_text_document" in r for r in two)
+    for got, want in zip(two, one):
+        for key in [k for k in want if k in ("loss", "moe_aux_loss") or k.startswith("val_loss")]:
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)

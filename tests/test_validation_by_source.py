@@ -8,7 +8,7 @@ import torch
 
 from parallel_attention.training.data.read.validation import validation_batches, validation_batches_by_source
 from parallel_attention.training.data.read.token_source import open_source
-from parallel_attention.training.data.read.validation import source_labels, validation_record
+from parallel_attention.training.data.read.validation import PADDING, source_labels, validation_record
 from random_prefixes import random_prefix
 
 
@@ -50,3 +50,20 @@ def test_the_record_has_the_mean_and_each_sources_loss():
     assert record == {"val_loss": 38.0 / 12.0, "val_loss/web": 3.0, "val_loss/math": 4.0}
     assert validation_record(sums[:1], ["data/web"]) == {"val_loss": 3.0}
     assert source_labels(["a/web", "b/web"]) == ["a/web", "b/web"]  # the last components would collide
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_aligned_parts_give_every_rank_as_many_forwards_and_the_same_rows(sources, dp_size):
+    """Expert parallelism's validation (a blend of 3 sources, batches of 3 rows at dp 4: some ranks hold none): every
+    rank runs as many micro-batches, the padding is one row and marked, and the rest are the unaligned parts."""
+    weights = [0.5, 0.3, 0.2]
+    counts = []
+    for rank in range(dp_size):
+        plain = validation_batches_by_source(sources, weights, 16, 3, 4, dp_rank=rank, dp_size=dp_size)
+        aligned = validation_batches_by_source(sources, weights, 16, 3, 4, dp_rank=rank, dp_size=dp_size, aligned=True)
+        real = [(s, b) for s, b in aligned if s is not PADDING]
+        assert [s for s, _ in real] == [s for s, _ in plain]
+        assert all(torch.equal(x, y) for (_, a), (_, b) in zip(real, plain) for x, y in zip(a, b))
+        assert all(b[0].shape[0] == 1 for s, b in aligned if s is PADDING)
+        counts.append((len(plain), len(aligned)))
+    assert len({aligned for _, aligned in counts}) == 1 and len({plain for plain, _ in counts}) > 1

@@ -8,7 +8,7 @@ import torch
 from ..tensor_parallel import parallel_state as ps
 from ..tensor_parallel.collectives import all_reduce
 from ..transformer.cross_entropy import IGNORE_INDEX
-from .data.read.validation import validation_record
+from .data.read.validation import PADDING, validation_record
 from .step import validation_losses
 
 
@@ -21,6 +21,8 @@ def evaluate(run) -> dict[str, float]:
     sums = torch.zeros(len(run.sampler.sources), 2, dtype=torch.float64, device=run.device)  # [losses, tokens]
     means = validation_losses(run)
     for mean, (source, batch) in zip(means, run.val_batches):
+        if source is PADDING:  # run to keep the expert-parallel ranks' forwards in step; not a validation row
+            continue
         count = float((batch[1] != IGNORE_INDEX).sum())
         sums[source] += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
     run.model.train()

@@ -19,7 +19,7 @@ from .batches import SampleRows, blend, check_fits, read_micro_batches
 from .run_data import read_agreed
 from .token_source import TokenSource, TokenStream
 
-__all__ = ["run_validation", "source_labels", "validation_batches", "validation_batches_by_source",
+__all__ = ["PADDING", "run_validation", "source_labels", "validation_batches", "validation_batches_by_source",
            "validation_record"]
 
 
@@ -45,7 +45,8 @@ def run_validation(cfg: PretrainConfig, sources: list[TokenSource], weights, dp_
     is every rank's (run_data.read_agreed)."""
     return read_agreed(lambda: validation_batches_by_source(
         sources, weights, cfg.data.seq_len, cfg.training.micro_batch_size, cfg.training.eval_batches, dp_rank=dp_rank,
-        dp_size=dp_size, document_masking=cfg.data.document_masking))
+        dp_size=dp_size, document_masking=cfg.data.document_masking,
+        aligned=cfg.parallel.expert_parallel_size > 1))
 
 
 def validation_batches(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,
@@ -62,32 +63,51 @@ def validation_batches(sources: list[TokenSource], weights: list[float], seq_len
                                                     dp_size, document_masking, by_source=False)]
 
 
+PADDING = None  # the source of a part read only to keep the ranks' forwards in step: its loss is not counted
+
+
 def validation_batches_by_source(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,
-                                 num_batches: int, *, dp_rank: int = 0, dp_size: int = 1,
-                                 document_masking: bool = False) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+                                 num_batches: int, *, dp_rank: int = 0, dp_size: int = 1, document_masking: bool = False,
+                                 aligned: bool = False) -> list[tuple[int | None, tuple[torch.Tensor, ...]]]:
     """The rows of `validation_batches`, each rank's share of a batch split by source: (source index,
     micro-batch) pairs, for a validation loss per source (validation_record). A source of one gives the very
-    micro-batches of `validation_batches`."""
+    micro-batches of `validation_batches`.
+
+    `aligned`: every data-parallel rank gets as many parts of each batch as the rank with the most (each rank
+    works out every rank's count: no communication), the missing ones a one-row part of the batch's first row with
+    source PADDING. Expert parallelism needs it: each MoE layer's all-to-alls join the forwards of its ep ranks,
+    which a blend (parts per source) or a batch of fewer rows than ranks would otherwise leave unmatched."""
     return _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank, dp_size,
-                             document_masking, by_source=True)
+                             document_masking, by_source=True, aligned=aligned)
+
+
+def _rank_groups(rows: SampleRows, b: int, batch_size: int, rank: int, dp_size: int,
+                 by_source: bool) -> list[SampleRows]:
+    """Rank `rank`'s rows of batch `b`, split by source (or whole), each part non-empty."""
+    first, last = rank * batch_size // dp_size, (rank + 1) * batch_size // dp_size
+    mine = rows[slice(b * batch_size + first, b * batch_size + last)]
+    chosen = [mine.source == j for j in np.unique(mine.source)] if by_source else [np.ones(len(mine.source), bool)]
+    parts = [SampleRows(*(field[c] for field in (mine.source, mine.draw, mine.epoch, mine.offset))) for c in chosen]
+    return [part for part in parts if len(part.source)]
 
 
 def _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank, dp_size, document_masking,
-                      by_source: bool) -> list[tuple[int, tuple[torch.Tensor, ...]]]:
+                      by_source: bool, aligned: bool = False) -> list[tuple[int | None, tuple[torch.Tensor, ...]]]:
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must lie in [0, dp_size={dp_size}).")
     streams, rows = _validation_rows(sources, weights, seq_len, batch_size * num_batches)
-    first, last = dp_rank * batch_size // dp_size, (dp_rank + 1) * batch_size // dp_size
     parts = []
     for b in range(num_batches):
-        mine = rows[slice(b * batch_size + first, b * batch_size + last)]
-        groups = [(int(j), mine.source == j) for j in np.unique(mine.source)] if by_source else \
-            [(-1, np.ones(len(mine.source), dtype=bool))]
-        for j, chosen in groups:
-            part = SampleRows(*(field[chosen] for field in (mine.source, mine.draw, mine.epoch, mine.offset)))
-            if len(part.source):
-                batches = read_micro_batches(streams, part, seq_len + 1, len(part.source), document_masking)
-                parts += [(j, batch) for batch in batches]
+        groups = _rank_groups(rows, b, batch_size, dp_rank, dp_size, by_source)
+        for part in groups:
+            batches = read_micro_batches(streams, part, seq_len + 1, len(part.source), document_masking)
+            parts += [(int(part.source[0]) if by_source else -1, batch) for batch in batches]
+        most = max(len(_rank_groups(rows, b, batch_size, r, dp_size, by_source)) for r in range(dp_size)) \
+            if aligned else 0
+        if most > len(groups):
+            (padding,) = read_micro_batches(streams, rows[b * batch_size:b * batch_size + 1], seq_len + 1, 1,
+                                            document_masking)
+            parts += [(PADDING, padding)] * (most - len(groups))
     return parts
 
 
