@@ -203,7 +203,7 @@ def _read_and_check(path: Path, at: _Placement, model: nn.Module, optimizer, exp
         tensors, meta = read_shard(path, manifest, optim_file(at.tp_rank, at.stage))
         loaded["optim"] = optim_state_dict(model, optimizer, tensors, meta)
     loaded["rng"] = read_safetensors(verify_file(path, manifest, rng_file(at.rank)))
-    this_ranks_experts(model, optimizer, loaded["optim"])
+    this_ranks_experts(model, optimizer, loaded["optim"], weights)
     return loaded
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..tensor_parallel.expert_shards import split_experts, this_ranks_rows, whole
 from ..tensor_parallel.parallel_state import group_size
-from .state_encoding import full_optimizer_state, gathered
+from .state_encoding import full_optimizer_state, gathered, placed_like
 
 
 def _optimizer_index(optimizer) -> dict[int, int]:
@@ -62,15 +62,19 @@ def whole_shapes(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, kind in split_experts(model).items()}
 
 
-def this_ranks_experts(model: nn.Module, optimizer=None, optim_state: dict | None = None) -> None:
-    """Cut, in place, the whole expert moments of an optimizer state dict read from a checkpoint (by the optimizer's
-    parameter index) to this rank's experts, no communication. (The weights: MoELayer's load_state_dict cuts them.)"""
+def this_ranks_experts(model: nn.Module, optimizer=None, optim_state: dict | None = None,
+                       weights: dict | None = None) -> None:
+    """Cut, in place, the whole experts of the `weights` read from a checkpoint and their moments in an optimizer
+    state dict (by the optimizer's parameter index) to this rank's experts, no communication; under FSDP2 the
+    moments are then cut like their DTensor parameter (the weights: `placed_like` before load_state_dict)."""
     experts = split_experts(model)
-    if not experts or optimizer is None or optim_state is None:
+    if not experts:
         return
     params, index = dict(model.named_parameters()), _optimizer_index(optimizer)
     for name, kind in experts.items():
-        state = optim_state["state"].get(index[id(params[name])], {})
+        if weights is not None and weights[name].shape[0] != params[name].shape[0]:
+            weights[name] = this_ranks_rows(weights[name], kind)
+        state = optim_state["state"].get(index[id(params[name])], {}) if optim_state is not None else {}
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = this_ranks_rows(value, kind)
+                state[key] = placed_like({key: this_ranks_rows(value, kind)}, {key: params[name]})[key]

@@ -249,5 +249,5 @@ def _read_resharded(step_dir: Path, model: nn.Module, optimizer, tp_group) -> tu
             live = {name for name, _ in model.named_parameters()}
             optim = optim_state_dict(model, optimizer, _optimizer_shard(cfg, state, keys, p, rank),
                                      optimizer_meta_for(meta, live))
-    this_ranks_experts(model, optimizer, optim)
+    this_ranks_experts(model, optimizer, optim, weights)
     return manifest, weights, optim

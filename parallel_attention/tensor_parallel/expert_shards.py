@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .collectives import all_gather_along_dim
+from .collectives import all_gather_along_dim, full_tensor
 from .param_kinds import ExpertShard, ParamKind, parameter_kinds
 from .parallel_state import group_rank, group_size
 
@@ -27,8 +27,10 @@ def split_experts(model: nn.Module) -> dict[str, ExpertShard]:
 
 
 def whole(tensor: torch.Tensor, kind: ParamKind) -> torch.Tensor:
-    """Every expert of a split parameter (an all-gather over its ep group); any other tensor as it is."""
-    return all_gather_along_dim(tensor.detach(), 0, kind.ep_group) if is_split(kind) else tensor.detach()
+    """Every expert of a split parameter (an all-gather over its ep group, after FSDP2's over the ranks holding
+    the same experts where it is a DTensor); any other tensor as it is."""
+    return all_gather_along_dim(full_tensor(tensor.detach()), 0, kind.ep_group) if is_split(kind) else \
+        tensor.detach()
 
 
 def this_ranks_rows(tensor: torch.Tensor, kind: ExpertShard) -> torch.Tensor:

@@ -231,11 +231,16 @@ def finalize_grads(module: nn.Module) -> None:
 def reduce_expert_grads(module: nn.Module) -> int:
     """Average the gradients of ExpertShard parameters as DDP averages the others over dp x cp: summed over the
     ranks that hold the same experts (the dp x cp ranks at this rank's place in its ep group, `expert_data_group`),
-    divided by dp x cp. One all-reduce per ep group that needs it; returns their number."""
+    divided by dp x cp. One all-reduce per ep group that needs it; returns their number. Under FSDP2 (DTensor
+    experts, zero_stage 3) its reduce-scatter over `expert_data_group` was the sum: only the division is left."""
     by_group: dict[int, tuple[ExpertShard, list[nn.Parameter]]] = {}
     for param, kind in parameter_kinds(module).values():
-        if isinstance(kind, ExpertShard) and group_size(kind.ep_group) > 1:
+        if not isinstance(kind, ExpertShard) or group_size(kind.ep_group) == 1:
+            continue
+        if getattr(param, "placements", None) is None:
             by_group.setdefault(id(kind.expert_data_group), (kind, []))[1].append(param)
+        elif param.grad is not None:
+            local_shard(param.grad).tensor.div_(kind.data_context_size)
     for kind, params in by_group.values():
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), kind.expert_data_group)

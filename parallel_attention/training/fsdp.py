@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..tensor_parallel.collectives import all_gather_into_tensor, reduce_scatter_tensor
+from ..tensor_parallel.expert_shards import split_experts
 from ..tensor_parallel.mesh_groups import device_type
 from ..tensor_parallel.parallel_state import ProcessGroup, get_data_context_parallel_mesh
 
@@ -69,15 +70,33 @@ class NamedReduceScatter(_EmptyBuffers):
                                      name="FSDP2's gradient reduce_scatter")
 
 
-def shard_fully(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """`fully_shard` each of `model.layers` and then the root over `dp_mesh` (a 1-D mesh), their collectives
-    issued through ours; returns `model`."""
+def _named_comms(module: nn.Module) -> None:
+    module.set_custom_all_gather(NamedAllGather())
+    module.set_custom_reduce_scatter(NamedReduceScatter())
+
+
+def shard_split_experts(model: nn.Module) -> None:
+    """`fully_shard` each module of experts split over ep > 1 ranks over the ranks that hold the same experts
+    (`ExpertShard.expert_data_group`; at ep = dp x cp this rank alone): its reduce-scatter sums their gradients
+    there, and `reduce_expert_grads` divides by dp x cp, as at zero_stage 0."""
     from torch.distributed.fsdp import fully_shard
 
+    for module_name, kind in {name.rpartition(".")[0]: kind for name, kind in split_experts(model).items()}.items():
+        experts = fully_shard(model.get_submodule(module_name), mesh=mesh_of(kind.expert_data_group))
+        experts.set_gradient_divide_factor(1.0)  # with forced SUM: no division in FSDP2, even on one rank
+        experts.set_force_sum_reduction_for_comms(True)
+        _named_comms(experts)
+
+
+def shard_fully(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """`fully_shard` each of `model.layers` and then the root over `dp_mesh` (a 1-D mesh), their collectives
+    issued through ours, after the split experts over their own ranks (`shard_split_experts`); returns `model`."""
+    from torch.distributed.fsdp import fully_shard
+
+    shard_split_experts(model)
     for module in (*model.layers, model):
         fully_shard(module, mesh=dp_mesh)
-        module.set_custom_all_gather(NamedAllGather())
-        module.set_custom_reduce_scatter(NamedReduceScatter())
+        _named_comms(module)
     return model
 
 

@@ -224,9 +224,6 @@ def check_experts(cfg: Any, data_context_size: int) -> None:
     if data_context_size % ep:
         raise ConfigError(f"parallel.expert_parallel_size={ep} must divide the data x context-parallel size "
                           f"{data_context_size}: the expert-parallel group folds over those ranks.")
-    if ep > 1 and cfg.parallel.zero_stage == 3:
-        raise ConfigError(f"parallel.expert_parallel_size={ep} runs with parallel.zero_stage 0 or 1 so far "
-                          "(docs/moe.md, 'What remains').")
 
 
 def check_context_parallel(cfg: Any) -> None:
