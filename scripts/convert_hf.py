@@ -50,13 +50,12 @@ SOURCE_CONFIG = "hf_config.json"
 
 
 def build_run_config(model: ModelConfig, tp: int, run_dir: Path, ep: int = 1) -> PretrainConfig:
-    """Defaults, the imported model, tensor_parallel_size=tp (and expert_parallel_size=ep, with zero_stage 0, which
-    ep > 1 needs), data prepared in RUN/data with RUN/tokenizer."""
+    """Defaults, the imported model, tensor_parallel_size=tp and expert_parallel_size=ep, data prepared in RUN/data
+    with RUN/tokenizer."""
     seq_len = min(DataConfig.seq_len, model.max_seq_len)
     data = DataConfig(tokenizer=str(run_dir / "tokenizer"), data_dir=str(run_dir / "data"), seq_len=seq_len)
-    experts = {"expert_parallel_size": ep, "zero_stage": 0} if ep > 1 else {}
-    cfg = PretrainConfig(model=model, parallel=ParallelConfig(tensor_parallel_size=tp, **experts), data=data,
-                         logging=LoggingConfig(run_dir=str(run_dir)))
+    cfg = PretrainConfig(model=model, parallel=ParallelConfig(tensor_parallel_size=tp, expert_parallel_size=ep),
+                         data=data, logging=LoggingConfig(run_dir=str(run_dir)))
     # the layout only: the tokenizer is not written yet (and may be missing); any vocabulary is accepted
     dataclasses.replace(cfg, model=dataclasses.replace(model, vocab_size=max(model.vocab_size, 256)),
                         data=dataclasses.replace(data, tokenizer="byte")).validate(world_size=tp * ep)

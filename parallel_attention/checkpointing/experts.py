@@ -3,8 +3,9 @@
 A checkpoint's files are per tensor-parallel rank and pipeline stage, written by data-parallel rank 0; at ep > 1
 that rank holds only E/ep experts of each MoE layer. So saving gathers every ExpertShard parameter, and its AdamW
 moments, over the ep group (expert e at row e, as at ep = 1), and loading keeps this rank's rows of the whole
-tensors (the weights: MoELayer's load_state_dict; the moments: here): a checkpoint does not depend on ep, and any
-(tp, pp, ep) resumes any other (tp and pp through the resharding that already handles them).
+tensors (`this_ranks_experts`): a checkpoint does not depend on ep, and any (tp, pp, ep) resumes any other (tp and
+pp through the resharding that already handles them). Under FSDP2 (zero_stage 3) the experts are DTensors over the
+ranks that hold the same ones: gathered over those first, and this rank's rows cut again like them on load.
 """
 
 from __future__ import annotations

@@ -161,10 +161,8 @@ def _write_stage(tmp: Path, cfg: ModelConfig, canonical: dict, optimizer: tuple[
 
 
 def expert_parallel_keys(size: int | None) -> dict:
-    """The parallel keys of a run at expert-parallel size `size` (None: unchanged): ep > 1 runs at zero_stage 0."""
-    if size is None:
-        return {}
-    return {"expert_parallel_size": size, **({"zero_stage": 0} if size > 1 else {})}
+    """The parallel keys of a run at expert-parallel size `size` (None: unchanged); ep runs at every zero_stage."""
+    return {} if size is None else {"expert_parallel_size": size}
 
 
 def reshard_checkpoint(step_dir: str | Path, out_root: str | Path, tensor_parallel_size: int,

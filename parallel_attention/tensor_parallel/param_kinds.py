@@ -22,7 +22,8 @@ declares are Replicated (plain torch modules inside a tensor-parallel model: sam
 ExpertShard (mixture of experts at ep > 1): the ep ranks are ranks of the data x context-parallel group, so the
 data-parallel average (DDP) must leave these parameters out (`expert_shards.split_experts`); `finalize_grads` sums their
 gradients over the ranks holding the same experts (`expert_data_group`, derived from the ep group within dp x cp)
-and divides by dp x cp, which is the average the other parameters get.
+and divides by dp x cp, which is the average the other parameters get (under FSDP2, whose reduce-scatter over
+`expert_data_group` is that sum, only the division).
 
 Readers: `finalize_grads` here, the global gradient norm (`grad_clip`), canonical (checkpoint) gathering
 (GPTModel.canonical_state_dict) and the replicated-parameter audit (`audit`). No reader inspects layer classes.

@@ -16,7 +16,7 @@ TORCH_DISTRIBUTED_DEBUG=DETAIL wraps). Slower, never overlapped: a debugging pat
 
 Experts split over an expert-parallel group (MoE at ep > 1, `param_kinds.ExpertShard`) differ between the dp
 ranks: DDP leaves them out (its documented ignore list) and `finalize_grads` averages them over the ranks that
-hold the same experts.
+hold the same experts; FSDP2 shards them over those ranks (`fsdp.shard_split_experts`).
 
 DDP shares the model's parameters: everything but the training forward (checkpoints, the global norm, the
 replica audit, evaluation) keeps using the raw model. The average runs over the data-parallel group only;

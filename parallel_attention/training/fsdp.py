@@ -15,6 +15,10 @@ with torch's FSDP2 (`fully_shard`), on top of our tensor parallelism.
     checkpoint: DTensors gathered over dp (`checkpointing.state_encoding.gathered`): the files are those of
                zero_stage 0; loading cuts the whole tensors again, so any (p, dp, zero_stage) resumes any other
 
+Experts split over ep ranks (MoE, `ExpertShard`) differ between the ranks of an ep group: each MoE layer's experts
+module is its own group first (`shard_split_experts`), over the dp x cp / ep ranks that hold the same experts, as
+torchtitan and Megatron shard them; the layer's group then leaves them out, as nested `fully_shard` groups do.
+
 FSDP2's all-gathers and reduce-scatters are issued through `tensor_parallel.collectives` (its custom-comm hooks,
 `NamedAllGather`, `NamedReduceScatter`): a timeout raises CollectiveTimeoutError naming the operation and the
 group, and `parallel.debug_collectives` records and cross-checks them like every other collective.

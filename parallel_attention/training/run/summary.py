@@ -103,7 +103,7 @@ def run_summary(cfg: PretrainConfig, model: torch.nn.Module, world_size: int,
         "layout": _layout_line(cfg, world_size),
         **pipeline_rows(cfg, world_size, cfg.gradient_accumulation_steps(world_size)),
         **buffer_row(cfg, cfg.gradient_accumulation_steps(world_size)),
-        **moe_rows(cfg),
+        **moe_rows(cfg, world_size),
         "batch": _batch_line(cfg, world_size),
         "tokens": _tokens_line(cfg),
         "optimizer": f"AdamW lr {o.lr:g} -> {o.min_lr:g}, {cfg.schedule.warmup_steps} warm-up steps then "
