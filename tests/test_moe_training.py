@@ -2,8 +2,8 @@
 top-2, the load-balancing and z losses and DeepSeek-V3's balancing bias trains like one process at dp 2 (ZeRO-1 and
 ZeRO-3), pp 2 with full recompute, tp 2 + SP with selective recompute, ep 2, ep 4, ep 2 x tp 2 + SP and ep 2 x cp 2:
 the same losses, gradient norms, validation losses, auxiliary losses and loads, and bit-identical biases (ep 2 with
-ZeRO-1 too, and inside a pipeline); an ep 2 checkpoint (ZeRO-1 or not) resumes at tp 2, at ep 2 and at ep 4 like one
-process."""
+ZeRO-1 and ZeRO-3 too, and inside a pipeline); an ep 2 checkpoint (ZeRO-1, ZeRO-3 or neither) resumes at tp 2, at
+ep 2 and at ep 4 like one process, and a tp 2 one at ep 2 with ZeRO-3."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ LAYOUTS = {  # name: (world, extra overrides)
     "ep2_zero1": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=1"]),
     "ep2_pp2_zero1": (4, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=1",
                           "--parallel.pipeline_parallel_size=2"]),
-    # FSDP2: ep 2 = dp 2, so no other rank holds a rank's experts (they stay whole, outside FSDP2); the rest over dp
+    # FSDP2: ep 2 = dp 2, so no other rank holds a rank's experts (FSDP2 over that rank alone); the rest over dp
     "ep2_zero3": (2, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=3"]),
     # FSDP2 at dp 4: the experts sharded over the 2 ranks that hold the same ones, the rest over all 4
     "ep2_dp4_zero3": (4, ["--parallel.expert_parallel_size=2", "--parallel.zero_stage=3"]),
