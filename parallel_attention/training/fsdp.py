@@ -74,11 +74,6 @@ class NamedReduceScatter(_EmptyBuffers):
                                      name="FSDP2's gradient reduce_scatter")
 
 
-def _named_comms(module: nn.Module) -> None:
-    module.set_custom_all_gather(NamedAllGather())
-    module.set_custom_reduce_scatter(NamedReduceScatter())
-
-
 def shard_split_experts(model: nn.Module) -> None:
     """`fully_shard` each module of experts split over ep > 1 ranks over the ranks that hold the same experts
     (`ExpertShard.expert_data_group`; at ep = dp x cp this rank alone): its reduce-scatter sums their gradients
@@ -89,7 +84,8 @@ def shard_split_experts(model: nn.Module) -> None:
         experts = fully_shard(model.get_submodule(module_name), mesh=mesh_of(kind.expert_data_group))
         experts.set_gradient_divide_factor(1.0)  # with forced SUM: no division in FSDP2, even on one rank
         experts.set_force_sum_reduction_for_comms(True)
-        _named_comms(experts)
+        experts.set_custom_all_gather(NamedAllGather())
+        experts.set_custom_reduce_scatter(NamedReduceScatter())
 
 
 def shard_fully(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
@@ -100,7 +96,8 @@ def shard_fully(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     shard_split_experts(model)
     for module in (*model.layers, model):
         fully_shard(module, mesh=dp_mesh)
-        _named_comms(module)
+        module.set_custom_all_gather(NamedAllGather())
+        module.set_custom_reduce_scatter(NamedReduceScatter())
     return model
 
 
