@@ -149,12 +149,14 @@ RESUMED_AT = {"tp2": LAYOUTS["tp2"], "ep4": LAYOUTS["ep4"],
 
 @pytest.mark.parametrize("saved_at, resumed_at", [("ep2", "tp2"), ("ep2", "ep4"), ("ep2_zero1", "ep4_zero1"),
                                                   ("ep2", "ep4_zero1"), ("ep2_zero1", "ep2"),
-                                                  ("ep2_dp4_zero3", "tp2"), ("tp2", "ep2_dp4_zero3")])
+                                                  ("ep2_dp4_zero3", "tp2"), ("tp2", "ep2_dp4_zero3"),
+                                                  ("ep2_dp4_zero3", "ep2_dp4_zero3")])
 def test_an_ep2_checkpoint_resumes_at_another_layout_like_one_process(data_dir, one_process, tmp_path, saved_at,
                                                                      resumed_at):
     """Saved at ep 2 (ZeRO-1, FSDP2 or neither) after step 1 (the experts whole, under their global index, with
-    their moments), resumed at tp 2 (ep 1: every expert on each rank), at ep 4 (ZeRO-1 or not) or at ep 2 without
-    ZeRO; and saved at tp 2, resumed at ep 2 under FSDP2: steps 2 and 3 are the uninterrupted one process's."""
+    their moments), resumed at tp 2 (ep 1: every expert on each rank), at ep 4 (ZeRO-1 or not), at ep 2 without
+    ZeRO, or where it was saved (FSDP2: the exact load, not the resharding one); and saved at tp 2, resumed at ep 2
+    under FSDP2: steps 2 and 3 are the uninterrupted one process's."""
     run_dir = tmp_path / "run"
     saved_world, saved_layout = LAYOUTS[saved_at]
     run_distributed(_save_worker, saved_world, 1, moe_overrides(data_dir, run_dir, *saved_layout), 1)
