@@ -59,7 +59,7 @@ def _column(x, w, comm):
 
 
 @contextlib.contextmanager
-def _skipping_max_all_reduce(index):
+def skipping_max_all_reduce(index):
     """The `index`-th MAX all-reduce of the block does nothing, on every rank (None: none skipped); yields the
     count of MAX all-reduces issued."""
     original, seen = dist.all_reduce, [0]
@@ -98,7 +98,7 @@ def _tp_run(recipe, sequence_parallel, skip=None):
     column, row = kinds[0](group, fn.wait_at_once), kinds[1](group)
     tokens = (lambda t: t.chunk(p, 0)[r]) if sequence_parallel else (lambda t: t)  # SP: this rank's s/p
     shard = lambda t, dim: t.chunk(p, dim)[r]  # noqa: E731
-    with fp8_linears(recipe, "cpu"), _skipping_max_all_reduce(skip) as seen:
+    with fp8_linears(recipe, "cpu"), skipping_max_all_reduce(skip) as seen:
         got = _linear(_column, shard(cw, 0), tokens(cx), shard(cdy, 2), column)
         got += _linear(fn.row_parallel_linear, shard(rw, 1), shard(rx, 2), tokens(rdy), row)
     cy, cdx, cdw = _one_process(recipe, _column, cw, cx, cdy, fn.LOCAL_COLUMN)
@@ -113,7 +113,7 @@ def _dp_run(recipe, global_scales, skip=None):
     x, dy = _halves(x, 1, R, 1), _halves(dy, 1, 1, R)  # rank 0's X and rank 1's dY large: dW's shares alike
     r = ps.group_rank(group)
     mine = lambda t: t[:, r * B:(r + 1) * B]  # noqa: E731
-    with fp8_linears(recipe, "cpu", group if global_scales else None), _skipping_max_all_reduce(skip) as seen:
+    with fp8_linears(recipe, "cpu", group if global_scales else None), skipping_max_all_reduce(skip) as seen:
         y, dx, dw = _linear(_column, w, mine(x), mine(dy), fn.LOCAL_COLUMN)
     dw = all_reduce(dw, group)
     ry, rdx, rdw = _one_process(recipe, _column, w, x, dy, fn.LOCAL_COLUMN)

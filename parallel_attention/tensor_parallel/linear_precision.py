@@ -69,6 +69,26 @@ def max_over(group: ProcessGroup | None, *amaxes: torch.Tensor) -> tuple[torch.T
     return tuple(part.reshape(a.shape) for part, a in zip(flat.split([a.numel() for a in amaxes]), amaxes))
 
 
+class QuantizedInLinear:
+    """The FP8 GEMMs' weights in their own precision, quantized by the linear with the scale of this call's amax
+    (reduced with X's); `fp8_all_gather.GATHERED_IN_FP8` reads weights FSDP2 gathered in e4m3 instead."""
+
+    @staticmethod
+    def amaxes(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (amax(weight, None),)
+
+    @staticmethod
+    def scale(weight: torch.Tensor, amaxes: tuple) -> torch.Tensor:
+        return scale_for(amaxes[0], E4M3)
+
+    @staticmethod
+    def quantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return quantize(weight, scale, E4M3)
+
+
+QUANTIZED_IN_LINEAR = QuantizedInLinear()
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
@@ -79,12 +99,12 @@ def _with_bias(y: torch.Tensor, shape, bias):
 
 
 class Fp8Gemms:
-    """One call's FP8 GEMMs: the groups their amaxes are reduced over (forward; dX; dp x cp or None) and the
-    scaled matmul."""
+    """One call's FP8 GEMMs: the groups their amaxes are reduced over (forward; dX; dp x cp or None), the
+    scaled matmul and where the weights' FP8 form comes from (tensorwise: `weights`)."""
 
-    def __init__(self, forward_group, grad_group, data_group, matmul) -> None:
+    def __init__(self, forward_group, grad_group, data_group, matmul, weights=QUANTIZED_IN_LINEAR) -> None:
         self.forward_group, self.grad_group, self.data_group = forward_group, grad_group, data_group
-        self.matmul = matmul
+        self.matmul, self.weights = matmul, weights
 
 
 class TensorwiseGemms(Fp8Gemms):
@@ -99,10 +119,11 @@ class TensorwiseGemms(Fp8Gemms):
 
     def forward(self, x, weight, bias):
         x2 = _rows(x)
-        ax, aw = max_over(self.forward_group, amax(x2, None), amax(weight, None))
-        ax, aw = max_over(self.data_group, ax, aw)
-        self.sx, self.sw = scale_for(ax, E4M3), scale_for(aw, E4M3)
-        y = self.matmul(quantize(x2, self.sx, E4M3), self.sx, quantize(weight, self.sw, E4M3).t(), self.sw, x.dtype)
+        ax, *aw = max_over(self.forward_group, amax(x2, None), *self.weights.amaxes(weight))
+        ax, *aw = max_over(self.data_group, ax, *aw)
+        self.sx, self.sw = scale_for(ax, E4M3), self.weights.scale(weight, aw)
+        y = self.matmul(quantize(x2, self.sx, E4M3), self.sx, self.weights.quantized(weight, self.sw).t(), self.sw,
+                        x.dtype)
         return _with_bias(y, x.shape, bias)
 
     def _scaled(self, grad2):
@@ -116,7 +137,7 @@ class TensorwiseGemms(Fp8Gemms):
 
     def input_grad(self, grad, weight):
         qg, sg = self._scaled(_rows(grad))
-        dx = self.matmul(qg, sg, quantize(weight, self.sw, E4M3), self.sw, grad.dtype)
+        dx = self.matmul(qg, sg, self.weights.quantized(weight, self.sw), self.sw, grad.dtype)
         return dx.reshape(*grad.shape[:-1], dx.shape[-1])
 
     def weight_grad(self, grad, x, weight):
@@ -157,16 +178,17 @@ class Fp8:
     `matmul`, the amax of token-dependent scales also over `data_group` (dp x cp; None: each data-parallel rank's
     own tokens, the anchors' behaviour)."""
 
-    def __init__(self, gemms, matmul, data_group: ProcessGroup | None) -> None:
-        self.gemms_class, self.matmul, self.data_group = gemms, matmul, data_group
+    def __init__(self, gemms, matmul, data_group: ProcessGroup | None, weights=QUANTIZED_IN_LINEAR) -> None:
+        self.gemms_class, self.matmul, self.data_group, self.weights = gemms, matmul, data_group, weights
 
     def column(self, tp_group):
         """W split by output rows; X whole on every rank (gathered under SP), dY split by output features."""
-        return self.gemms_class(*self.gemms_class.column_groups(tp_group), self.data_group, self.matmul)
+        return self.gemms_class(*self.gemms_class.column_groups(tp_group), self.data_group, self.matmul,
+                                self.weights)
 
     def row(self, tp_group):
         """W and X split by input features; dY whole on every rank (gathered under SP)."""
-        return self.gemms_class(tp_group, None, self.data_group, self.matmul)
+        return self.gemms_class(tp_group, None, self.data_group, self.matmul, self.weights)
 
 
 HIGH_PRECISION = HighPrecision()
@@ -188,13 +210,17 @@ FOLLOW_POLICY = FollowPolicy()
 
 
 @contextlib.contextmanager
-def fp8_linears(recipe: str, device, data_group: ProcessGroup | None = None):
+def fp8_linears(recipe: str, device, data_group: ProcessGroup | None = None, weights=QUANTIZED_IN_LINEAR):
     """Inside: the layers' linears multiply in FP8 by `recipe` ("tensorwise" or "rowwise"; "none": unchanged),
-    with `device`'s scaled matmul (`_scaled_mm` on CUDA, the emulation elsewhere); `data_group`: global scales."""
+    with `device`'s scaled matmul (`_scaled_mm` on CUDA, the emulation elsewhere); `data_group`: global scales;
+    `weights`: tensorwise weights quantized in the linear, or gathered in e4m3 (`fp8_all_gather`)."""
     global _policy
     previous = _policy
+    if recipe == "rowwise" and weights is not QUANTIZED_IN_LINEAR:
+        raise ValueError("rowwise FP8 quantizes each weight twice (per output row, per input column): its "
+                         "weights are not gathered in FP8; pass weights only with recipe='tensorwise'.")
     if recipe != "none":
-        _policy = Fp8(RECIPES[recipe], scaled_matmul_for(device), data_group)
+        _policy = Fp8(RECIPES[recipe], scaled_matmul_for(device), data_group, weights)
     try:
         yield
     finally:

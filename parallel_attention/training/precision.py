@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..tensor_parallel import parallel_state as ps
+from ..tensor_parallel.fp8_all_gather import Fp8WeightGather
 from ..tensor_parallel.linear_precision import fp8_linears
 
 HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,9 +59,21 @@ class Precision:
         return f"{self.dtype} autocast, float32 weights{scaling}, on {self.device}"
 
 
-def fp8_policy(training, device: torch.device):
+def fp8_policy(training, device: torch.device, fp8_weights: Fp8WeightGather | None = None):
     """The context a step's schedule and an evaluation run in: the layers' linears in FP8 as `training.fp8` says
     (nothing for none), the amax of token-dependent scales over dp x cp with `training.fp8_global_scales`
-    (docs/fp8.md). Around the schedule, so that recomputed forwards and deferred weight gradients are inside."""
+    (docs/fp8.md). Around the schedule, so that recomputed forwards and deferred weight gradients are inside.
+    `fp8_weights` (zero_stage 3, tensorwise): the weights FSDP2 gathers in e4m3, their scales computed now."""
     group = ps.get_data_context_parallel_group() if training.fp8_global_scales else None
-    return fp8_linears(training.fp8, device, group)
+    if fp8_weights is None:
+        return fp8_linears(training.fp8, device, group)
+    return fp8_linears(training.fp8, device, group, fp8_weights.refresh())
+
+
+def fp8_weight_gather(model, training, zero_stage: int, shard_group) -> Fp8WeightGather | None:
+    """Before FSDP2 shards `model`: its FP8 linears' weights made to all-gather in e4m3, where FSDP2 shards
+    (zero_stage 3 over more than one rank, as data_parallel_step does) and FP8 is tensorwise (rowwise quantizes
+    each weight twice, per output row and per input column: it gathers in high precision). Else None."""
+    if training.fp8 != "tensorwise" or zero_stage != 3 or ps.group_size(shard_group) == 1:
+        return None
+    return Fp8WeightGather(model, shard_group)

@@ -77,7 +77,7 @@ def forward_backward(run, micro_batches: list) -> tuple[torch.Tensor, StepRecord
     first_rows = [first_sample(t, dp_rank, dp_size, i) for i in range(len(micro_batches))]
     work = MicroBatchStep(run.data_parallel_model, micro_batches, first_rows, t.seed, run.step,
                           run.precision.autocast, run.scaler.scale_loss, run.gradient_sync)
-    with fp8_policy(t, run.device):  # training.fp8: the layers' linears, recompute and deferred dW included
+    with fp8_policy(t, run.device, run.fp8_weights):  # training.fp8: the linears, recompute, deferred dW included
         record = run.runner.run(work)
     run.gradient_sync.finish()
     losses = losses_on_every_stage(record, ps.get_pipeline_parallel_group())
@@ -91,7 +91,7 @@ def validation_losses(run) -> torch.Tensor:
     """Each of this data-parallel rank's validation micro-batches' mean loss (float64), on every stage."""
     batches = on_device([batch for _, batch in run.val_batches], run.cfg.model.vocab_size, run.device)
     work = MicroBatchStep(run.model, batches, autocast=run.precision.autocast)
-    with fp8_policy(run.cfg.training, run.device):
+    with fp8_policy(run.cfg.training, run.device, run.fp8_weights):
         record = run.eval_runner.run(work)
     return losses_on_every_stage(record, ps.get_pipeline_parallel_group()).double()
 

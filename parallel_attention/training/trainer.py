@@ -25,6 +25,7 @@ from ..tensor_parallel import parallel_state as ps
 from ..launch.rank_zero import is_rank_zero
 from ..tensor_parallel.collective_log import enable_collective_log
 from ..tensor_parallel.collectives import all_reduce, any_rank
+from ..tensor_parallel.fp8_all_gather import Fp8WeightGather
 from ..tensor_parallel.param_kinds import finalize_grads
 from ..tensor_parallel.rng import manual_seed
 from ..pipeline.micro_batch_step import GradientSync, loss_share
@@ -50,7 +51,7 @@ from .evaluation import evaluate
 from .micro_batches import on_device
 from .optim import build_optimizer, learning_rate, set_learning_rate
 from .step import build_runners, forward_backward, model_stage, pipeline_metrics
-from .precision import Precision
+from .precision import Precision, fp8_weight_gather
 from .run.resume import keep_previous_sampling, resume_from_checkpoint
 from .run.run_start import say_start
 from .run.run_dir import ensure_run_dir_held, lock_run_dir, prepare_run_dir, release_run_dir, write_run_config
@@ -85,6 +86,7 @@ class Run:
     eval_runner: PipelineRunner | None = None
     data_parallel_model: torch.nn.Module | None = None  # the training forward: DDP over the dp group, or `model`
     gradient_sync: GradientSync = field(default_factory=GradientSync)  # how the data-parallel average runs
+    fp8_weights: Fp8WeightGather | None = None  # zero_stage 3, tensorwise FP8: the weights FSDP2 gathers in e4m3
     step: int = 0
     logger: MetricsLogger | None = None
     losses: dict[int, float] = field(default_factory=dict)
@@ -143,11 +145,12 @@ def build(cfg: PretrainConfig) -> Run:
     dp_group, zero_stage = ps.get_data_context_parallel_group(), cfg.parallel.zero_stage
     runner, eval_runner = build_runners(cfg, model, cfg.gradient_accumulation_steps(ps.get_world_size()),
                                         val_batches)
+    fp8_weights = fp8_weight_gather(model, cfg.training, zero_stage, dp_group)  # FSDP2 gathers them in e4m3
     forward, sync = data_parallel_step(model, dp_group, cfg.parallel.debug_collectives, zero_stage,
                                        pipelined=cfg.parallel.pipeline_parallel_size > 1)
     optimizer = build_optimizer(model, cfg.optimizer, dp_group, zero_stage)  # over FSDP2's shards at stage 3
     return Run(cfg, device, model, optimizer, scaler, precision, sampler, val_batches, runner=runner,
-               eval_runner=eval_runner, data_parallel_model=forward, gradient_sync=sync)
+               eval_runner=eval_runner, data_parallel_model=forward, gradient_sync=sync, fp8_weights=fp8_weights)
 
 
 def resume_run(run: Run, where: str) -> None:
