@@ -18,6 +18,7 @@ from test_data_parallel import build_run, data_dir, overrides  # noqa: F401  (da
 from test_fp8_layouts import skipping_max_all_reduce
 from test_fp8_training import GLOBAL
 
+from parallel_attention.checkpointing.tensor_io import read_safetensors
 from parallel_attention.tensor_parallel import parallel_state as ps
 from parallel_attention.tensor_parallel.collective_log import active_log, disable_collective_log, enable_collective_log
 from parallel_attention.tensor_parallel.fp8_all_gather import Fp8WeightGather
@@ -98,7 +99,20 @@ def _relative(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def _outside_the_policy(refresh: bool) -> str:
+    """The error of a forward outside the FP8 policy: before any scale was computed, or after."""
+    model, gather = _model(True)
+    if refresh:
+        gather.refresh()
+    try:
+        model(torch.zeros(S, B, H))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 def _worker():
+    errors = [_outside_the_policy(refresh) for refresh in (False, True)]
     high, _, high_gathers = _step(False)
     low, reductions, low_gathers = _step(True)
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
@@ -106,7 +120,8 @@ def _worker():
     skipped = [max(_relative(a, b) for a, b in zip(_step(True, skip)[0], high)) for skip in range(reductions)]
     return {"equal": all(torch.equal(a, b) for a, b in zip(low, high)), "reductions": reductions,
             "skipped": skipped, "high": set(high_gathers), "low": set(low_gathers),
-            "expected_high": ("float32", weights + biases), "expected_low": ("uint8", weights + 4 * biases)}
+            "expected_high": ("float32", weights + biases), "expected_low": ("uint8", weights + 4 * biases),
+            "errors": errors}
 
 
 def test_fsdp2_gathers_fp8_weights_with_the_numbers_of_gathering_then_quantizing():
@@ -115,29 +130,48 @@ def test_fsdp2_gathers_fp8_weights_with_the_numbers_of_gathering_then_quantizing
         assert rank["equal"]  # bit for bit: quantizing is elementwise, the scale the same global one
         assert rank["high"] == {rank["expected_high"]} and rank["low"] == {rank["expected_low"]}, rank
         assert rank["reductions"] == 2  # the scales: one MAX all-reduce over dp, one over tp, for both weights
+        assert "scale was never computed: enter the step's FP8 policy" in rank["errors"][0], rank["errors"]
+        assert "gathered in FP8 (zero_stage 3 with training.fp8=tensorwise): only the FP8 linears" in rank["errors"][1]
     # without the tp one, the ranks holding the larger tp half still have the global scale: the others break
     skipped = [max(errors) for errors in zip(*(rank["skipped"] for rank in ranks))]
     assert min(skipped) >= DIFFERENT, skipped
 
 
-def _trainer_worker(args, gather_in_fp8: bool) -> dict:
-    """3 steps of the trainer; gather_in_fp8 False: its weights left to gather in float32 (as before FP8
-    all-gather)."""
+def _build(args, gather_in_fp8: bool):
+    """The trainer's run; gather_in_fp8 False: its weights left to gather in float32 (as before FP8 all-gather)."""
     build_gather = trainer.fp8_weight_gather
     trainer.fp8_weight_gather = build_gather if gather_in_fp8 else (lambda *a: None)
     try:
-        run = build_run(args)
+        return build_run(args)
     finally:
         trainer.fp8_weight_gather = build_gather
-    records = [trainer.train_step(run) for _ in range(3)]
+
+
+def _trainer_worker(args, gather_in_fp8: bool) -> dict:
+    """3 steps with a checkpoint after the second, and the third again, resumed from it."""
+    run = _build(args, gather_in_fp8)
+    records = [trainer.train_step(run) for _ in range(2)]
+    trainer.checkpoint(run)
+    records.append(trainer.train_step(run))
     kinds = {type(p.to_local()).__name__ for p in run.model.parameters()}
-    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "kinds": kinds}
+    resumed = _build(args, gather_in_fp8)
+    trainer.resume_run(resumed, "auto")
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "kinds": kinds,
+            "resumed": trainer.train_step(resumed)["loss"]}
 
 
 def test_zero3_trains_in_fp8_all_gather_as_gathering_in_float32(data_dir, tmp_path):
+    """Bit-identical losses, norms and checkpoint files (float32 master weights and AdamW state), and an exact
+    resume."""
     zero3 = ("--training.max_steps=3", "--training.micro_batch_size=4", "--parallel.zero_stage=3",
              "--training.fp8=tensorwise", *GLOBAL)
-    low, high = (run_distributed(_trainer_worker, 2, 1, overrides(data_dir, tmp_path / str(fp8), 1, *zero3), fp8)[0]
-                 for fp8 in (True, False))
+    low, high = (run_distributed(_trainer_worker, 2, 1, overrides(data_dir, tmp_path / name, 1, *zero3), fp8)[0]
+                 for name, fp8 in (("fp8", True), ("float32", False)))
     assert low["kinds"] == {"Tensor", "Fp8ShardedWeight"} and high["kinds"] == {"Tensor"}
     assert (low["losses"], low["norms"]) == (high["losses"], high["norms"])
+    assert low["resumed"] == low["losses"][2]
+    for name in ("model_tp00.safetensors", "optim_tp00.safetensors"):
+        mine, theirs = (read_safetensors(tmp_path / run / "checkpoints" / "step_0000002" / name)[0]
+                        for run in ("fp8", "float32"))
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs), name
+        assert {t.dtype for t in mine.values()} <= {torch.float32, torch.int64}, name

@@ -142,26 +142,25 @@ class Fp8WeightGather:
         """Make every FP8 linear's weight (a module declaring `precision = FOLLOW_POLICY`) an Fp8ShardedWeight;
         before `fully_shard`. `shard_group`: the group FSDP2 shards over."""
         kinds = parameter_kinds(model)
-        self.shard_group, self.weights = shard_group, []
+        self.shard_group, self.modules, tp_groups = shard_group, [], {}
         for name, module in model.named_modules():
             if getattr(module, "precision", None) is FOLLOW_POLICY:
                 module.weight = nn.Parameter(Fp8ShardedWeight(module.weight.detach(), WeightScale()))
-                self.weights.append((module, kinds[f"{name}.weight" if name else "weight"][1].group))
+                group = kinds[f"{name}.weight" if name else "weight"][1].group  # the weight's tp split
+                tp_groups.setdefault(id(group), (group, []))[1].append(len(self.modules))
+                self.modules.append(module)
+        self.tp_groups = list(tp_groups.values())  # (group, indices of its weights)
 
     @torch.no_grad()
     def refresh(self) -> GatheredInFp8:
         """Every weight's global scale from its current values: the shards' amaxes in one MAX all-reduce over
-        the FSDP group, then one over each tensor-parallel group. Returns the GEMMs' weight policy."""
-        shards = [module.weight.to_local() for module, _ in self.weights]
-        amaxes = max_over(self.shard_group, *(amax(shard, None) for shard in shards))
-        by_group: dict[int, list[int]] = {}
-        for i, (_, group) in enumerate(self.weights):
-            by_group.setdefault(id(group), []).append(i)
-        amaxes = list(amaxes)
-        for indices in by_group.values():
-            reduced = max_over(self.weights[indices[0]][1], *(amaxes[i] for i in indices))
-            for i, value in zip(indices, reduced):
-                amaxes[i] = value
-        for shard, value in zip(shards, amaxes):
-            shard.box.scale = scale_for(value, E4M3)
+        the FSDP group, then one over each tensor-parallel group (one for a model's layers). Returns the GEMMs'
+        weight policy."""
+        shards = [module.weight.to_local() for module in self.modules]
+        amaxes = list(max_over(self.shard_group, *(amax(shard, None) for shard in shards)))
+        for group, indices in self.tp_groups:
+            for i, reduced in zip(indices, max_over(group, *(amaxes[i] for i in indices))):
+                amaxes[i] = reduced
+        for shard, reduced in zip(shards, amaxes):
+            shard.box.scale = scale_for(reduced, E4M3)
         return GATHERED_IN_FP8
