@@ -36,7 +36,7 @@ RENAMED_KEYS = {"model": {"attention_backend": "attention_kernel"}, "parallel": 
 REMOVED_KEYS = {"parallel": {"comm_chunks": 1}}  # key: the one value still read (it behaves as if absent)
 ADDED_KEYS = {"model": {f.name: f.default for f in dataclasses.fields(ModelConfig)
                         if f.name in ("rope_type", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                                      "rope_original_max_seq_len", "qk_norm", "num_experts")
+                                      "rope_original_max_seq_len", "qk_norm", "qk_norm_scope", "num_experts")
                         or f.name.startswith("moe_")}}  # the mixture-of-experts keys: absent means dense
 
 

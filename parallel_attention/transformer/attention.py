@@ -7,7 +7,8 @@ Shape legend: s sequence, b batch, h hidden, p tensor-parallel size, nh heads, n
       | query_key_value: ColumnParallelLinear h -> (nh + 2 nkv) d, each rank the rows of its heads
       |   fwd identity / bwd all-reduce  (SP: fwd all-gather s / bwd reduce-scatter s)
     mixed [s, b, (nhl + 2 nkvl) * d]  [this rank's q heads | its k heads | its v heads]
-      | split: q, k, v are views of mixed (no copy); rotary on q, k (optional)
+      | split: q, k, v are views of mixed (no copy); q/k norm, rotary on q, k (each optional; the q/k norm over
+      |   the whole projection sums its squares over the ranks: 1 all-reduce fwd, 1 bwd, norms.py)
     q [b, nhl, s, d], k, v [b, nkvl, s, d]
       | local attention (SDPA / the CPU chunked kernel / math / apex), dropout from the tensor-parallel generator
       |   (dropout_rng='layout_invariant': explicit probabilities, masks hashed from global coordinates)
@@ -45,7 +46,7 @@ from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_siz
 from .context_parallel import ContextParallelPart, build_context_parallel_core
 from .rotary import build_position_embedding
 from .documents import DocumentLayout
-from .norms import build_head_norm
+from .norms import build_qk_norms
 
 
 def _own_copy(t: torch.Tensor) -> torch.Tensor:
@@ -109,9 +110,9 @@ class ParallelSelfAttention(nn.Module):
                 context_parallel_kind, config, self.cp_group, self.tp_rank * self.num_heads_per_rank,
                 (self.num_heads_per_rank, self.num_kv_heads_per_rank), layer_number, recompute_core, device)
         self.position_embedding = build_position_embedding(config)
-        # qk_norm: RMSNorm over each head's q and k, before rotary (the identity otherwise)
-        self.q_norm, self.k_norm = (build_head_norm(config.qk_norm, d, config.qk_norm_eps, self.tp_group, device,
-                                                    config.params_dtype) for _ in range(2))
+        # qk_norm: RMSNorm over each head's q and k or over the whole projections, before rotary (else the identity)
+        self.q_norm, self.k_norm, self._normalize_qk = build_qk_norms(
+            config, self.tp_group, (self.num_heads_per_rank, self.num_kv_heads_per_rank), device)
         # rotary makes q, k new tensors: a copy of v then frees mixed after the forward
         self._own_values = _own_copy if config.rotary else unchanged
         self.load_canonical_state_dict(self._initial_canonical_weights(device))
@@ -128,7 +129,7 @@ class ParallelSelfAttention(nn.Module):
         if c.out_bias:
             shapes["o_proj.bias"] = (c.hidden_size,)
         if c.qk_norm:
-            shapes.update({"q_norm.weight": (c.head_dim,), "k_norm.weight": (c.head_dim,)})
+            shapes.update({f"{n}_norm.weight": (width,) for n, width in zip("qk", c.qk_norm_widths())})
         return shapes
 
     def _initial_canonical_weights(self, device) -> dict[str, torch.Tensor]:
@@ -159,7 +160,7 @@ class ParallelSelfAttention(nn.Module):
         sharding.check_canonical(state_dict, self.canonical_shapes(), "canonical state dict",
                                  f" (hidden_size={c.hidden_size}, num_heads={c.num_heads}, num_kv_heads="
                                  f"{c.num_kv_heads}, head_dim={c.head_dim}, qkv_bias={c.qkv_bias}, out_bias={c.out_bias}, "
-                                 f"qk_norm={c.qk_norm})")
+                                 f"qk_norm={c.qk_norm}, qk_norm_scope={c.qk_norm_scope!r})")
         sd = {k: v.to(device=self.dense.weight.device, dtype=self.dense.weight.dtype) for k, v in state_dict.items()}
         qkv = self.query_key_value
         qkv.weight.copy_(self._fuse_local(sd["q_proj.weight"], sd["k_proj.weight"], sd["v_proj.weight"]))
@@ -169,7 +170,8 @@ class ParallelSelfAttention(nn.Module):
         if self.dense.bias is not None:
             self.dense.bias.copy_(sd["o_proj.bias"])
         for name in self._head_norm_names():
-            getattr(self, name).weight.copy_(sd[f"{name}.weight"])
+            norm = getattr(self, name)
+            norm.weight.copy_(norm.shard_of(sd[f"{name}.weight"]))
 
     def _head_norm_names(self) -> tuple[str, ...]:
         return ("q_norm", "k_norm") if self.config.qk_norm else ()
@@ -186,7 +188,7 @@ class ParallelSelfAttention(nn.Module):
         out["o_proj.weight"] = all_gather_along_dim(self.dense.weight, 1, self.tp_group)
         if self.dense.bias is not None:
             out["o_proj.bias"] = self.dense.bias.detach().clone()
-        out.update({f"{name}.weight": getattr(self, name).weight.detach().clone() for name in self._head_norm_names()})
+        out.update({f"{name}.weight": getattr(self, name).gathered() for name in self._head_norm_names()})
         return out
 
     def parameter_kinds(self) -> dict:
@@ -227,7 +229,7 @@ class ParallelSelfAttention(nn.Module):
         # split, not three slices: its backward is one concatenation instead of three zero-filled
         # buffers of the fused size added together (measured: ~3% of a CPU step)
         q, k, v = (t.view(s, b, -1, d) for t in mixed.split([nhl * d, nkvl * d, nkvl * d], dim=-1))
-        q, k = self.position_embedding(self.q_norm(q), self.k_norm(k), position_ids, offset)
+        q, k = self.position_embedding(*self._normalize_qk(q, k, self.q_norm, self.k_norm), position_ids, offset)
         return tuple(t.permute(1, 2, 0, 3) for t in (q, k, self._own_values(v)))
 
     def _output(self, context: torch.Tensor) -> torch.Tensor:

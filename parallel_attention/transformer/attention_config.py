@@ -18,6 +18,9 @@ from .rotary import RopeScaling
 # auto: the chunked causal kernel on CPU (kernels/causal_chunks.py), SDPA elsewhere; sdpa: one SDPA call everywhere
 ATTENTION_KERNELS = ("auto", "sdpa", "math", "apex")
 DROPOUT_RNGS = ("per_rank", "layout_invariant")
+# what one q/k norm spans: each head's d values (Qwen3, weight [d]) or the whole projection (OLMoE, weights [nh d]
+# and [nkv d], sharded like the heads: under tensor parallelism its mean square is summed over the ranks)
+QK_NORM_SCOPES = ("head", "projection")
 # keywords AttentionConfig took before 0.2 (accepted with a FutureWarning in 0.2, removed in 0.3): what replaces each
 REMOVED_ARGUMENTS = {
     "sequence_parallel": "pass sequence_parallel= to ParallelSelfAttention (or GPTModel) instead",
@@ -46,6 +49,7 @@ class AttentionConfig:
     rope_scaling: RopeScaling | None = None  # rotary frequency scaling (None: unscaled)
     qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3); weights [d], shared by the heads
     qk_norm_eps: float = 1e-6
+    qk_norm_scope: str = "head"  # QK_NORM_SCOPES: each head's q and k, or the whole q and k projections (OLMoE)
 
     def __new__(cls, *args, **kwargs):
         """Refuse a keyword of before 0.2 by name, with what replaces it (the dataclass's __init__ takes the rest)."""
@@ -102,6 +106,9 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig: rope_scaling={self.rope_scaling!r} must be a RopeScaling or None.")
         if not self.qk_norm_eps > 0:
             raise ValueError(f"AttentionConfig: qk_norm_eps={self.qk_norm_eps!r} must be positive.")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"AttentionConfig: qk_norm_scope={self.qk_norm_scope!r} is unknown; choose one of "
+                             f"{', '.join(QK_NORM_SCOPES)}.")
         if not self.rope_theta > 0:
             raise ValueError(f"AttentionConfig: rope_theta={self.rope_theta!r} must be positive.")
         if not self.init_std > 0:
@@ -145,5 +152,19 @@ class AttentionConfig:
                 f"tensor_parallel_size={p} is larger than num_kv_heads={nkv} but not a multiple of it: "
                 f"the k/v heads can only be replicated evenly; choose a multiple of {nkv} or a divisor of it."
             )
+        if self.qk_norm and self.qk_norm_scope == "projection":
+            raise ValueError(
+                f"tensor_parallel_size={p} is larger than num_kv_heads={nkv}, which replicates k/v heads, and "
+                "qk_norm_scope='projection' normalises the whole k projection across the ranks: choose a "
+                f"tensor-parallel size that divides {nkv}."
+            )
         return nh // p, 1
+
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """The q and k norms' weight sizes: (d, d) per head, (nh d, nkv d) over the projections, (0, 0) without."""
+        if not self.qk_norm:
+            return 0, 0
+        if self.qk_norm_scope == "head":
+            return self.head_dim, self.head_dim
+        return self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
 

@@ -53,7 +53,10 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192  # the context length the unscaled model was trained at
-    qk_norm: bool = False  # RMSNorm (eps norm_eps) over each head's q and k before rotary, as Qwen3
+    qk_norm: bool = False  # RMSNorm (eps norm_eps) over q and k before rotary: Qwen3, OLMoE
+    # what one q/k norm spans: "head" each head's d values (Qwen3, weights [d]); "projection" the whole q and k
+    # projections (OLMoE, weights [nh d] and [nkv d]; under tensor parallelism summed over the ranks)
+    qk_norm_scope: Literal["head", "projection"] = "head"
     # mixture of experts (docs/moe.md); num_experts 0 keeps every layer's MLP dense
     num_experts: int = 0
     moe_top_k: int = 2  # experts per token
@@ -91,6 +94,7 @@ class ModelConfig:
             rotary=self.position_embedding == "rotary", rope_theta=self.rope_theta,
             init_std=self.init_std, attention_kernel=self.attention_kernel, params_dtype=params_dtype,
             rope_scaling=self.rope_scaling(), qk_norm=self.qk_norm, qk_norm_eps=self.norm_eps,
+            qk_norm_scope=self.qk_norm_scope,
         )
 
     def rope_scaling(self) -> RopeScaling | None:

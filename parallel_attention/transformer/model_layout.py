@@ -17,6 +17,7 @@ from .model_config import ModelConfig
 from .pipeline_stage import PipelineStage
 
 _ATTN = re.compile(r"layers\.(\d+)\.attention\.(query_key_value|dense)\.(weight|bias)")
+_QK_NORM = re.compile(r"layers\.\d+\.attention\.[qk]_norm\.weight")
 _MLP = re.compile(r"layers\.(\d+)\.mlp\.((?:shared_expert\.)?)(fc_in|fc_out)\.(weight|bias)")
 
 
@@ -81,6 +82,8 @@ def canonical_sources(cfg: ModelConfig, key: str) -> tuple[str, list[str]]:
         if module == "fc_in":
             return ("gated" if len(ins) == 2 else "column"), [f"{prefix}{n}.{kind}" for n in ins]
         return ("row" if kind == "weight" else "replicated"), [f"{prefix}{out}.{kind}"]
+    if cfg.qk_norm_scope == "projection" and _QK_NORM.fullmatch(key):
+        return "column", [key]  # rows of this rank's heads, as the q and k projections' rows
     return "replicated", [key]  # norms
 
 

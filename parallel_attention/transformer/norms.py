@@ -1,8 +1,16 @@
-"""LayerNorm and RMSNorm that know about sequence parallelism; apex fused kernels on CUDA when present.
+"""LayerNorm and RMSNorm that know about sequence parallelism; apex fused kernels on CUDA when present; the q/k norms.
 
 Under sequence parallelism a norm runs on this rank's [s/p, b, h] tokens with weights replicated
 across the tensor-parallel group, so its gradient is a partial sum: the norm declares its
 parameters PartialGrad, and finalize_grads() completes them.
+
+The q/k norms (AttentionConfig.qk_norm_scope) come in two kinds:
+
+    head        q [s, b, nhl, d] normalised over d, weight [d] shared by every head (Qwen3): HeadRMSNorm
+    projection  q [s, b, nhl, d] normalised over all nh d values of the token's q projection (OLMoE), weight
+                [nh d] sharded like the heads ([nhl d] here; k likewise, [nkv d]): ProjectionRMSNorm
+                  fwd: local sums of squares of q and k [2, s, b] -> 1 all-reduce over tp -> 1/rms of the token
+                  bwd: local sums of (g w) * x_hat of q and k [2, s, b] -> 1 all-reduce over tp
 """
 
 from __future__ import annotations
@@ -11,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel.param_kinds import PartialGrad, Replicated
-from ..tensor_parallel.parallel_state import ProcessGroup, resolve_tp_group
+from ..tensor_parallel import sharding
+from ..tensor_parallel.collectives import all_gather_along_dim, all_reduce
+from ..tensor_parallel.param_kinds import PartialGrad, Replicated, Sharded
+from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 from .kernels.apex_kernels import fused_norms_module
 
 
@@ -104,6 +114,14 @@ class HeadRMSNorm(RMSNorm):
     def parameter_kinds(self) -> dict:
         return {"weight": PartialGrad(self.tp_group)}
 
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the canonical weight: all of it (every rank holds the whole [d])."""
+        return full
+
+    def gathered(self) -> torch.Tensor:
+        """The canonical weight (no collective)."""
+        return self.weight.detach().clone()
+
 
 class NoHeadNorm(nn.Module):
     """q and k as they are (no qk_norm)."""
@@ -112,6 +130,87 @@ class NoHeadNorm(nn.Module):
         return x
 
 
-def build_head_norm(enabled: bool, head_dim: int, eps: float, tp_group, device, dtype) -> nn.Module:
-    """HeadRMSNorm when `enabled` (AttentionConfig.qk_norm), else the identity: chosen once, in __init__."""
-    return HeadRMSNorm(head_dim, eps, False, tp_group, device, dtype) if enabled else NoHeadNorm()
+class ProjectionRMSNorm(nn.Module):
+    """This rank's part of an RMSNorm over a whole q or k projection (OLMoE's q_norm [nh d] and k_norm [nkv d]):
+    the weight's rows of this rank's heads, Sharded along 0 as the heads are (rank r: rows r w .. (r+1) w - 1 of
+    the canonical weight, w = `width_per_rank`). It normalises together with its partner, `normalize_projections`:
+    one all-reduce for both. Its gradient is complete for its rows (the projection covers every token of the
+    sequence this rank attends, under sequence parallelism too)."""
+
+    def __init__(self, width_per_rank: int, eps: float, tp_group, device=None, dtype=torch.float32) -> None:
+        super().__init__()
+        self.eps, self.tp_group = eps, tp_group
+        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        self.width = width_per_rank * self.tp_size  # the whole projection's, what the mean square divides by
+        self.weight = nn.Parameter(torch.ones(width_per_rank, device=device, dtype=dtype))
+
+    def parameter_kinds(self) -> dict:
+        return {"weight": Sharded(0, self.tp_group)}
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        return sharding.column_shard(full, self.tp_size, self.tp_rank)
+
+    def gathered(self) -> torch.Tensor:
+        """The canonical weight: every rank's rows in rank order (a collective over the tensor-parallel group)."""
+        return all_gather_along_dim(self.weight.detach(), 0, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return f"{self.width} over {self.tp_size} rank(s), eps={self.eps}"
+
+
+class _ProjectionRMSNormFunction(torch.autograd.Function):
+    """q and k [s, b, n, d] each normalised over its whole projection (all heads of every rank), in one all-reduce
+    forward and one backward; float32 statistics, as _RMSNormFunction. With x_hat = x / rms and g' = g w:
+    dx = (g' - x_hat sum(g' x_hat) / width) / rms, the sum over every rank's part of the projection."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, widths, eps, group):
+        xs = tuple(x.flatten(-2).to(torch.promote_types(x.dtype, torch.float32)) for x in (q, k))
+        squares = all_reduce(torch.stack([x.pow(2).sum(-1) for x in xs]), group)  # [2, s, b], over the tp group
+        rstds = tuple(torch.rsqrt(total / width + eps).unsqueeze(-1) for total, width in zip(squares, widths))
+        normed = tuple((x32 * rstd).to(x.dtype) for x, x32, rstd in zip((q, k), xs, rstds))
+        ctx.save_for_backward(*normed, *rstds, q_weight, k_weight)
+        ctx.widths, ctx.group, ctx.shapes = widths, group, (q.shape, k.shape)
+        return tuple((n * w.to(n.dtype)).view(shape) for n, w, shape in zip(normed, (q_weight, k_weight), ctx.shapes))
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        saved = ctx.saved_tensors
+        normed, rstds, weights = saved[0:2], saved[2:4], saved[4:6]
+        grads = tuple(g.flatten(-2) for g in (grad_q, grad_k))
+        compute = rstds[0].dtype
+        n32 = tuple(n.to(compute) for n in normed)
+        g32 = tuple((g * w).to(compute) for g, w in zip(grads, weights))
+        dots = all_reduce(torch.stack([(g * n).sum(-1) for g, n in zip(g32, n32)]), ctx.group)  # [2, s, b]
+        out = []
+        for g, n, rstd, dot, width, grad, shape in zip(g32, n32, rstds, dots, ctx.widths, grads, ctx.shapes):
+            out.append(((g - n * (dot / width).unsqueeze(-1)) * rstd).to(grad.dtype).view(shape))
+        grad_weights = tuple((g.to(compute) * n).sum(dim=tuple(range(g.dim() - 1))).to(w.dtype)
+                             for g, n, w in zip(grads, n32, weights))
+        return (*out, *grad_weights, None, None, None)
+
+
+def normalize_projections(q: torch.Tensor, k: torch.Tensor, q_norm: ProjectionRMSNorm,
+                          k_norm: ProjectionRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [s, b, nhl, d] and k [s, b, nkvl, d] each normalised over its whole projection (one all-reduce)."""
+    return _ProjectionRMSNormFunction.apply(q, k, q_norm.weight, k_norm.weight, (q_norm.width, k_norm.width),
+                                            q_norm.eps, q_norm.tp_group)
+
+
+def normalize_heads(q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module,
+                    k_norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k each through its own per-head norm (or the identity)."""
+    return q_norm(q), k_norm(k)
+
+
+def build_qk_norms(config, tp_group, heads_per_rank: tuple[int, int], device):
+    """(q_norm, k_norm, normalize) for AttentionConfig `config`: per head (or the identity without qk_norm), or over
+    the whole projections, each rank holding the rows of its `heads_per_rank` (q heads, k heads). Chosen once."""
+    if not (config.qk_norm and config.qk_norm_scope == "projection"):
+        d, on = config.head_dim, config.qk_norm
+        norms = [HeadRMSNorm(d, config.qk_norm_eps, False, tp_group, device, config.params_dtype) if on
+                 else NoHeadNorm() for _ in range(2)]
+        return (*norms, normalize_heads)
+    norms = [ProjectionRMSNorm(n * config.head_dim, config.qk_norm_eps, tp_group, device, config.params_dtype)
+             for n in heads_per_rank]
+    return (*norms, normalize_projections)

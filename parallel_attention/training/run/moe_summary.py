@@ -12,7 +12,7 @@ def _attention(m) -> int:
     a = m.attention_config()
     qkv = m.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
     biases = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * m.qkv_bias + m.hidden_size * m.out_bias
-    return qkv + a.num_heads * a.head_dim * m.hidden_size + biases + 2 * a.head_dim * m.qk_norm
+    return qkv + a.num_heads * a.head_dim * m.hidden_size + biases + sum(a.qk_norm_widths())
 
 
 def _mlp(m, width: int) -> int:

@@ -23,7 +23,7 @@ def layer_parameters(cfg) -> int:
     m, a = cfg.model, cfg.model.attention_config()
     h, f, d, nh, nkv = m.hidden_size, m.resolved_ffn_hidden_size(), a.head_dim, a.num_heads, a.num_kv_heads
     attention = h * (nh + 2 * nkv) * d + nh * d * h + (nh + 2 * nkv) * d * m.qkv_bias + h * m.out_bias \
-        + 2 * d * m.qk_norm
+        + sum(a.qk_norm_widths())
     mlp_in = 2 if m.activation == "swiglu" else 1
     mlp = (mlp_in + 1) * f * h + (mlp_in * f + h) * m.mlp_bias
     return attention + mlp + 2 * _norm_parameters(cfg)
