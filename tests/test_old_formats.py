@@ -43,9 +43,10 @@ def test_a_v0_1_0_manifest_reads_under_todays_keys():
 
 def test_a_v0_2_0_manifest_and_run_config_read_unchanged():
     raw, manifest = _raw_config(V0_2), read_manifest(V0_2 / STEP)
-    added = {k: v for k, v in ADDED_KEYS["model"].items() if k not in raw["model"]}  # since: the MoE keys
-    assert set(added) == {"num_experts"} | {k for k in ADDED_KEYS["model"] if k.startswith("moe_")}
-    # 0.2.0 wrote today's keys, but for data.sampling and the mixture-of-experts keys (read at their dense defaults)
+    added = {k: v for k, v in ADDED_KEYS["model"].items() if k not in raw["model"]}  # since: MoE, qk_norm_scope
+    assert set(added) == {"num_experts", "qk_norm_scope"} | {k for k in ADDED_KEYS["model"] if k.startswith("moe_")}
+    # 0.2.0 wrote today's keys, but for data.sampling, the mixture-of-experts keys (read at their dense defaults) and
+    # qk_norm_scope (read as 'head', the only q/k norm there was)
     assert manifest["config"] == {**raw, "model": {**raw["model"], **added}}
     assert started_before_sampling(raw)
     with warnings.catch_warnings():

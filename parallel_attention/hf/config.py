@@ -133,15 +133,19 @@ def _llama_to_model(f: _Fields) -> ModelConfig:
     )
 
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 
 
 def _experts(f: _Fields) -> dict[str, Any]:
-    """The mixture of experts of Mixtral (every layer, top-k renormalised) and Qwen2/3-MoE (norm_topk_prob, a layer
-    every decoder_sparse_step, the first layers dense through mlp_only_layers; Qwen2-MoE's gated shared expert)."""
-    if f.arch == "MixtralForCausalLM":
-        return dict(num_experts=f.positive_int("num_local_experts"), moe_top_k=f.positive_int("num_experts_per_tok"),
-                    moe_ffn_hidden_size=f.positive_int("intermediate_size"), moe_router_renormalize=True,
+    """The mixture of experts of Mixtral (every layer, top-k renormalised), OLMoE (every layer, norm_topk_prob) and
+    Qwen2/3-MoE (norm_topk_prob, a layer every decoder_sparse_step, the first layers dense through mlp_only_layers;
+    Qwen2-MoE's gated shared expert)."""
+    if f.arch in ("MixtralForCausalLM", "OlmoeForCausalLM"):  # intermediate_size is the experts' width
+        mixtral = f.arch == "MixtralForCausalLM"
+        return dict(num_experts=f.positive_int("num_local_experts" if mixtral else "num_experts"),
+                    moe_top_k=f.positive_int("num_experts_per_tok"),
+                    moe_ffn_hidden_size=f.positive_int("intermediate_size"),
+                    moe_router_renormalize=True if mixtral else f.flag("norm_topk_prob"),
                     moe_aux_loss_coeff=f.number("router_aux_loss_coef"))
     count_key = "num_local_experts" if f.hf.get("num_local_experts") is not None else "num_experts"
     dense = f.get("mlp_only_layers") or []
@@ -170,6 +174,10 @@ def _attention_variant(f: _Fields) -> dict[str, bool]:
     bias = f.flag("attention_bias")
     if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         return dict(qkv_bias=bias, out_bias=bias, mlp_bias=False, qk_norm=True)
+    if arch == "OlmoeForCausalLM":
+        f.require("clip_qkv", (None,), "q, k and v are not clamped")
+        f.require("head_dim", (None,), "OLMoE's q norm spans hidden_size values: head_dim is hidden_size / heads")
+        return dict(qkv_bias=bias, out_bias=bias, mlp_bias=False, qk_norm=True, qk_norm_scope="projection")
     return dict(qkv_bias=bias, out_bias=bias, mlp_bias=f.flag("mlp_bias"))
 
 

@@ -8,7 +8,7 @@
 and back with `canonical_to_hf`, which writes a directory `AutoModelForCausalLM.from_pretrained` loads.
 Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (sliding windows folded into
 max_seq_len), GPT2LMHeadModel, and the mixtures of experts MixtralForCausalLM, Qwen2MoeForCausalLM,
-Qwen3MoeForCausalLM (experts per expert or fused, `expert_layouts`; see families).
+Qwen3MoeForCausalLM, OlmoeForCausalLM (experts per expert or fused, `expert_layouts`; see families).
 Vocabulary: Hugging Face vocab_size is ModelConfig.vocab_size (GPTModel pads internally; canonical
 tensors are unpadded). Tensors keep their stored dtype. Needs safetensors only, not transformers.
 """

@@ -1,7 +1,7 @@
 """The experts of a Hugging Face MoE checkpoint in the two layouts transformers uses, and the fused one the rules read.
 
     per expert (what transformers 5 save_pretrained writes, and older releases)
-      Qwen2/3-MoE  model.layers.i.mlp.experts.e.{gate_proj, up_proj} [f, h], .down_proj [h, f]
+      Qwen2/3-MoE, OLMoE  model.layers.i.mlp.experts.e.{gate_proj, up_proj} [f, h], .down_proj [h, f]
       Mixtral      model.layers.i.block_sparse_moe.experts.e.{w1 (gate), w3 (up)} [f, h], .w2 (down) [h, f];
                    its router model.layers.i.block_sparse_moe.gate.weight
     fused (transformers 5's modules, and the canonical state dict's layout)

@@ -1,8 +1,8 @@
 """ModelConfig -> Hugging Face `config.json`: the inverse of hf.config's mapping.
 
 The architecture is the one imported from (pass the source config.json), or, failing that, the one the
-ModelConfig's shape implies (GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, in that order). A ModelConfig the chosen
-architecture cannot express is refused with the fields at fault.
+ModelConfig's shape implies (GPT-2, Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, in that
+order). A ModelConfig the chosen architecture cannot express is refused with the fields at fault.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ from .rope_config import rope_to_hf
 _ATTENTION = {"LlamaForCausalLM": (None, None, None, False), "MistralForCausalLM": (False, False, False, False),
               "Qwen2ForCausalLM": (True, False, False, False), "Qwen3ForCausalLM": (None, None, False, True),
               "MixtralForCausalLM": (False, False, False, False), "Qwen2MoeForCausalLM": (None, False, False, False),
-              "Qwen3MoeForCausalLM": (None, None, False, True)}
+              "Qwen3MoeForCausalLM": (None, None, False, True),
+              "OlmoeForCausalLM": (None, None, False, True)}
+# the q/k norm's span where it has one: per head (Qwen3) or over the whole projection (OLMoE)
+_QK_NORM_SCOPE = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "projection"}
 # what each mixture-of-experts architecture can hold: (renormalised top-k or None: either, shared expert, every
 # layer MoE); the router is softmax without a balancing bias in all three
 _EXPERTS = {"MixtralForCausalLM": (True, False, True), "Qwen2MoeForCausalLM": (None, True, False),
-            "Qwen3MoeForCausalLM": (None, False, False)}
+            "Qwen3MoeForCausalLM": (None, False, False), "OlmoeForCausalLM": (None, False, True)}
 _SWITCHES = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm")
 
 
@@ -44,7 +47,12 @@ def _misfits(cfg: ModelConfig, arch: str) -> list[str]:
     out += [f"{k}={getattr(cfg, k)} (needs {v})" for k, v in zip(_SWITCHES, _ATTENTION[arch])
             if v is not None and getattr(cfg, k) != v]
     out += _expert_misfits(cfg, arch)
-    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and cfg.qkv_bias != cfg.out_bias:
+    if cfg.qk_norm and _QK_NORM_SCOPE.get(arch, cfg.qk_norm_scope) != cfg.qk_norm_scope:
+        out.append(f"qk_norm_scope={cfg.qk_norm_scope!r} (needs {_QK_NORM_SCOPE[arch]!r})")
+    if arch == "OlmoeForCausalLM" and (cfg.hidden_size % cfg.num_heads or cfg.head_dim not in
+                                       (None, cfg.hidden_size // cfg.num_heads)):
+        out.append(f"head_dim={cfg.head_dim} (needs hidden_size / num_heads: OLMoE's q norm spans hidden_size)")
+    if arch in ("LlamaForCausalLM", *_QK_NORM_SCOPE) and cfg.qkv_bias != cfg.out_bias:
         out.append(f"qkv_bias={cfg.qkv_bias} with out_bias={cfg.out_bias} (one attention_bias for both)")
     return out
 
@@ -68,15 +76,17 @@ def _expert_misfits(cfg: ModelConfig, arch: str) -> list[str]:
     return out
 
 
+# the order an architecture is inferred in
 _INFERRED = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
-             "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")  # the order an architecture is inferred in
+             "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 
 
 def infer_architecture(cfg: ModelConfig) -> str:
     for arch in _INFERRED:
         if not _misfits(cfg, arch):
             return arch
-    raise ValueError("this ModelConfig is neither GPT-2 nor Llama (nor Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE) "
+    raise ValueError("this ModelConfig is neither GPT-2 nor Llama (nor Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, "
+                     "OLMoE) "
                      "shaped: " + "; ".join(f"as {a} {_misfits(cfg, a)}" for a in _INFERRED) + ".")
 
 
@@ -111,6 +121,11 @@ def _llama_fields(cfg: ModelConfig, arch: str) -> dict[str, Any]:
         return {**out, "sliding_window": None, "intermediate_size": cfg.resolved_moe_ffn_hidden_size(),
                 "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_top_k,
                 "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
+    if arch == "OlmoeForCausalLM":  # likewise; head_dim is hidden_size / num_attention_heads, not a field
+        out.pop("head_dim")
+        return {**out, "intermediate_size": cfg.resolved_moe_ffn_hidden_size(), "num_experts": cfg.num_experts,
+                "num_experts_per_tok": cfg.moe_top_k, "norm_topk_prob": cfg.moe_router_renormalize,
+                "router_aux_loss_coef": cfg.moe_aux_loss_coeff, "attention_bias": cfg.qkv_bias, "clip_qkv": None}
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers,
                    layer_types=["full_attention"] * cfg.num_layers)

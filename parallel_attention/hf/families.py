@@ -7,6 +7,7 @@ it keeps its pieces and how to read its attention.
     MistralForCausalLM   model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   sliding window
     Qwen2ForCausalLM     model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   q/k/v bias, windows
     Qwen3ForCausalLM     model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   q/k RMSNorm per head
+    OlmoeForCausalLM     model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   q/k RMSNorm per projection
     GPT2LMHeadModel      transformer.h    attn        transformer.wte      c_attn (Conv1D)    learned positions
 
 Sliding windows are transformers' own masks (built by the model, passed to each layer): honoured as they are.
@@ -147,6 +148,8 @@ FAMILIES = {
                                   **{**_LLAMA_LIKE, "mlp": None}),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", defaults=tables.QWEN3_MOE, attention_source=LlamaAttentionSource(),
                                   **{**_LLAMA_LIKE, "mlp": None}),
+    "OlmoeForCausalLM": Family("olmoe", defaults=tables.OLMOE, attention_source=LlamaAttentionSource(),
+                               **{**_LLAMA_LIKE, "mlp": None}),
     "GPT2LMHeadModel": Family("gpt2", weights="gpt2", defaults=tables.GPT2, decoder="transformer", layers="h",
                               embedding="wte", attention="attn", attention_source=GPT2AttentionSource(),
                               mlp=Conv1DMLP),

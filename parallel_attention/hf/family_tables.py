@@ -10,6 +10,8 @@ the fields it ignores or carries. Which architectures those are is `families.FAM
     MixtralForCausalLM   mixtral     llama     Mistral's block with a mixture of experts (top-k renormalised)
     Qwen2MoeForCausalLM  qwen2_moe   llama     Qwen2's block with experts, a gated shared expert, dense layers
     Qwen3MoeForCausalLM  qwen3_moe   llama     Qwen3's block with experts (norm_topk_prob), dense layers
+    OlmoeForCausalLM     olmoe       llama     experts in every layer (norm_topk_prob); RMSNorm over the whole q
+                                               and k projections (qk_norm_scope 'projection'); clip_qkv null only
 
 A field absent from config.json takes the Hugging Face class default listed here, as from_pretrained would.
 """
@@ -46,6 +48,10 @@ QWEN2_MOE = {**QWEN2, "intermediate_size": 5632, "num_key_value_heads": 16, "sli
 QWEN3_MOE = {**QWEN3, "intermediate_size": 6144, "num_key_value_heads": 4, "sliding_window": None, **_MOE,
              "num_experts_per_tok": 8, "num_experts": 128, "num_local_experts": None, "moe_intermediate_size": 768,
              "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
+OLMOE = {**{k: v for k, v in LLAMA.items() if k not in ("mlp_bias", "pretraining_tp")}, **_MOE,
+         "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
+         "num_attention_heads": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "clip_qkv": None,
+         "num_experts_per_tok": 8, "num_experts": 64, "router_aux_loss_coef": 0.01, "norm_topk_prob": False}
 
 # Fields that do not change the forward: identity, bookkeeping, generation, other heads of GPT-2.
 NOT_MATH = {"architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",

@@ -10,11 +10,12 @@ f ffn, V vocab, P positions, nh/nkv heads, d head dim, i layer.
       model.layers.i.self_attn.q_proj.{weight,bias} [nh d, h]    layers.i.attention.q_proj.*  (also k, v [nkv d, h])
       model.layers.i.self_attn.o_proj.{weight,bias} [h, nh d]    layers.i.attention.o_proj.*
       model.layers.i.self_attn.{q,k}_norm.weight [d]   layers.i.attention.{q,k}_norm.weight  (Qwen3, qk_norm)
+                                 OLMoE: [nh d], [nkv d] (qk_norm_scope 'projection')
       model.layers.i.post_attention_layernorm.weight             layers.i.post_attention_norm.weight
       model.layers.i.mlp.{gate,up}_proj.*       [f, h]       layers.i.mlp.{gate,up}_proj.*
       model.layers.i.mlp.down_proj.*            [h, f]       layers.i.mlp.down_proj.*
       model.norm.weight                                      final_norm.weight
-      MoE layers (Mixtral, Qwen2/3-MoE): model.layers.i.mlp.gate.weight [E, h], .experts.gate_up_proj [E, 2f, h],
+      MoE layers (Mixtral, Qwen2/3-MoE, OLMoE): model.layers.i.mlp.gate.weight [E, h], .experts.gate_up_proj [E, 2f, h],
       .experts.down_proj [E, h, f] (after hf.expert_layouts.fuse_experts), .shared_expert.* and .shared_expert_gate
       [1, h] (Qwen2-MoE): copies, under the same names from layers.i.mlp.
       lm_head.weight  (untied only)             [V, h]       lm_head.weight
@@ -99,8 +100,9 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
             rules.append(_copy(f"{src}self_attn.{name}.weight", f"{dst}attention.{name}.weight", shape))
             if cfg.out_bias if name == "o_proj" else cfg.qkv_bias:
                 rules.append(_copy(f"{src}self_attn.{name}.bias", f"{dst}attention.{name}.bias", shape[:1]))
-        if cfg.qk_norm:  # Qwen3: one RMSNorm weight [d] each for q and k, shared by the heads
-            rules += [_copy(f"{src}self_attn.{n}_norm.weight", f"{dst}attention.{n}_norm.weight", (d,)) for n in "qk"]
+        if cfg.qk_norm:  # Qwen3: weights [d], shared by the heads; OLMoE: [nh d] and [nkv d], over the projections
+            rules += [_copy(f"{src}self_attn.{n}_norm.weight", f"{dst}attention.{n}_norm.weight", (width,))
+                      for n, width in zip("qk", cfg.attention_config().qk_norm_widths())]
         rules.append(_copy(f"{src}post_attention_layernorm.weight", f"{dst}post_attention_norm.weight", (h,)))
         if cfg.is_moe_layer(i):
             rules += _moe_rules(cfg, src, dst)
