@@ -15,7 +15,8 @@ from test_readme import INTERPRETERS, page_commands
 PAGE = ROOT / "docs" / "moe.md"
 # pattern -> why the command is not run here
 EXEMPT = {"HOST:PORT": "multi-node placeholders no fixture can fill: test_pretrain.py runs two local agents",
-          "path/to/qwen2_moe": "tests/test_moe_hf.py runs these three with the same arguments on a tiny Qwen2-MoE",
+          "path/to/qwen2_moe": "tests/test_moe_hf.py runs these three with the same arguments on each tiny family "
+                               "(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)",
           "runs/moe_tp2": "tests/test_moe_hf.py (as above)"}
 SHORTEN = ["--training.eval_interval=2", "--checkpoint.interval=2", "--training.eval_batches=1",
            "--data.max_bytes=300000", "--data.seq_len=32", "--logging.progress_bar=false"]
