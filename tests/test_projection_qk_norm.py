@@ -1,6 +1,7 @@
-"""The q/k norm over the whole projection (OLMoE's; `model.qk_norm_scope: projection`): at tp 2, with and without
-sequence parallelism, the loss and every gradient equal one process's; its backward equals autograd's (gradcheck,
-float64); it costs exactly one all-reduce forward and one backward; a layout that replicates k/v heads is refused."""
+"""The q/k norm over the whole projection (OLMoE's; `model.qk_norm_scope: projection`): at tp 2 and at tp 4 (which
+replicates the 2 k/v heads, and with them the k norm's rows), with and without sequence parallelism, the loss and
+every gradient equal one process's; each rank's weights are what checkpoint resharding (`model_layout`) writes for
+it; its backward equals autograd's (gradcheck, float64); it costs exactly one all-reduce forward and one backward."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import parallel_attention as pa
 from distributed import run_distributed
 from parallel_attention.check.collective_counter import count_collectives
 from parallel_attention.check.compare import canonical_grads
+from parallel_attention.transformer.model_layout import shard_state_dict
 from parallel_attention.transformer.norms import ProjectionRMSNorm, normalize_projections
 
 # OLMoE-shaped (whole-projection q/k norms, no biases), awkward sizes: vocab 203, d 6, s 8
@@ -27,8 +29,12 @@ def _canonical() -> dict[str, torch.Tensor]:
 
 
 def _loss_and_grads(canonical, tokens, sequence_parallel):
-    model = pa.GPTModel(pa.ModelConfig(**SPEC), sequence_parallel=sequence_parallel)
+    cfg = pa.ModelConfig(**SPEC)
+    model = pa.GPTModel(cfg, sequence_parallel=sequence_parallel)
     model.load_canonical_state_dict(canonical)
+    mine, p = model.state_dict(), pa.get_tensor_model_parallel_world_size()
+    offline = shard_state_dict(cfg, list(mine), canonical, p, pa.get_tensor_model_parallel_rank())
+    assert all(torch.equal(mine[key], offline[key]) for key in mine), "the checkpoint layout differs"
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     pa.finalize_grads(model)
@@ -49,8 +55,8 @@ def _attention_counts(sequence_parallel):
 
 def _gradcheck():
     """The hand-written backward against autograd's numerical Jacobian (float64, one rank)."""
-    q_norm, k_norm = (ProjectionRMSNorm(w, 1e-6, pa.get_tensor_model_parallel_group(), dtype=torch.float64)
-                      for w in (12, 6))
+    q_norm, k_norm = (ProjectionRMSNorm(n, 6, 1e-6, pa.get_tensor_model_parallel_group(), dtype=torch.float64)
+                      for n in (2, 1))
     torch.manual_seed(0)
     for norm in (q_norm, k_norm):
         norm.weight.data.add_(torch.randn_like(norm.weight) * 0.3)
@@ -65,7 +71,8 @@ def _worker(canonical, tokens):
             _gradcheck() if pa.get_tensor_model_parallel_world_size() == 1 else None)
 
 
-def test_projection_qk_norm_at_tp2_equals_one_process():
+@pytest.mark.parametrize("p", [2, 4])
+def test_projection_qk_norm_equals_one_process(p):
     canonical = _canonical()
     torch.manual_seed(3)
     tokens = torch.randint(0, 203, (3, 9))
@@ -74,9 +81,9 @@ def test_projection_qk_norm_at_tp2_equals_one_process():
     assert ref_counts[False] == ({}, {})
     ref_loss, ref_grads = ref[False]
     assert any("q_norm" in name and grad.abs().max() > 0 for name, grad in ref_grads.items())
-    for rank, (per_sp, counts, _) in enumerate(run_distributed(_worker, 2, 2, canonical, tokens, timeout=300)):
+    for rank, (per_sp, counts, _) in enumerate(run_distributed(_worker, p, p, canonical, tokens, timeout=300)):
         for sp, (loss, grads) in per_sp.items():
-            where = f"tp 2 sequence_parallel={sp} rank {rank}"
+            where = f"tp {p} sequence_parallel={sp} rank {rank}"
             # float32, the same sums in another order (the projections' all-reduces): ~1e-7 relative
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), where
             assert grads.keys() == ref_grads.keys()
@@ -90,11 +97,7 @@ def test_projection_qk_norm_at_tp2_equals_one_process():
                                 {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1, "all_reduce": 1}), rank
 
 
-def test_replicated_kv_heads_and_unknown_scopes_are_refused():
-    cfg = pa.ModelConfig(**SPEC).attention_config()
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 is larger than num_kv_heads=2.*qk_norm_scope="
-                                         r"'projection'.*divides 2"):
-        cfg.per_rank_heads(4)
+def test_the_scope_is_a_model_key_and_an_unknown_one_is_refused():
     with pytest.raises(ValueError, match=r"qk_norm_scope='heads' is unknown; choose one of head, projection"):
         pa.ModelConfig(**{**SPEC, "qk_norm_scope": "heads"}).attention_config()
     config = pa.load_config(None, ["--model.qk_norm=true", "--model.qk_norm_scope=projection",

@@ -65,6 +65,18 @@ def kv_heads_of_rank(num_kv_heads: int, p: int, rank: int) -> list[int]:
     return list(range(rank * per_rank, (rank + 1) * per_rank))
 
 
+def head_rows(t: torch.Tensor, num_heads: int, p: int, rank: int) -> torch.Tensor:
+    """The rows of `t` (num_heads equal blocks along dim 0) of the heads rank `rank` holds: its 1/p of them, or when
+    p > num_heads the one head it keeps a replica of (the k/v heads, `kv_heads_of_rank`)."""
+    heads, per_head = kv_heads_of_rank(num_heads, p, rank), t.shape[0] // num_heads
+    return t[heads[0] * per_head:(heads[-1] + 1) * per_head]
+
+
+def head_rows_unshard(shards: list[torch.Tensor], num_heads: int) -> torch.Tensor:
+    """The whole tensor from every rank's `head_rows` (p = len(shards); one replica of each head)."""
+    return torch.cat(shards[::max(len(shards) // num_heads, 1)])
+
+
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int,
              head_dim: int, p: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s rows of the fused projection from full q/k/v weights or biases:

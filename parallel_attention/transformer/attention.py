@@ -111,8 +111,7 @@ class ParallelSelfAttention(nn.Module):
                 (self.num_heads_per_rank, self.num_kv_heads_per_rank), layer_number, recompute_core, device)
         self.position_embedding = build_position_embedding(config)
         # qk_norm: RMSNorm over each head's q and k or over the whole projections, before rotary (else the identity)
-        self.q_norm, self.k_norm, self._normalize_qk = build_qk_norms(
-            config, self.tp_group, (self.num_heads_per_rank, self.num_kv_heads_per_rank), device)
+        self.q_norm, self.k_norm, self._normalize_qk = build_qk_norms(config, self.tp_group, device)
         # rotary makes q, k new tensors: a copy of v then frees mixed after the forward
         self._own_values = _own_copy if config.rotary else unchanged
         self.load_canonical_state_dict(self._initial_canonical_weights(device))

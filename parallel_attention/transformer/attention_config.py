@@ -152,12 +152,6 @@ class AttentionConfig:
                 f"tensor_parallel_size={p} is larger than num_kv_heads={nkv} but not a multiple of it: "
                 f"the k/v heads can only be replicated evenly; choose a multiple of {nkv} or a divisor of it."
             )
-        if self.qk_norm and self.qk_norm_scope == "projection":
-            raise ValueError(
-                f"tensor_parallel_size={p} is larger than num_kv_heads={nkv}, which replicates k/v heads, and "
-                "qk_norm_scope='projection' normalises the whole k projection across the ranks: choose a "
-                f"tensor-parallel size that divides {nkv}."
-            )
         return nh // p, 1
 
     def qk_norm_widths(self) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from .model_config import ModelConfig
 from .pipeline_stage import PipelineStage
 
 _ATTN = re.compile(r"layers\.(\d+)\.attention\.(query_key_value|dense)\.(weight|bias)")
-_QK_NORM = re.compile(r"layers\.\d+\.attention\.[qk]_norm\.weight")
+_QK_NORM = re.compile(r"layers\.\d+\.attention\.([qk])_norm\.weight")
 _MLP = re.compile(r"layers\.(\d+)\.mlp\.((?:shared_expert\.)?)(fc_in|fc_out)\.(weight|bias)")
 
 
@@ -82,8 +82,9 @@ def canonical_sources(cfg: ModelConfig, key: str) -> tuple[str, list[str]]:
         if module == "fc_in":
             return ("gated" if len(ins) == 2 else "column"), [f"{prefix}{n}.{kind}" for n in ins]
         return ("row" if kind == "weight" else "replicated"), [f"{prefix}{out}.{kind}"]
-    if cfg.qk_norm_scope == "projection" and _QK_NORM.fullmatch(key):
-        return "column", [key]  # rows of this rank's heads, as the q and k projections' rows
+    m = _QK_NORM.fullmatch(key)
+    if cfg.qk_norm_scope == "projection" and m:  # the rows of this rank's heads, as the q and k projections' rows
+        return ("column" if m.group(1) == "q" else "kv_heads"), [key]
     return "replicated", [key]  # norms
 
 
@@ -99,6 +100,8 @@ def shard(cfg: ModelConfig, key: str, canonical: dict[str, torch.Tensor], p: int
         return sharding.fuse_gated(*tensors, p, rank)
     if kind == "column":
         return sharding.column_shard(tensors[0], p, rank)
+    if kind == "kv_heads":
+        return sharding.head_rows(tensors[0], cfg.attention_config().num_kv_heads, p, rank)
     if kind == "row":
         return sharding.row_shard(tensors[0], p, rank)
     return tensors[0]
@@ -116,6 +119,8 @@ def unshard(cfg: ModelConfig, key: str, shards: list[torch.Tensor]) -> dict[str,
         values = list(sharding.unfuse_gated(shards))
     elif kind == "column":
         values = [torch.cat(shards, dim=0)]
+    elif kind == "kv_heads":
+        values = [sharding.head_rows_unshard(shards, cfg.attention_config().num_kv_heads)]
     elif kind == "row":
         values = [torch.cat(shards, dim=1)]
     else:

@@ -8,7 +8,8 @@ The q/k norms (AttentionConfig.qk_norm_scope) come in two kinds:
 
     head        q [s, b, nhl, d] normalised over d, weight [d] shared by every head (Qwen3): HeadRMSNorm
     projection  q [s, b, nhl, d] normalised over all nh d values of the token's q projection (OLMoE), weight
-                [nh d] sharded like the heads ([nhl d] here; k likewise, [nkv d]): ProjectionRMSNorm
+                [nh d] sharded like the heads ([nhl d] here; k likewise, [nkv d], and when p > nkv each rank
+                holds its k/v head's rows as it holds the head, a replica): ProjectionRMSNorm
                   fwd: local sums of squares of q and k [2, s, b] -> 1 all-reduce over tp -> 1/rms of the token
                   bwd: local sums of (g w) * x_hat of q and k [2, s, b] -> 1 all-reduce over tp
 """
@@ -21,7 +22,7 @@ from torch import nn
 
 from ..tensor_parallel import sharding
 from ..tensor_parallel.collectives import all_gather_along_dim, all_reduce
-from ..tensor_parallel.param_kinds import PartialGrad, Replicated, Sharded
+from ..tensor_parallel.param_kinds import KvReplica, PartialGrad, Replicated, Sharded
 from ..tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size, resolve_tp_group
 from .kernels.apex_kernels import fused_norms_module
 
@@ -131,31 +132,37 @@ class NoHeadNorm(nn.Module):
 
 
 class ProjectionRMSNorm(nn.Module):
-    """This rank's part of an RMSNorm over a whole q or k projection (OLMoE's q_norm [nh d] and k_norm [nkv d]):
-    the weight's rows of this rank's heads, Sharded along 0 as the heads are (rank r: rows r w .. (r+1) w - 1 of
-    the canonical weight, w = `width_per_rank`). It normalises together with its partner, `normalize_projections`:
-    one all-reduce for both. Its gradient is complete for its rows (the projection covers every token of the
-    sequence this rank attends, under sequence parallelism too)."""
+    """This rank's part of an RMSNorm over a whole q or k projection of `num_heads` heads (OLMoE's q_norm [nh d] and
+    k_norm [nkv d]): the weight's rows of the heads this rank holds, as the projection's rows (`sharding.head_rows`):
+    Sharded along 0, or when p > num_heads (k/v heads replicated) a KvReplica of its head, whose gradient each
+    replica holds a share of. It normalises together with its partner, `normalize_projections`: one all-reduce
+    for both. `width` counts each replica, as the all-reduced sum of squares does, so their ratio is exact."""
 
-    def __init__(self, width_per_rank: int, eps: float, tp_group, device=None, dtype=torch.float32) -> None:
+    def __init__(self, num_heads: int, head_dim: int, eps: float, tp_group, device=None,
+                 dtype=torch.float32) -> None:
         super().__init__()
-        self.eps, self.tp_group = eps, tp_group
+        self.num_heads, self.eps, self.tp_group = num_heads, eps, tp_group
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
-        self.width = width_per_rank * self.tp_size  # the whole projection's, what the mean square divides by
-        self.weight = nn.Parameter(torch.ones(width_per_rank, device=device, dtype=dtype))
+        rows = len(sharding.kv_heads_of_rank(num_heads, self.tp_size, self.tp_rank)) * head_dim
+        self.width = rows * self.tp_size
+        self.weight = nn.Parameter(torch.ones(rows, device=device, dtype=dtype))
 
     def parameter_kinds(self) -> dict:
-        return {"weight": Sharded(0, self.tp_group)}
+        if self.tp_size <= self.num_heads:
+            return {"weight": Sharded(0, self.tp_group)}
+        slot = sharding.kv_heads_of_rank(self.num_heads, self.tp_size, self.tp_rank)[0]
+        return {"weight": KvReplica(self.tp_group, rows=slice(None), slot=slot, num_slots=self.num_heads)}
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        return sharding.column_shard(full, self.tp_size, self.tp_rank)
+        return sharding.head_rows(full, self.num_heads, self.tp_size, self.tp_rank)
 
     def gathered(self) -> torch.Tensor:
-        """The canonical weight: every rank's rows in rank order (a collective over the tensor-parallel group)."""
-        return all_gather_along_dim(self.weight.detach(), 0, self.tp_group)
+        """The canonical weight, one replica of each head's rows (a collective over the tensor-parallel group)."""
+        shards = all_gather_along_dim(self.weight.detach(), 0, self.tp_group).chunk(self.tp_size)
+        return sharding.head_rows_unshard(list(shards), self.num_heads)
 
     def extra_repr(self) -> str:
-        return f"{self.width} over {self.tp_size} rank(s), eps={self.eps}"
+        return f"{self.num_heads} heads over {self.tp_size} rank(s), eps={self.eps}"
 
 
 class _ProjectionRMSNormFunction(torch.autograd.Function):
@@ -203,14 +210,14 @@ def normalize_heads(q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module,
     return q_norm(q), k_norm(k)
 
 
-def build_qk_norms(config, tp_group, heads_per_rank: tuple[int, int], device):
+def build_qk_norms(config, tp_group, device):
     """(q_norm, k_norm, normalize) for AttentionConfig `config`: per head (or the identity without qk_norm), or over
-    the whole projections, each rank holding the rows of its `heads_per_rank` (q heads, k heads). Chosen once."""
+    the whole projections, each rank holding the rows of its heads. Chosen once."""
     if not (config.qk_norm and config.qk_norm_scope == "projection"):
         d, on = config.head_dim, config.qk_norm
         norms = [HeadRMSNorm(d, config.qk_norm_eps, False, tp_group, device, config.params_dtype) if on
                  else NoHeadNorm() for _ in range(2)]
         return (*norms, normalize_heads)
-    norms = [ProjectionRMSNorm(n * config.head_dim, config.qk_norm_eps, tp_group, device, config.params_dtype)
-             for n in heads_per_rank]
+    norms = [ProjectionRMSNorm(n, config.head_dim, config.qk_norm_eps, tp_group, device, config.params_dtype)
+             for n in (config.num_heads, config.num_kv_heads)]
     return (*norms, normalize_projections)
