@@ -12,6 +12,7 @@ import parallel_attention as pa
 from distributed import run_distributed
 from parallel_attention.check.collective_counter import count_collectives
 from parallel_attention.check.compare import canonical_grads
+from parallel_attention.tensor_parallel.grad_clip import global_grad_norm
 from parallel_attention.transformer.model_layout import shard_state_dict
 from parallel_attention.transformer.norms import ProjectionRMSNorm, normalize_projections
 
@@ -38,7 +39,7 @@ def _loss_and_grads(canonical, tokens, sequence_parallel):
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     pa.finalize_grads(model)
-    return loss.item(), canonical_grads(model)
+    return loss.item(), global_grad_norm(model, pa.get_tensor_model_parallel_group()).item(), canonical_grads(model)
 
 
 def _attention_counts(sequence_parallel):
@@ -79,13 +80,14 @@ def test_projection_qk_norm_equals_one_process(p):
     (ref, ref_counts, gradcheck_passed), = run_distributed(_worker, 1, 1, canonical, tokens, timeout=300)
     assert gradcheck_passed
     assert ref_counts[False] == ({}, {})
-    ref_loss, ref_grads = ref[False]
+    ref_loss, ref_norm, ref_grads = ref[False]
     assert any("q_norm" in name and grad.abs().max() > 0 for name, grad in ref_grads.items())
     for rank, (per_sp, counts, _) in enumerate(run_distributed(_worker, p, p, canonical, tokens, timeout=300)):
-        for sp, (loss, grads) in per_sp.items():
+        for sp, (loss, norm, grads) in per_sp.items():
             where = f"tp {p} sequence_parallel={sp} rank {rank}"
             # float32, the same sums in another order (the projections' all-reduces): ~1e-7 relative
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), where
+            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, f"gradient norm at {where}"  # replicas counted once
             assert grads.keys() == ref_grads.keys()
             for name, ref_grad in ref_grads.items():
                 scale = ref_grad.abs().max().item()
