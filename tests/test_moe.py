@@ -3,6 +3,8 @@ auxiliary losses' gradients, the balancing bias, and expert parallelism (ep 2, e
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,17 +26,21 @@ def moe_config(**overrides) -> ModelConfig:
 
 
 def reference_moe(sd: dict, x: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [T, h], aux + z loss): token by token, expert by expert, from the canonical weights."""
+    """(y [T, h], aux + z loss): token by token, expert by expert, from the canonical weights. With
+    cfg.moe_capacity_factor, an expert past ceil(factor T K / E) tokens takes no more (tokens in order)."""
     logits = x @ sd["gate.weight"].t()
     scores = torch.softmax(logits, -1) if cfg.moe_router_score == "softmax" else torch.sigmoid(logits)
     y = torch.zeros_like(x)
     counts = torch.zeros(E, dtype=x.dtype)
+    capacity = math.ceil(cfg.moe_capacity_factor * x.shape[0] * K / E) if cfg.moe_capacity_factor else x.shape[0]
     for t in range(x.shape[0]):
         ranked = sorted(range(E), key=lambda e: (-scores[t, e].item(), e))[:K]
         gates = scores[t, ranked]
         gates = gates / gates.sum() if cfg.moe_router_renormalize else gates
         for e, g in zip(ranked, gates):
             counts[e] += 1
+            if counts[e] > capacity:  # dropped: the aux loss still counts the router's choice
+                continue
             gate, up = (x[t] @ sd["experts.gate_up_proj"][e].t()).chunk(2)
             y[t] = y[t] + g * ((F.silu(gate) * up) @ sd["experts.down_proj"][e].t())
     if cfg.moe_shared_expert_ffn_hidden_size:

@@ -3,7 +3,8 @@ self-check): the runner calls it for each action of a schedule, and pp = 1 is a 
 
     forward      inside the micro-batch's dropout coordinates (seed, step, index of its first row in the global
                  batch: layout-invariant dropout hashes its masks from them), the gradient sync's forward context
-                 (DDP's no_sync but for the last) and autocast; the labels only where the chunk computes the loss
+                 (DDP's no_sync but for the last) and autocast; the labels to every chunk (the loss where the
+                 chunk computes it; the tokens its MoE layers' auxiliary losses count everywhere)
     backward     inside the same coordinates and the gradient sync's backward context; the loss divided by the
                  micro-batches (the step's loss is their mean, as one process's) and scaled (the fp16 loss scaler)
                  before its backward, never the gradients after
@@ -68,10 +69,9 @@ class MicroBatchStep:
 
     def forward(self, micro: int, chunk: int, hidden: torch.Tensor | None, computes_loss: bool,
                 last: bool) -> torch.Tensor:
-        """The chunk's output: the micro-batch's mean loss where it `computes_loss`, else its activation."""
+        """The chunk's output: the micro-batch's mean loss where it `computes_loss`, else its activation. Every
+        chunk gets the labels: its MoE layers leave the tokens whose label is ignored out of their auxiliary losses."""
         inputs = model_inputs(self.batches[micro])
-        if not computes_loss:
-            inputs.pop("labels", None)
         with self._coordinates(micro), self.sync.forward(chunk, last), self.autocast():
             return self.forward_module(**inputs, hidden=hidden, chunk=chunk)
 

@@ -8,10 +8,9 @@
       | vocab_parallel_cross_entropy: the full logits are never gathered
     loss (mean over tokens)
 
-Dropout (`dropout.py`): by default, activations replicated across the tensor-parallel group draw
-from the default generator (identical on every rank) and sequence-parallel chunks from the
-tensor-parallel generator; with model.dropout_rng='layout_invariant' every mask is hashed from its
-global coordinates, the layer index given to each layer at construction among them.
+Dropout (`dropout.py`): by default, activations replicated across the tensor-parallel group draw from the default
+generator (identical on every rank) and sequence-parallel chunks from the tensor-parallel generator; with
+model.dropout_rng='layout_invariant' every mask is hashed from its global coordinates, the layer index among them.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from .cross_entropy import IGNORE_INDEX, check_ids, vocab_parallel_cross_entropy
 from .documents import DocumentLayout
 from .dropout import DropoutSite, build_hidden_dropout
 from .kv_cache import KVCache
-from .moe import build_mlp
+from .moe import build_mlp, counted_tokens_of, replaying
 from .model_config import ModelConfig
 from .model_layout import shard_state_dict, unshard
 from .norms import build_norm
@@ -85,7 +84,7 @@ def _run_layer_recomputed(layer: nn.Module, x: torch.Tensor, documents: Document
     """Keep only the layer's input; recompute its activations in backward (TP dropout replayed)."""
     if not (layer.training and torch.is_grad_enabled()):
         return layer(x, documents)
-    return checkpoint_with_tp_rng(layer, x, documents)
+    return checkpoint_with_tp_rng(replaying(layer), x, documents)  # MoE: in the counted tokens of its forward
 
 
 class GPTModel(nn.Module):
@@ -133,6 +132,7 @@ class GPTModel(nn.Module):
         self._exits = [self._loss_or_logits if c == last and stage.has_head else self._hidden_out
                        for c in range(len(ranges))]
         self._positions = self._my_positions if sequence_parallel else self._all_positions
+        self._counted_tokens = counted_tokens_of(cfg, self.context.keep_part, self._positions)  # MoE's (labels)
         full = cfg.recompute_activations and cfg.recompute_granularity == "full"  # selective: TransformerLayer
         self._run_layer = _run_layer_recomputed if full else _run_layer
 
@@ -192,21 +192,22 @@ class GPTModel(nn.Module):
                 ignore_index: int = IGNORE_INDEX, document_ids: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
         """tokens [b, s] -> mean loss over the labels [b, s] that are not `ignore_index`, or local logits
-        [s, b, V_padded/p] without labels.
+        [s, b, V_padded/p] without labels (MoE layers leave ignored labels' tokens out of their auxiliary losses).
 
         document_ids [b, s]: packed documents (tokens of a row with equal ids form one, contiguous): attention
         never crosses a document and positions restart at 0 in each; the layout is built here once per batch
         and shared by every layer. The labels stay the caller's: ignore those that predict the next document's
         first token (documents.mask_cross_document_labels) for the loss of each document alone.
 
-        Pipeline stage: one model `chunk` at a time; a chunk after another stage's takes its output as `hidden`
-        [s, b, h] (SP: [s/p, b, h]), and one before another stage's returns its own."""
+        Pipeline stage: one model `chunk` at a time (each given the labels, for MoE); a chunk after another
+        stage's takes its output as `hidden` [s, b, h] (SP: [s/p, b, h]), and one before another's returns its own."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [b, s], got shape {tuple(tokens.shape)}.")
         documents = None if document_ids is None else DocumentLayout.from_ids(document_ids, tuple(tokens.shape))
         x = self._enters[chunk](tokens, documents, hidden)
-        for layer in self._chunk_layers[chunk]:
-            x = self._run_layer(layer, x, documents)
+        with self._counted_tokens(labels, ignore_index):  # MoE: the tokens its auxiliary losses count
+            for layer in self._chunk_layers[chunk]:
+                x = self._run_layer(layer, x, documents)
         return self._exits[chunk](x, labels, ignore_index)
 
     def _embed_tokens(self, tokens: torch.Tensor, documents: DocumentLayout | None, hidden) -> torch.Tensor:
@@ -221,10 +222,9 @@ class GPTModel(nn.Module):
         return x  # the next stage's input
 
     def _loss_or_logits(self, x: torch.Tensor, labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
-        logits = self.lm_head(self.final_norm(x))
+        logits = self.lm_head(self.final_norm(x))  # with labels the loss overwrites them (softmax, no second buffer)
         if labels is None:
             return logits
-        # the logits exist for this loss alone: the loss overwrites them with their softmax (no second buffer)
         labels = self.context.keep_part(labels, 1)
         losses = vocab_parallel_cross_entropy_(logits, labels.t(), self.vocab_size, self.tp_group, ignore_index)
         return self.context.mean_loss(losses.sum(), (labels != ignore_index).sum())  # == mean() if nothing ignored

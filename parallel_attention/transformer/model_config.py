@@ -72,7 +72,7 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE): mean logsumexp(logits)^2
     moe_layer_freq: int = 1  # layer i is MoE when (i + 1) % moe_layer_freq == 0 (Qwen2-MoE decoder_sparse_step)
     moe_first_dense_layers: int = 0  # the first k layers stay dense (DeepSeek first_k_dense_replace)
-    moe_capacity_factor: float | None = None  # null: dropless (the only mode so far)
+    moe_capacity_factor: float | None = None  # null: dropless; f: each expert takes ceil(f T k / E) of T tokens
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":

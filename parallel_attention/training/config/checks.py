@@ -216,9 +216,6 @@ def check_experts(cfg: Any, data_context_size: int) -> None:
         return
     if m.moe_top_k > m.num_experts:
         raise ConfigError(f"model.moe_top_k={m.moe_top_k} exceeds model.num_experts={m.num_experts}.")
-    if m.moe_capacity_factor is not None:
-        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor}: only dropless routing is implemented "
-                          "so far; set it to null.")
     if m.num_experts % ep:
         raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by parallel.expert_parallel_size={ep}.")
     if data_context_size % ep:

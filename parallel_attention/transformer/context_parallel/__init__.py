@@ -39,11 +39,13 @@ from .ring_attention import BlockMasks, RingAttention, RingPlan
 from ..kernels.choice import choose_blocks
 from .ring_dropout import RingDropoutSpec, check_dropout_rng
 from .ulysses import UlyssesAttention, check_heads
-from .zigzag import check_zigzag, gather_from_context_parallel, split_for_context_parallel, zigzag_indices
+from .zigzag import (check_zigzag, gather_from_context_parallel, held_positions, split_for_context_parallel,
+                     zigzag_indices)
 
 CONTEXT_PARALLEL_KINDS = ("ring", "all_to_all")
 __all__ = ["CONTEXT_PARALLEL_KINDS", "ContextParallelPart", "build_context_parallel_core",
-           "gather_from_context_parallel", "split_for_context_parallel", "zigzag_indices"]
+           "gather_from_context_parallel", "held_positions", "split_for_context_parallel",
+           "zigzag_indices"]
 
 
 class RingCoreAttention(ChosenByDevice):

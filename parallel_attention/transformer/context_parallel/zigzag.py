@@ -58,3 +58,13 @@ def rank_order_to_global(s: int, cp: int, device=None) -> torch.Tensor:
     """`order` such that the parts of every rank concatenated in rank order, indexed by argsort(order), are in
     global order; indexing the global sequence by `order` gives them back."""
     return torch.cat([zigzag_indices(s, cp, r, device) for r in range(cp)])
+
+
+def held_positions(rows: int, cp_group: ProcessGroup | None, pieces: int = 1, piece: int = 0,
+                   device=None) -> torch.Tensor:
+    """The global sequence positions of the `rows` positions this rank holds, in its order: piece `piece` of
+    `pieces` (the tensor-parallel split under SP) of its zigzag part (the whole sequence at cp = 1)."""
+    first, cp = piece * rows, group_size(cp_group)
+    if cp == 1:
+        return torch.arange(first, first + rows, device=device)
+    return zigzag_indices(rows * pieces * cp, cp, group_rank(cp_group), device)[first:first + rows]

@@ -6,8 +6,10 @@ multiplies its language-model loss by), read the StepRecord it yields (`metrics(
 """
 
 from .balancing import update_expert_bias
+from .counted_tokens import counted_tokens_of, replaying
 from .layer import MoELayer, build_mlp
 from .losses import StepRecord, moe_step
 from .router import TopKRouter
 
-__all__ = ["MoELayer", "build_mlp", "StepRecord", "TopKRouter", "moe_step", "update_expert_bias"]
+__all__ = ["MoELayer", "build_mlp", "StepRecord", "TopKRouter", "counted_tokens_of", "moe_step", "replaying",
+           "update_expert_bias"]

@@ -1,7 +1,7 @@
-"""Tokens to their experts and back: dropless, sorted by expert, across the expert-parallel group when ep > 1.
+"""Tokens to their experts and back: sorted by expert, across the expert-parallel group when ep > 1.
 
-    x [T, h], expert_ids [T, k]
-      | permute: the T k (token, choice) rows sorted by global expert id (stable: ties keep token order)
+    x [T, h], the T k (token, choice) slots' experts (capacity.py: dropless, or E where capacity dropped one)
+      | permute: the kept slots as rows sorted by global expert id (stable: ties keep token order)
       | ep > 1: exchange the counts [ep, E/ep] (all-to-all), then the rows (all-to-all, uneven splits): rank j
       |         gets the rows of its experts from every rank, in rank order; sorted by its local expert
       | the local experts on their rows (GroupedExperts)
@@ -22,6 +22,7 @@ import torch
 
 from ...tensor_parallel.collectives import all_to_all_counts, all_to_all_rows
 from ...tensor_parallel.parallel_state import ProcessGroup, group_rank, group_size
+from .capacity import Slots
 
 
 def _local_experts(x_sorted: torch.Tensor, counts: torch.Tensor, experts: Callable) -> torch.Tensor:
@@ -37,17 +38,14 @@ class ExpertDispatch:
         self.num_local = num_experts // self.ep_size
         self._run = _local_experts if self.ep_size == 1 else self._across_ranks
 
-    def __call__(self, x: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor,
-                 experts: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y [T, h], this rank's tokens per expert [E] float32)."""
-        k = expert_ids.shape[1]
-        flat = expert_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+    def __call__(self, x: torch.Tensor, slots: Slots, gates: torch.Tensor, experts: Callable) -> torch.Tensor:
+        """y [T, h] from the kept `slots` (capacity.py: expert E marks a dropped one) and gates [T, k]."""
+        order = torch.argsort(slots.experts, stable=True)[:slots.kept]  # the dropped slots sort last
+        token = order // gates.shape[1]
+        counts = torch.bincount(slots.experts, minlength=self.num_experts + 1)[:self.num_experts]
         y_sorted = self._run(x[token], counts, experts)
         weighted = (y_sorted.to(gates.dtype) * gates.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-        return x.new_zeros(x.shape).index_add(0, token, weighted), counts.float()
+        return x.new_zeros(x.shape).index_add(0, token, weighted)
 
     def _across_ranks(self, x_sorted: torch.Tensor, counts: torch.Tensor, experts: Callable) -> torch.Tensor:
         ep, local = self.ep_size, self.num_local

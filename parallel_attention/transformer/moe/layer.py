@@ -3,9 +3,10 @@
     x [s, b, h]  (SP: this rank's [s/p, b, h]; CP: this rank's part of the sequence)
       | tokens [T, h] = x flattened
       | router (float32): top-k experts and gates per token            (router.py)
+      | capacity mode: the slots past each expert's capacity dropped   (capacity.py)
       | dispatch to the experts (all-to-all over ep), combine          (dispatch.py, experts.py)
       | + shared expert (a ParallelMLP, optionally times sigmoid(x w_gate))
-      | auxiliary losses over the micro-batch, attached to the output  (losses.py)
+      | auxiliary losses over the micro-batch's counted tokens, attached to the output  (losses.py)
     y [s, b, h]  (the same layout as x)
 
 Experts are not split by tensor parallelism: every tensor-parallel rank holds the same experts and runs them on
@@ -26,9 +27,11 @@ from torch import nn
 
 from ...tensor_parallel.parallel_state import (ProcessGroup, get_data_context_parallel_group,
                                                get_expert_data_parallel_group, get_expert_model_parallel_group,
-                                               group_size)
+                                               group_rank, group_size)
 from ...tensor_parallel.param_kinds import ExpertShard, PartialGrad, Replicated
 from ..mlp import ParallelMLP
+from .capacity import Dropless, TokenCapacity
+from .counted_tokens import counted_tokens
 from .dispatch import ExpertDispatch
 from .experts import GroupedExperts
 from .losses import RouterLosses, attach_aux_loss
@@ -72,6 +75,9 @@ class MoELayer(nn.Module):
                 self._shared = self._gated_shared_expert
         token_groups = (tp_group if sequence_parallel else None, cp_group)
         self.gate.count_groups = (get_data_context_parallel_group(), token_groups[0])  # the step's tokens: dp x cp
+        self.capacity = Dropless() if cfg.moe_capacity_factor is None else TokenCapacity(
+            cfg.moe_capacity_factor, E, token_groups, cp_group,
+            *((group_size(tp_group), group_rank(tp_group)) if sequence_parallel else ()))
         self.losses = RouterLosses(E, cfg.moe_top_k, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, token_groups,
                                    group_size(cp_group))
         self._replicated = PartialGrad(tp_group) if sequence_parallel else Replicated(tp_group)
@@ -148,14 +154,16 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.gate(tokens)
-        routed, counts = self.dispatch(tokens, routing.expert_ids, routing.gates, self.experts)
-        y = routed.view_as(x)
+        slots = self.capacity(routing.expert_ids, x.shape[0])
+        y = self.dispatch(tokens, slots, routing.gates, self.experts).view_as(x)
         shared = self._shared(x)
         if shared is not None:
             y = y + shared
         if not (self.training and torch.is_grad_enabled()):  # evaluation and generation: no losses, no counts
             return y
-        share, record, _ = self.losses(routing.logits, self._probabilities(routing.scores), counts)
+        counts = torch.bincount(routing.expert_ids.reshape(-1), minlength=self.num_experts).float()  # chosen
+        share, record, _ = self.losses(routing.logits, self._probabilities(routing.scores), routing.expert_ids,
+                                       counts, counted_tokens(), slots.dropped)
         self.gate.step_counts.add_(counts)  # this rank's: update_expert_bias sums them over the step's ranks
         return attach_aux_loss(y, share, record, self.layer_number)
 

@@ -1,14 +1,16 @@
 """The MoE layer's auxiliary losses, computed over all of a micro-batch's tokens wherever they live, and the way
 their gradient joins the step's backward.
 
-Per micro-batch, with T its tokens, E experts, k per token, c_i the tokens routed to expert i and P_i the mean
-routing probability of expert i over the T tokens:
+Per micro-batch, with T its counted tokens (those whose label is not ignored: counted_tokens.py), E experts, k per
+token, c_i the counted tokens routed to expert i (kept by capacity or not) and P_i the mean routing probability
+of expert i over the T tokens:
 
     load balancing  coeff * E * sum_i (c_i / (T k)) * P_i       (Switch Transformer / GShard form)
     z-loss          coeff * mean over tokens of logsumexp(logits)^2   (ST-MoE)
 
 The ranks that hold parts of one micro-batch (the tensor-parallel ranks under sequence parallelism, the
-context-parallel ranks) sum their counts, probability sums, token counts and z sums in one all-reduce per group:
+context-parallel ranks) sum their counts, probability sums, token counts and z sums in one all-reduce per group
+(with every token's counts, for the load the metrics show):
 the value is the whole micro-batch's, never a shard's and never scaled by tp or cp. Each rank's gradient is
 its own tokens' share (P_i's sum over its tokens, with c_i and T global), times cp where the language-model loss
 is too (`ContextParallelPart.mean_loss`: averaged over dp x cp, that is the whole gradient).
@@ -28,6 +30,7 @@ import torch
 
 from ...tensor_parallel.collectives import all_reduce
 from ...tensor_parallel.parallel_state import ProcessGroup, group_size
+from .counted_tokens import AllTokens
 
 
 @dataclass
@@ -35,21 +38,22 @@ class StepRecord:
     """What the MoE layers saw during one step: per layer, each micro-batch's losses and load."""
 
     loss_scale: float = 1.0
-    rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [aux, z, max/mean, shares]
+    rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [aux, z, max/mean, dropped, shares]
 
     def add(self, layer: int, values: torch.Tensor) -> None:
         self.rows.setdefault(layer, []).append(values)
 
     def metrics(self, model_config, data_group: ProcessGroup | None = None,
                 pipeline_group: ProcessGroup | None = None) -> dict[str, float]:
-        """Each MoE layer's losses and max/mean load, averaged over the step's micro-batches (those of every rank of
-        `data_group`: each holds its own), gathered from every stage of `pipeline_group`; and the losses' sums over
-        the layers. A collective over both groups when the model (its ModelConfig) has experts; {} without."""
+        """Each MoE layer's losses, max/mean load and (capacity mode) dropped share of slots, averaged over the step's
+        micro-batches (those of every rank of `data_group`: each holds its own), gathered from every stage of
+        `pipeline_group`; and the losses' sums over the layers. A collective over both groups when the model (its
+        ModelConfig) has experts; {} without."""
         if model_config.num_experts == 0:
             return {}
         num_layers, experts = model_config.num_layers, model_config.num_experts
-        # per layer: [aux, z, max/mean load, each expert's share of the routed tokens..., micro-batches]
-        values = torch.zeros(num_layers, 4 + experts, dtype=torch.float64)
+        # per layer: [aux, z, max/mean load, dropped share, each expert's share of the routed tokens..., micro-batches]
+        values = torch.zeros(num_layers, 5 + experts, dtype=torch.float64)
         for layer, rows in self.rows.items():
             values[layer, :-1] = torch.stack(rows).double().sum(0).cpu()
             values[layer, -1] = len(rows)
@@ -59,9 +63,11 @@ class StepRecord:
             all_reduce(values, group)
         out = {}
         for layer in (i for i in range(num_layers) if values[i, -1] > 0):
-            aux, z, load, *shares = (values[layer, :-1] / values[layer, -1]).tolist()
+            aux, z, load, dropped, *shares = (values[layer, :-1] / values[layer, -1]).tolist()
             out.update({f"moe_aux_loss/{layer}": aux, f"moe_z_loss/{layer}": z, f"moe_load/{layer}": load,
                         f"moe_expert_load/{layer}": [round(share, 6) for share in shares]})
+            if model_config.moe_capacity_factor is not None:
+                out[f"moe_dropped/{layer}"] = dropped
         if out:
             out["moe_aux_loss"] = sum(v for k, v in out.items() if k.startswith("moe_aux_loss/"))
             out["moe_z_loss"] = sum(v for k, v in out.items() if k.startswith("moe_z_loss/"))
@@ -117,27 +123,31 @@ class RouterLosses:
         self.token_groups = tuple(g for g in token_groups if group_size(g) > 1)
         self.cp_size = cp_size
 
-    def __call__(self, logits: torch.Tensor, probabilities: torch.Tensor,
-                 counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(this rank's share of the losses, with gradient; the global [aux, z, max/mean load, each expert's share of
-        the routed tokens]; global counts [E]).
+    def __call__(self, logits: torch.Tensor, probabilities: torch.Tensor, expert_ids: torch.Tensor,
+                 counts: torch.Tensor, counted: AllTokens,
+                 dropped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(this rank's share of the losses, with gradient; the global [aux, z, max/mean load, dropped share, each
+        expert's share of the routed tokens]; global counts [E]).
 
-        probabilities [T, E] summing to 1 per token; counts [E] this rank's tokens per expert (float32)."""
+        probabilities [T, E] summing to 1 per token; expert_ids [T, k]; counts [E] this rank's tokens per expert
+        (float32); `counted`: the tokens the losses count (counted_tokens.py); `dropped`: capacity's share."""
         E = self.num_experts
-        probability_sum = probabilities.sum(0)
-        z_sum = torch.logsumexp(logits, dim=-1).pow(2).sum()
+        probability_sum = counted.sum(probabilities)
+        z_sum = counted.sum(torch.logsumexp(logits, dim=-1).pow(2))
         dtype = probability_sum.dtype  # the router's: float32 or wider
-        stats = torch.cat([counts.to(dtype), probability_sum.detach(),
-                           torch.tensor([logits.shape[0]], dtype=dtype, device=counts.device),
-                           z_sum.detach().reshape(1)])
+        stats = torch.cat([counted.expert_counts(expert_ids, counts.to(dtype)), probability_sum.detach(),
+                           counted.number(logits.shape[0], probability_sum), z_sum.detach().reshape(1),
+                           counts.to(dtype)])
         for group in self.token_groups:
             all_reduce(stats, group)
-        global_counts, global_probability, tokens, global_z = stats.split([E, E, 1, 1])
-        fraction = global_counts / (tokens * self.top_k)
+        counted_counts, global_probability, tokens, global_z, global_counts = stats.split([E, E, 1, 1, E])
+        tokens = tokens.clamp(min=1)  # a micro-batch with every label ignored: no loss (the sums are 0)
+        fraction = counted_counts / (tokens * self.top_k)
         share = (self.aux_coeff * E / tokens) * (fraction * probability_sum).sum()
         share = share + (self.z_coeff / tokens) * z_sum
         aux = self.aux_coeff * E * (fraction * global_probability / tokens).sum()
         z = self.z_coeff * global_z / tokens
         load = global_counts.max() / global_counts.mean()
-        record = torch.cat([torch.stack([aux, z.reshape(()), load]), global_counts / global_counts.sum()]).detach()
+        record = torch.cat([torch.stack([aux, z.reshape(()), load, dropped.to(dtype)]),
+                            global_counts / global_counts.sum()]).detach()
         return (share * self.cp_size).sum(), record, global_counts
