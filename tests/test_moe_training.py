@@ -2,8 +2,9 @@
 top-2, the load-balancing and z losses and DeepSeek-V3's balancing bias trains like one process at dp 2 (ZeRO-1 and
 ZeRO-3), pp 2 with full recompute, tp 2 + SP with selective recompute, ep 2, ep 4, ep 2 x tp 2 + SP and ep 2 x cp 2:
 the same losses, gradient norms, validation losses, auxiliary losses and loads, and bit-identical biases (ep 2 with
-ZeRO-1 and ZeRO-3 too, and inside a pipeline); an ep 2 checkpoint (ZeRO-1, ZeRO-3 or neither) resumes at tp 2, at
-ep 2 and at ep 4 like one process, and a tp 2 one at ep 2 with ZeRO-3."""
+ZeRO-1 and ZeRO-3 too, and inside a pipeline); capacity mode at ep 2 x cp 2 drops the one process's slots; an ep 2
+checkpoint (ZeRO-1, ZeRO-3 or neither) resumes at tp 2, at ep 2 and at ep 4 like one process, and a tp 2 one at ep 2
+with ZeRO-3."""
 
 from __future__ import annotations
 
@@ -100,13 +101,29 @@ def one_process(data_dir, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_moe_layouts_train_like_one_process(data_dir, one_process, tmp_path, layout):
     world, extra = LAYOUTS[layout]
-    one = one_process
     ranks = run_distributed(_train_worker, world, 1, moe_overrides(data_dir, tmp_path / layout, *extra))
+    assert {"moe_aux_loss", "moe_z_loss", "moe_load/0", "moe_load/1"} <= set(one_process["records"][0])
+    assert_trains_like_one_process(ranks, one_process)
+
+
+def test_capacity_mode_trains_like_one_process(data_dir, tmp_path):
+    """Capacity factor 1.0 (the slots past each expert's capacity dropped, counted over the micro-batch's tokens in
+    their global order) at ep 2 x cp 2 (each rank half of every sequence, the slots sent to the other's experts):
+    the one process's losses, norms, auxiliary losses, loads, biases and dropped shares, some of them above 0."""
+    capacity = "--model.moe_capacity_factor=1.0"
+    one = run_distributed(_train_worker, 1, 1, moe_overrides(data_dir, tmp_path / "one", capacity))[0]
+    assert max(r[f"moe_dropped/{layer}"] for r in one["records"] for layer in (0, 1)) > 0
+    ranks = run_distributed(_train_worker, 2, 1, moe_overrides(data_dir, tmp_path / "ep2_cp2", capacity,
+                                                               *LAYOUTS["ep2_cp2"][1]))
+    assert_trains_like_one_process(ranks, one, ("moe_dropped/0", "moe_dropped/1"))
+
+
+def assert_trains_like_one_process(ranks: list[dict], one: dict, more_keys: tuple[str, ...] = ()) -> None:
+    """Every rank's records, validation loss and balancing biases against the one process's."""
     expected = one["records"]
-    assert {"moe_aux_loss", "moe_z_loss", "moe_load/0", "moe_load/1"} <= set(expected[0])
     for rank, got in enumerate(ranks):
         for step, (mine, reference) in enumerate(zip(got["records"], expected)):
-            for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load/0", "moe_load/1"):
+            for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_load/0", "moe_load/1", *more_keys):
                 # float32: the layouts sum the same products in other orders (DP means, TP splits, all-to-alls)
                 assert mine[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), f"rank {rank} {key} {step}"
             for layer in (0, 1):  # each expert's share of the routed tokens: the same routing at every layout
