@@ -52,7 +52,8 @@ def test_capacity_keeps_each_experts_first_slots_in_token_order():
 
 def test_a_dropped_slot_adds_nothing_and_the_layer_matches_the_reference():
     """float64 (the experts' loop): the output, every gradient and the auxiliary losses of a layer whose experts
-    drop slots past capacity 0.5, against test_moe's token-by-token reference with the same capacity."""
+    drop slots past capacity 0.5, against test_moe's token-by-token reference with the same capacity; in eval mode
+    the dropless reference's output."""
     cfg = moe_config(moe_capacity_factor=0.5)
     torch.manual_seed(0)
     layer = MoELayer(cfg, dtype=torch.float64)
@@ -69,6 +70,9 @@ def test_a_dropped_slot_adds_nothing_and_the_layer_matches_the_reference():
     aux, z, _, dropped = record.rows[0][0][:4]
     torch.testing.assert_close(aux + z, aux_ref.detach())
     assert dropped > 0
+    with torch.no_grad():  # evaluation and generation run dropless; training drops again
+        torch.testing.assert_close(layer.eval()(x).reshape(10, H), reference_moe(sd, x_ref, moe_config())[0])
+        torch.testing.assert_close(layer.train()(x).reshape(10, H), y_ref)
 
 
 def _batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,10 @@ rank's slots then counts the other ranks' slots of its expert at earlier positio
 The data-parallel ranks hold other micro-batches (each has its own capacity), and ep only moves slots: the drop
 happens before dispatch. A dropped slot contributes zero (no expert runs it; the shared expert and the residual
 still carry the token); the auxiliary losses and the balancing bias count the router's choices, kept or not.
+
+Training forwards only (MoELayer.train): evaluation and generation run dropless. A validation batch is shared
+among the dp ranks, so a capacity over each rank's share would depend on dp, and a decoding step with a KV cache
+sees only its new tokens; dropless, both give the one process's full forward.
 """
 
 from __future__ import annotations

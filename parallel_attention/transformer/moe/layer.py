@@ -75,9 +75,10 @@ class MoELayer(nn.Module):
                 self._shared = self._gated_shared_expert
         token_groups = (tp_group if sequence_parallel else None, cp_group)
         self.gate.count_groups = (get_data_context_parallel_group(), token_groups[0])  # the step's tokens: dp x cp
-        self.capacity = Dropless() if cfg.moe_capacity_factor is None else TokenCapacity(
+        self._capacities = (Dropless(), Dropless() if cfg.moe_capacity_factor is None else TokenCapacity(
             cfg.moe_capacity_factor, E, token_groups, cp_group,
-            *((group_size(tp_group), group_rank(tp_group)) if sequence_parallel else ()))
+            *((group_size(tp_group), group_rank(tp_group)) if sequence_parallel else ())))  # (evaluation, training)
+        self.capacity = self._capacities[1]
         self.losses = RouterLosses(E, cfg.moe_top_k, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff, token_groups,
                                    group_size(cp_group))
         self._replicated = PartialGrad(tp_group) if sequence_parallel else Replicated(tp_group)
@@ -85,6 +86,13 @@ class MoELayer(nn.Module):
             tp_group, ep_group, expert_data_group, self.ep_size * group_size(expert_data_group), sequence_parallel)
         self.load_canonical_state_dict(self._initial_canonical_weights(cfg.init_std))
         self.register_load_state_dict_pre_hook(_keep_this_ranks_experts)
+
+    def train(self, mode: bool = True) -> MoELayer:
+        """Capacity mode drops slots in training forwards only: evaluation and generation run dropless, so the
+        validation loss (each dp rank holds a share of every validation batch) is one process's at every layout
+        and cached decoding gives the full forward's logits (capacity.py)."""
+        self.capacity = self._capacities[mode]
+        return super().train(mode)
 
     def parameter_kinds(self) -> dict:
         kinds = {"gate.weight": self._replicated, f"experts.{self.experts.in_name}": self._experts_kind,
