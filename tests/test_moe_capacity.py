@@ -1,7 +1,8 @@
 """Mixture of experts, capacity mode and counted tokens: the slots each expert keeps are its first in the global token
 order (a reference written here), the layer with drops matches the reference loop of test_moe, tokens whose label
-is ignored leave the auxiliary losses as if they were not there, and both hold at tp 2 + SP, cp 2 (all-to-all and
-ring), pp 2 (the stage without the loss) and ep 2 like one process: the same dropped slots, losses and gradients."""
+is ignored leave the auxiliary losses as if they were not there, and both hold at tp 2 (with and without SP), cp 2
+(all-to-all and ring), pp 2 (the stage without the loss) and ep 2 like one process: the same dropped slots, losses
+and gradients."""
 
 from __future__ import annotations
 
@@ -150,12 +151,14 @@ def _layout_worker(layout: str) -> dict:
     from parallel_attention.tensor_parallel import finalize_grads, parallel_state as ps
 
     pa.destroy_model_parallel()
-    tp, cp, pp = {"tp2_sp": (2, 1, 1), "cp2": (1, 2, 1), "cp2_ring": (1, 2, 1), "pp2": (1, 1, 2)}[layout]
+    tp, cp, pp = {"tp2_sp": (2, 1, 1), "tp2": (2, 1, 1), "cp2": (1, 2, 1), "cp2_ring": (1, 2, 1),
+                  "pp2": (1, 1, 2)}[layout]
     pa.initialize_model_parallel(tp, context_parallel_size=cp, pipeline_model_parallel_size=pp)
     cfg = moe_config(**CAPACITY)
     torch.manual_seed(0)
     stage = rank_stage(cfg.num_layers, 2, 1, None, ps.get_pipeline_parallel_rank()) if pp > 1 else None
-    model = GPTModel(cfg, sequence_parallel=tp > 1, context_parallel_kind="ring" if "ring" in layout else "all_to_all",
+    kind = "ring" if "ring" in layout else "all_to_all"
+    model = GPTModel(cfg, sequence_parallel=layout == "tp2_sp", context_parallel_kind=kind,
                      **({"stage": stage} if stage else {}))
     recorders = _recorded(model)
     tokens, labels = _batch()
@@ -176,7 +179,7 @@ def _layout_worker(layout: str) -> dict:
             "slots": slots, "routers": routers}
 
 
-@pytest.mark.parametrize("layout,world", [("tp2_sp", 2), ("cp2", 2), ("cp2_ring", 2), ("pp2", 2)])
+@pytest.mark.parametrize("layout,world", [("tp2_sp", 2), ("tp2", 2), ("cp2", 2), ("cp2_ring", 2), ("pp2", 2)])
 def test_dropped_slots_and_counted_tokens_are_one_process_s_at_every_layout(layout, world):
     """Capacity 0.5 (every layer drops slots) and a third of the labels ignored: each rank drops exactly the one
     process's slots at its positions (capacity over the whole micro-batch, in its global order), and the loss, the
