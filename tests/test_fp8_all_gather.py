@@ -16,7 +16,7 @@ import torch
 from distributed import run_distributed
 from test_data_parallel import build_run, data_dir, overrides  # noqa: F401  (data_dir is a fixture)
 from test_fp8_layouts import skipping_max_all_reduce
-from test_fp8_training import GLOBAL
+from test_fp8_training import TENSORWISE
 
 from parallel_attention.checkpointing.tensor_io import read_safetensors
 from parallel_attention.tensor_parallel import parallel_state as ps
@@ -164,7 +164,7 @@ def test_zero3_trains_in_fp8_all_gather_as_gathering_in_float32(data_dir, tmp_pa
     """Bit-identical losses, norms and checkpoint files (float32 master weights and AdamW state), and an exact
     resume."""
     zero3 = ("--training.max_steps=3", "--training.micro_batch_size=4", "--parallel.zero_stage=3",
-             "--training.fp8=tensorwise", *GLOBAL)
+             *TENSORWISE)
     low, high = (run_distributed(_trainer_worker, 2, 1, overrides(data_dir, tmp_path / name, 1, *zero3), fp8)[0]
                  for name, fp8 in (("fp8", True), ("float32", False)))
     assert low["kinds"] == {"Tensor", "Fp8ShardedWeight"} and high["kinds"] == {"Tensor"}
