@@ -37,6 +37,8 @@ setup(
         "data": ["pyarrow", "datasets"],  # .parquet corpora, datasets save_to_disk directories
         # the baselines of benchmarks/benchmark_attention.py (fairscale) and benchmark_training.py (transformers)
         "bench": ["fairscale==0.4.13", TRANSFORMERS, "accelerate"],  # accelerate: transformers' tp_plan
+        # tests/test_fp8_torchao_oracle.py's oracle (torchao's Float8Linear, emulated); never needed to run
+        "oracle": ["torchao>=0.18"],
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6", TRANSFORMERS, "accelerate", "tensorboard", "pyarrow", "datasets"],
     },
 )
