@@ -50,6 +50,38 @@ def build(name: str):
     return model.eval()
 
 
+# parallelize's MoE fixtures: 2 layers, h 32, every expert FFN split in two at p = 2; the router's aux loss on
+# (output_router_logits) with a coefficient large enough to move the gradients
+_MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, output_router_logits=True,
+            router_aux_loss_coef=0.1)
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                         shared_expert_intermediate_size=16, mlp_only_layers=[0])),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, head_dim=8,
+                                         norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, eos_token_id=None)),
+}
+
+
+def build_moe(name: str, **overrides):
+    """The MoE fixture `name` (MOE_FAMILIES), seed 0, every parameter perturbed (routers and norms off their
+    initial values, each expert's gate and up halves distinct), in eval mode."""
+    import transformers as tf
+
+    config_class, extra = MOE_FAMILIES[name]
+    config = getattr(tf, config_class)(**{**_MOE, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=g) * 0.05)
+    return model.eval()
+
+
 def gpt_model_logits(cfg, canonical: dict, tokens: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits [b, s, V] of GPTModel(cfg) holding `canonical`, on this rank's tensor-parallel group
     (eval: an imported GPT-2 keeps its dropout rates)."""

@@ -16,12 +16,14 @@ Sliding windows are transformers' own masks (built by the model, passed to each 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from . import family_tables as tables
 from .tp_mlp import Conv1DMLP, GatedMLP
+from .tp_moe import moe_or_dense
 
 
 class _AttentionSource:
@@ -65,6 +67,9 @@ class LlamaAttentionSource(_AttentionSource):
     def head_norms(self, old):
         return (old.q_norm, old.k_norm) if hasattr(old, "q_norm") else None
 
+    def projection_norms(self, old):
+        return None
+
     def state_dict(self, full, o_weight, o_bias) -> dict[str, torch.Tensor]:
         out = {f"{n}.weight": t for n, t in zip(("q_proj", "k_proj", "v_proj"), full["weight"])}
         if full["bias"] is not None:
@@ -78,6 +83,16 @@ class LlamaAttentionSource(_AttentionSource):
 class MistralAttentionSource(LlamaAttentionSource):
     def sliding_window(self, old):
         return getattr(old.config, "sliding_window", None)
+
+
+class OlmoeAttentionSource(MistralAttentionSource):
+    """OLMoE: q/k RMSNorms over the whole projections (q_norm [nh d], k_norm [nkv d]), not per head."""
+
+    def head_norms(self, old):
+        return None
+
+    def projection_norms(self, old):
+        return old.q_norm, old.k_norm
 
 
 class GPT2AttentionSource(_AttentionSource):
@@ -107,6 +122,9 @@ class GPT2AttentionSource(_AttentionSource):
     def head_norms(self, old):
         return None
 
+    def projection_norms(self, old):
+        return None
+
     def state_dict(self, full, o_weight, o_bias) -> dict[str, torch.Tensor]:
         return {"c_attn.weight": torch.cat(full["weight"]).t().contiguous(), "c_attn.bias": torch.cat(full["bias"]),
                 "c_proj.weight": o_weight.t().contiguous(), "c_proj.bias": o_bias}
@@ -126,7 +144,7 @@ class Family:
     embedding: str
     attention: str
     attention_source: object
-    mlp: type[nn.Module] | None  # None: parallelize cannot shard this family's MLP (mixtures of experts)
+    mlp: Callable[[nn.Module, object], nn.Module]  # (transformers' MLP, group) -> its tensor-parallel replacement
 
     def intermediate_size(self, config) -> int:
         return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
@@ -143,13 +161,13 @@ FAMILIES = {
     "Qwen3ForCausalLM": Family("qwen3", defaults=tables.QWEN3, attention_source=LlamaAttentionSource(),
                                **_LLAMA_LIKE),
     "MixtralForCausalLM": Family("mixtral", defaults=tables.MIXTRAL, attention_source=MistralAttentionSource(),
-                                 **{**_LLAMA_LIKE, "mlp": None}),
+                                 **{**_LLAMA_LIKE, "mlp": moe_or_dense}),
     "Qwen2MoeForCausalLM": Family("qwen2_moe", defaults=tables.QWEN2_MOE, attention_source=LlamaAttentionSource(),
-                                  **{**_LLAMA_LIKE, "mlp": None}),
+                                  **{**_LLAMA_LIKE, "mlp": moe_or_dense}),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", defaults=tables.QWEN3_MOE, attention_source=LlamaAttentionSource(),
-                                  **{**_LLAMA_LIKE, "mlp": None}),
-    "OlmoeForCausalLM": Family("olmoe", defaults=tables.OLMOE, attention_source=LlamaAttentionSource(),
-                               **{**_LLAMA_LIKE, "mlp": None}),
+                                  **{**_LLAMA_LIKE, "mlp": moe_or_dense}),
+    "OlmoeForCausalLM": Family("olmoe", defaults=tables.OLMOE, attention_source=OlmoeAttentionSource(),
+                               **{**_LLAMA_LIKE, "mlp": moe_or_dense}),
     "GPT2LMHeadModel": Family("gpt2", weights="gpt2", defaults=tables.GPT2, decoder="transformer", layers="h",
                               embedding="wte", attention="attn", attention_source=GPT2AttentionSource(),
                               mlp=Conv1DMLP),
@@ -174,7 +192,7 @@ def architecture_of(hf: dict) -> str:
 def family_of(model: nn.Module) -> Family:
     """The family of a transformers *ForCausalLM; ValueError naming it and the supported list otherwise."""
     name = type(model).__name__
-    supported = sorted(a for a, f in FAMILIES.items() if f.mlp is not None)
+    supported = sorted(FAMILIES)
     if name not in supported:
         raise ValueError(f"parallelize: architecture {name} is not supported; supported: {supported}.")
     return FAMILIES[name]
@@ -190,12 +208,30 @@ def check_supported(model: nn.Module, family: Family, p: int) -> None:
     if (kv >= p and kv % p) or (kv < p and p % kv):
         raise ValueError(f"parallelize {name}: num_key_value_heads={kv} and tensor-parallel size {p}: one must "
                          "divide the other.")
-    if family.intermediate_size(config) % p:
-        raise ValueError(f"parallelize {name}: intermediate_size={family.intermediate_size(config)} is not "
-                         f"divisible by tensor-parallel size {p}.")
+    sizes = {"intermediate_size": family.intermediate_size(config)}
+    sizes.update({key: getattr(config, key) for key in ("moe_intermediate_size", "shared_expert_intermediate_size")
+                  if getattr(config, key, None)})
+    for key, size in sizes.items():
+        if size % p:
+            raise ValueError(f"parallelize {name}: {key}={size} is not divisible by tensor-parallel size {p}: "
+                             "choose a size that divides it.")
+    _check_moe_features(config, name, kv, p)
     for feature in ("add_cross_attention", "reorder_and_upcast_attn"):
         if getattr(config, feature, False):
             raise ValueError(f"parallelize {name}: {feature}=True is not supported; set it False.")
     if any(type(p_).__name__ == "DTensor" for p_ in model.parameters()):
         raise ValueError(f"parallelize {name}: the model already holds DTensor parameters (tp_plan, FSDP): load "
                          "it without tp_plan and call parallelize before fully_shard.")
+
+
+def _check_moe_features(config, name: str, kv: int, p: int) -> None:
+    """What the MoE families may hold that parallelize does not split: router jitter (random per rank), clip_qkv
+    (a clamp the fused projection does not apply), whole-projection q/k norms with k/v heads replicated."""
+    if getattr(config, "router_jitter_noise", 0.0):
+        raise ValueError(f"parallelize {name}: router_jitter_noise={config.router_jitter_noise} would draw "
+                         "different noise on each rank; set it to 0.")
+    if getattr(config, "clip_qkv", None) is not None:
+        raise ValueError(f"parallelize {name}: clip_qkv={config.clip_qkv} is not supported; set it to None.")
+    if config.model_type == "olmoe" and p > kv:
+        raise ValueError(f"parallelize {name}: the k norm spans the whole k projection, which is not split when "
+                         f"tensor-parallel size {p} > num_key_value_heads={kv}: choose a size <= {kv}.")

@@ -28,7 +28,7 @@ from ..tensor_parallel.param_kinds import KvReplica, Replicated
 from ..tensor_parallel.parallel_state import group_rank, group_size
 from ..tensor_parallel.sharding import fuse_qkv, kv_heads_of_rank, row_shard, unfuse_qkv
 from ..transformer.kernels import causal_chunks
-from ..transformer.norms import HeadRMSNorm
+from ..transformer.norms import HeadRMSNorm, ProjectionRMSNorm, normalize_projections
 from . import transformers_api
 from .replica_grads import complete_replica_grads
 
@@ -90,6 +90,18 @@ def _head_norm(source: nn.Module, group) -> HeadRMSNorm:
     return norm
 
 
+def _projection_norm(source: nn.Module, num_heads: int, head_dim: int, group) -> ProjectionRMSNorm:
+    """The library's whole-projection RMSNorm holding this rank's heads' rows of transformers' (OLMoE's) norm."""
+    weight = source.weight.detach()
+    if weight.numel() != num_heads * head_dim:
+        raise ValueError(f"parallelize: a q/k norm of width {weight.numel()} over {num_heads} heads of head_dim "
+                         f"{head_dim}: the norm must span exactly the heads' projection (num_heads x head_dim).")
+    norm = ProjectionRMSNorm(num_heads, head_dim, source.variance_epsilon, group, weight.device, weight.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(norm.shard_of(weight))
+    return norm
+
+
 class TensorParallelAttention(nn.Module):
     """transformers' attention of one decoder layer on this rank's heads (see the module docstring).
 
@@ -144,10 +156,17 @@ class TensorParallelAttention(nn.Module):
         return out
 
     def _init_norms(self, old: nn.Module, source) -> None:
-        norms = source.head_norms(old)
-        self._head_norms = self._normalize_heads if norms is not None else _no_norms
+        """Per-head norms (Qwen3), whole-projection norms (OLMoE: one all-reduce forward, one backward) or none."""
+        norms, projections = source.head_norms(old), source.projection_norms(old)
+        self._head_norms = _no_norms
         if norms is not None:
             self.q_norm, self.k_norm = (_head_norm(n, self.tp_group) for n in norms)
+            self._head_norms = self._normalize_heads
+        elif projections is not None:
+            counts = source.num_heads(old.config), source.num_kv_heads(old.config)
+            self.q_norm, self.k_norm = (_projection_norm(n, count, self.head_dim, self.tp_group)
+                                        for n, count in zip(projections, counts))
+            self._head_norms = self._normalize_projections
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs):
@@ -176,7 +195,7 @@ class TensorParallelAttention(nn.Module):
     def parameter_kinds(self) -> dict:
         """The q/k norm weights are complete after backward: `_normalize_heads` passes them through one
         copy-to-region, whose backward all-reduces them (transformers' loops never call finalize_grads)."""
-        if self._head_norms is _no_norms:
+        if self._head_norms != self._normalize_heads:  # none, or ProjectionRMSNorm's own (Sharded) declaration
             return {}
         return {f"{norm}.weight": Replicated(self.tp_group) for norm in ("q_norm", "k_norm")}
 
@@ -184,6 +203,9 @@ class TensorParallelAttention(nn.Module):
         both = copy_to_tensor_parallel_region(torch.cat([self.q_norm.weight, self.k_norm.weight]), self.tp_group)
         wq, wk = both.split(self.head_dim)
         return self.q_norm.normalize(q, wq), self.k_norm.normalize(k, wk)
+
+    def _normalize_projections(self, q: torch.Tensor, k: torch.Tensor):
+        return normalize_projections(q, k, self.q_norm, self.k_norm)
 
     def _rotate(self, q, k, position_embeddings):
         cos, sin = position_embeddings
@@ -197,8 +219,7 @@ class TensorParallelAttention(nn.Module):
         o_bias = self.o_proj.bias.detach().clone() if self.o_proj.bias is not None else None
         out = self._names.state_dict(full, o_weight, o_bias)
         if self._head_norms is not _no_norms:
-            out.update({"q_norm.weight": self.q_norm.weight.detach().clone(),
-                        "k_norm.weight": self.k_norm.weight.detach().clone()})
+            out.update({"q_norm.weight": self.q_norm.gathered(), "k_norm.weight": self.k_norm.gathered()})
         return out
 
 
