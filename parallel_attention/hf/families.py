@@ -10,7 +10,9 @@ it keeps its pieces and how to read its attention.
     OlmoeForCausalLM     model.layers     self_attn   model.embed_tokens   q_proj, k_proj..   q/k RMSNorm per projection
     GPT2LMHeadModel      transformer.h    attn        transformer.wte      c_attn (Conv1D)    learned positions
 
-Sliding windows are transformers' own masks (built by the model, passed to each layer): honoured as they are.
+The MLP of the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: model.layers[i].mlp) is a sparse block or, in
+Qwen2/3-MoE's dense layers, a gated MLP (`tp_moe.moe_or_dense`). Sliding windows are transformers' own masks (built
+by the model, passed to each layer): honoured as they are.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """`parallelize(model, tp_group)`: a loaded transformers *ForCausalLM made tensor parallel in place.
 
-Each decoder layer's attention and MLP, the token embedding and the output head are replaced by the project's
-parallel pieces holding this rank's shard (plain tensors, no DTensor); norms, learned positions and everything
-else stay transformers' own, replicated. What the user sees stays transformers': the model's forward,
+Each decoder layer's attention and MLP (or sparse MoE block: each expert's FFN split, `tp_moe`), the token
+embedding and the output head are replaced by the project's parallel pieces holding this rank's shard (plain
+tensors, no DTensor); norms, routers, learned positions and everything else stay transformers' own, replicated. What the user sees stays transformers': the model's forward,
 full-vocabulary `.logits`, its `.loss`, `generate` with its cache (holding this rank's k/v heads), train/eval.
 
-Communication per decoder layer at p > 1: forward 2 all-reduces (attention output, MLP output); backward 2
-all-reduces (the dX of the fused QKV and of the fused gate/up GEMM), plus one when p > num_kv_heads (the k/v
-replicas' weight gradient) and one for Qwen3 (both per-head norm weights). The embedding adds one all-reduce
+Communication per decoder layer at p > 1: forward 2 all-reduces (attention output, MLP or MoE block output);
+backward 2 all-reduces (the dX of the fused QKV and of the fused gate/up GEMM or the MoE block's region), plus one
+when p > num_kv_heads (the k/v replicas' weight gradient) and one for Qwen3 (both per-head norm weights); OLMoE's
+whole-projection q/k norms add one forward and one backward. The embedding adds one all-reduce
 forward, the head one all-gather forward (the logits) and one all-reduce backward, the loss two small all-reduces
 forward (its vocabulary-parallel cross entropy on this rank's columns: `tp_loss`). Every gradient is complete
 when `loss.backward()` returns: no `finalize_grads` call is needed (nor harmful).
@@ -29,8 +30,8 @@ _MARK = "_parallel_attention_tp_group"
 
 
 def parallelize(model: nn.Module, tp_group: ProcessGroup | None = None) -> nn.Module:
-    """Make `model` (a transformers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or
-    GPT2LMHeadModel) tensor parallel over `tp_group` (a ProcessGroup or a 1-D DeviceMesh; None: the default
+    """Make `model` (a transformers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    GPT2LMHeadModel, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or OlmoeForCausalLM) tensor parallel over `tp_group` (a ProcessGroup or a 1-D DeviceMesh; None: the default
     tensor-parallel group, or the world when none is set up) in place, and return it.
 
     Every rank must call it with the same model (same weights): each keeps its shard.

@@ -5,7 +5,8 @@ output projection. Shapes: `b` batch, `s` sequence, `h` hidden, `p` TP size, `nh
     x [b, s, h]                       (replicated; transformers' modules are batch-first)
       | qkv: ColumnParallelLinear, forward identity, backward all-reduce dX
     mixed [b, s, (nh/p + 2 nkv_r) d]  rows [its q heads | its k heads | its v heads] (sharding.fuse_qkv)
-      | views q [b, nh/p, s, d], k, v [b, nkv_r, s, d]; Qwen3: RMSNorm per head; rotary; cache.update(k, v)
+      | views q [b, nh/p, s, d], k, v [b, nkv_r, s, d]; Qwen3: RMSNorm per head; OLMoE: over the whole
+      |   projection (ProjectionRMSNorm: this rank's rows, the sum of squares all-reduced); rotary; cache.update
       | transformers' attention function on this rank's heads (on CPU without a mask: the chunked causal kernel)
     context [b, s, nh/p d]
       | o_proj: RowParallelLinear, forward all-reduce, backward identity
