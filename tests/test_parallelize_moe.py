@@ -1,7 +1,7 @@
 """parallelize(transformers MoE model): Mixtral, Qwen2-MoE (a gated shared expert, a dense first layer), Qwen3-MoE
 (per-head q/k norms) and OLMoE (q/k norms over the whole projections) at p = 2 against the unsharded model with the
-same weights (tests/hf_fixtures.py MOE_FAMILIES, the router's aux loss on): logits, the loss and the aux loss, every
-gradient (shards gathered to transformers' names), a clipped AdamW step; the exact collectives of a forward and a
+same weights (tests/hf_fixtures.py MOE_FAMILIES, the router's aux loss on): greedy generate, logits, the loss and the
+aux loss, every gradient (shards gathered to transformers' names), a clipped AdamW step; the exact collectives of a forward and a
 backward; save_pretrained -> from_pretrained bit-equal; and the refusals.
 
 Tolerances (float32): the sharded GEMMs and the all-reduced partial sums add the same products in another order
@@ -57,6 +57,9 @@ def _check_family(name: str, out_dir: str) -> dict:
     pa.hf.save_pretrained(model, f"{out_dir}/{name}")  # before any step: the weights are the reference's
     reloaded = tf.AutoModelForCausalLM.from_pretrained(f"{out_dir}/{name}", dtype=torch.float32)
     assert all(torch.equal(t, reference.state_dict()[k]) for k, t in reloaded.state_dict().items()), name
+
+    greedy = dict(attention_mask=torch.ones_like(ids[:, :5]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids[:, :5], **greedy), reference.generate(ids[:, :5], **greedy)), name
 
     reference.train(), model.train()
     expected = reference(ids, labels=ids)
