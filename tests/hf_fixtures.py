@@ -62,6 +62,9 @@ MOE_FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24, head_dim=8,
                                          norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, eos_token_id=None)),
+    # one k/v head at p = 2: the head and its rows of the whole-projection k norm replicated on both ranks
+    "olmoe_one_kv_head": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, eos_token_id=None,
+                                              num_key_value_heads=1)),
 }
 
 

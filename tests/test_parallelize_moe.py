@@ -105,6 +105,8 @@ def test_moe_families_match_transformers_at_tp2(tmp_path):
     assert counts["qwen2_moe"] == {"forward": {"all_reduce": 7, **gather}, "backward": {"all_reduce": 5}}
     assert counts["qwen3_moe"] == {"forward": {"all_reduce": 7, **gather}, "backward": {"all_reduce": 7}}
     assert counts["olmoe"] == {"forward": {"all_reduce": 9, **gather}, "backward": {"all_reduce": 7}}
+    # p > num_kv_heads: per layer one more for the fused QKV's k/v replica rows, one for the k norm's
+    assert counts["olmoe_one_kv_head"] == {"forward": {"all_reduce": 9, **gather}, "backward": {"all_reduce": 11}}
 
 
 @pytest.mark.parametrize("name, overrides, p, message", [
@@ -113,7 +115,6 @@ def test_moe_families_match_transformers_at_tp2(tmp_path):
      "shared_expert_intermediate_size=18"),
     ("mixtral", {"router_jitter_noise": 0.1}, 2, "router_jitter_noise=0.1"),
     ("olmoe", {"clip_qkv": 8.0}, 2, "clip_qkv=8.0"),
-    ("olmoe", {"num_key_value_heads": 1}, 2, "num_key_value_heads=1"),
 ])
 def test_moe_refusals_name_the_value(name, overrides, p, message):
     model = build_moe(name, **overrides)

@@ -217,7 +217,7 @@ def check_supported(model: nn.Module, family: Family, p: int) -> None:
         if size % p:
             raise ValueError(f"parallelize {name}: {key}={size} is not divisible by tensor-parallel size {p}: "
                              "choose a size that divides it.")
-    _check_moe_features(config, name, kv, p)
+    _check_moe_features(config, name)
     for feature in ("add_cross_attention", "reorder_and_upcast_attn"):
         if getattr(config, feature, False):
             raise ValueError(f"parallelize {name}: {feature}=True is not supported; set it False.")
@@ -226,14 +226,11 @@ def check_supported(model: nn.Module, family: Family, p: int) -> None:
                          "it without tp_plan and call parallelize before fully_shard.")
 
 
-def _check_moe_features(config, name: str, kv: int, p: int) -> None:
+def _check_moe_features(config, name: str) -> None:
     """What the MoE families may hold that parallelize does not split: router jitter (random per rank), clip_qkv
-    (a clamp the fused projection does not apply), whole-projection q/k norms with k/v heads replicated."""
+    (a clamp the fused projection does not apply)."""
     if getattr(config, "router_jitter_noise", 0.0):
         raise ValueError(f"parallelize {name}: router_jitter_noise={config.router_jitter_noise} would draw "
                          "different noise on each rank; set it to 0.")
     if getattr(config, "clip_qkv", None) is not None:
         raise ValueError(f"parallelize {name}: clip_qkv={config.clip_qkv} is not supported; set it to None.")
-    if config.model_type == "olmoe" and p > kv:
-        raise ValueError(f"parallelize {name}: the k norm spans the whole k projection, which is not split when "
-                         f"tensor-parallel size {p} > num_key_value_heads={kv}: choose a size <= {kv}.")

@@ -2,16 +2,17 @@
 
 Each decoder layer's attention and MLP (or sparse MoE block: each expert's FFN split, `tp_moe`), the token
 embedding and the output head are replaced by the project's parallel pieces holding this rank's shard (plain
-tensors, no DTensor); norms, routers, learned positions and everything else stay transformers' own, replicated. What the user sees stays transformers': the model's forward,
-full-vocabulary `.logits`, its `.loss`, `generate` with its cache (holding this rank's k/v heads), train/eval.
+tensors, no DTensor); norms, routers, learned positions and everything else stay transformers' own, replicated.
+What the user sees stays transformers': the model's forward, full-vocabulary `.logits`, its `.loss`, `generate`
+with its cache (holding this rank's k/v heads), train/eval.
 
 Communication per decoder layer at p > 1: forward 2 all-reduces (attention output, MLP or MoE block output);
-backward 2 all-reduces (the dX of the fused QKV and of the fused gate/up GEMM or the MoE block's region), plus one
-when p > num_kv_heads (the k/v replicas' weight gradient) and one for Qwen3 (both per-head norm weights); OLMoE's
-whole-projection q/k norms add one forward and one backward. The embedding adds one all-reduce
-forward, the head one all-gather forward (the logits) and one all-reduce backward, the loss two small all-reduces
-forward (its vocabulary-parallel cross entropy on this rank's columns: `tp_loss`). Every gradient is complete
-when `loss.backward()` returns: no `finalize_grads` call is needed (nor harmful).
+backward 2 all-reduces (the dX of the fused QKV and of the fused gate/up GEMM or the MoE block's region), plus
+one when p > num_kv_heads (the k/v replicas' weight gradient; OLMoE: two, the k norm's rows too) and one for
+Qwen3 (both per-head norm weights); OLMoE's whole-projection q/k norms add one forward and one backward. The
+embedding adds one all-reduce forward, the head one all-gather forward (the logits) and one all-reduce backward,
+the loss two small all-reduces forward (its vocabulary-parallel cross entropy on this rank's columns: `tp_loss`).
+Every gradient is complete when `loss.backward()` returns: no `finalize_grads` call is needed (nor harmful).
 """
 
 from __future__ import annotations

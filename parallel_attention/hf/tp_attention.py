@@ -167,7 +167,8 @@ class TensorParallelAttention(nn.Module):
             counts = source.num_heads(old.config), source.num_kv_heads(old.config)
             self.q_norm, self.k_norm = (_projection_norm(n, count, self.head_dim, self.tp_group)
                                         for n, count in zip(projections, counts))
-            self._head_norms = self._normalize_projections
+            replicas = group_size(self.tp_group) > counts[1]  # k/v heads replicated: so are the k norm's rows
+            self._head_norms = self._normalize_projections_k_replicas if replicas else self._normalize_projections
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs):
@@ -196,9 +197,12 @@ class TensorParallelAttention(nn.Module):
     def parameter_kinds(self) -> dict:
         """The q/k norm weights are complete after backward: `_normalize_heads` passes them through one
         copy-to-region, whose backward all-reduces them (transformers' loops never call finalize_grads)."""
-        if self._head_norms != self._normalize_heads:  # none, or ProjectionRMSNorm's own (Sharded) declaration
-            return {}
-        return {f"{norm}.weight": Replicated(self.tp_group) for norm in ("q_norm", "k_norm")}
+        if self._head_norms == self._normalize_heads:
+            return {f"{norm}.weight": Replicated(self.tp_group) for norm in ("q_norm", "k_norm")}
+        if self._head_norms == self._normalize_projections_k_replicas:  # summed in backward, as the QKV's rows
+            return {"k_norm.weight": KvReplica(self.tp_group, rows=slice(None), slot=self.qkv.kv_heads[0],
+                                               num_slots=self.qkv.num_kv_heads, reduced_in_backward=True)}
+        return {}  # none, or ProjectionRMSNorm's own (Sharded) declaration
 
     def _normalize_heads(self, q: torch.Tensor, k: torch.Tensor):
         both = copy_to_tensor_parallel_region(torch.cat([self.q_norm.weight, self.k_norm.weight]), self.tp_group)
@@ -207,6 +211,13 @@ class TensorParallelAttention(nn.Module):
 
     def _normalize_projections(self, q: torch.Tensor, k: torch.Tensor):
         return normalize_projections(q, k, self.q_norm, self.k_norm)
+
+    def _normalize_projections_k_replicas(self, q: torch.Tensor, k: torch.Tensor):
+        """p > nkv: the ranks sharing this rank's k/v head hold the same rows of the k norm, each a share of their
+        gradient: summed over them in the backward (`replica_grads`, one all-reduce)."""
+        (k_weight,) = complete_replica_grads((self.k_norm.weight,), slice(None), self.qkv.kv_heads[0],
+                                             self.qkv.num_kv_heads, self.tp_group)
+        return normalize_projections(q, k, self.q_norm, self.k_norm, weights=(self.q_norm.weight, k_weight))
 
     def _rotate(self, q, k, position_embeddings):
         cos, sin = position_embeddings

@@ -198,9 +198,11 @@ class _ProjectionRMSNormFunction(torch.autograd.Function):
 
 
 def normalize_projections(q: torch.Tensor, k: torch.Tensor, q_norm: ProjectionRMSNorm,
-                          k_norm: ProjectionRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [s, b, nhl, d] and k [s, b, nkvl, d] each normalised over its whole projection (one all-reduce)."""
-    return _ProjectionRMSNormFunction.apply(q, k, q_norm.weight, k_norm.weight, (q_norm.width, k_norm.width),
+                          k_norm: ProjectionRMSNorm, weights: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [s, b, nhl, d] and k [s, b, nkvl, d] each normalised over its whole projection (one all-reduce). `weights`:
+    the (q, k) weights in place of the norms' own, where an owner passes them through a collective first."""
+    q_weight, k_weight = weights if weights is not None else (q_norm.weight, k_norm.weight)
+    return _ProjectionRMSNormFunction.apply(q, k, q_weight, k_weight, (q_norm.width, k_norm.width),
                                             q_norm.eps, q_norm.tp_group)
 
 
