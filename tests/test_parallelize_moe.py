@@ -2,7 +2,7 @@
 (per-head q/k norms) and OLMoE (q/k norms over the whole projections) at p = 2 against the unsharded model with the
 same weights (tests/hf_fixtures.py MOE_FAMILIES, the router's aux loss on): greedy generate, logits, the loss and the
 aux loss, every gradient (shards gathered to transformers' names), a clipped AdamW step; the exact collectives of a forward and a
-backward; save_pretrained -> from_pretrained bit-equal; and the refusals.
+backward; save_pretrained -> from_pretrained bit-equal; a bf16 model kept bf16; and the refusals.
 
 Tolerances (float32): the sharded GEMMs and the all-reduced partial sums add the same products in another order
 (about 1e-7 relative per op): logits, losses 1e-5 absolute; gradients and weights after the step 1e-5 of the
@@ -17,7 +17,7 @@ import torch
 
 import parallel_attention as pa
 from distributed import run_distributed
-from hf_fixtures import MOE_FAMILIES, VOCAB, build_moe
+from hf_fixtures import MOE_FAMILIES, VOCAB, build, build_moe
 from parallel_attention.check.collective_counter import count_collectives
 from parallel_attention.hf.families import FAMILIES, check_supported
 from parallel_attention.hf.save_pretrained import full_hf_state_dict
@@ -107,6 +107,20 @@ def test_moe_families_match_transformers_at_tp2(tmp_path):
     assert counts["olmoe"] == {"forward": {"all_reduce": 9, **gather}, "backward": {"all_reduce": 7}}
     # p > num_kv_heads: per layer one more for the fused QKV's k/v replica rows, one for the k norm's
     assert counts["olmoe_one_kv_head"] == {"forward": {"all_reduce": 9, **gather}, "backward": {"all_reduce": 11}}
+
+
+def test_a_bf16_model_stays_bf16():
+    """p = 1 without torch.distributed: the parallel pieces take transformers' dtype (and device), so a bf16 model
+    (MoE or dense) runs; logits within two bf16 steps (2 x 2^-8 relative) of the model's own, the fused QKV
+    accumulating in another order."""
+    for reference in (build_moe("qwen2_moe"), build("llama_gqa")):
+        reference = reference.to(torch.bfloat16)
+        model = pa.parallelize(copy.deepcopy(reference))
+        assert {param.dtype for param in model.parameters()} == {torch.bfloat16}
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            expected, actual = reference(ids).logits.float(), model(ids).logits.float()
+        assert (actual - expected).abs().max() <= 2 * 2 ** -8 * expected.abs().max()
 
 
 @pytest.mark.parametrize("name, overrides, p, message", [

@@ -32,17 +32,19 @@ from ..transformer.kernels import causal_chunks
 from ..transformer.norms import HeadRMSNorm, ProjectionRMSNorm, normalize_projections
 from . import transformers_api
 from .replica_grads import complete_replica_grads
+from .tp_mlp import device_dtype_of
 
 
 class FusedQKVLinear(ColumnParallelLinear):
     """The fused projection [its q | its k | its v]; with k/v replicas (p > nkv) their gradient rows are summed
     over the replicas in the backward (`replica_grads`)."""
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, group) -> None:
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, group,
+                 device=None, dtype: torch.dtype = torch.float32) -> None:
         p, rank = group_size(group), group_rank(group)
         self.kv_heads = kv_heads_of_rank(num_kv_heads, p, rank)
         rows = (num_heads // p + 2 * len(self.kv_heads)) * head_dim
-        super().__init__(hidden, rows * p, bias=bias, init_std=None, tp_group=group)
+        super().__init__(hidden, rows * p, bias=bias, init_std=None, tp_group=group, device=device, dtype=dtype)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_rows = num_heads // p * head_dim
         self.kv_rows = slice(q_rows, rows)
@@ -120,13 +122,14 @@ class TensorParallelAttention(nn.Module):
         self.tp_group, p = group, group_size(group)
         q, k, v, o = source.weights(old)
         biases = source.biases(old)
-        self.qkv = FusedQKVLinear(hidden, num_heads, num_kv_heads, self.head_dim, biases is not None, group)
+        self.qkv = FusedQKVLinear(hidden, num_heads, num_kv_heads, self.head_dim, biases is not None, group,
+                                  **device_dtype_of(q))
         self.qkv.load(q, k, v, "weight")
         if biases is not None:
             self.qkv.load(*biases, "bias")
         o_bias = source.o_bias(old)
         self.o_proj = RowParallelLinear(o.shape[1], hidden, bias=o_bias is not None, input_is_parallel=True,
-                                        init_std=None, tp_group=group)
+                                        init_std=None, tp_group=group, **device_dtype_of(o))
         with torch.no_grad():
             self.o_proj.weight.copy_(row_shard(o, p, group_rank(group)))
             if o_bias is not None:

@@ -25,7 +25,7 @@ def _column(weight: torch.Tensor, bias: torch.Tensor | None, group) -> ColumnPar
     """A column-parallel linear holding this rank's rows of the already fused, per-rank [out/p, in] weight."""
     p = group_size(group)
     layer = ColumnParallelLinear(weight.shape[1], weight.shape[0] * p, bias=bias is not None, init_std=None,
-                                 tp_group=group)
+                                 tp_group=group, **device_dtype_of(weight))
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias is not None:
@@ -36,12 +36,17 @@ def _column(weight: torch.Tensor, bias: torch.Tensor | None, group) -> ColumnPar
 def _row(weight: torch.Tensor, bias: torch.Tensor | None, group) -> RowParallelLinear:
     """A row-parallel linear from the full [out, in] weight."""
     layer = RowParallelLinear(weight.shape[1], weight.shape[0], bias=bias is not None, input_is_parallel=True,
-                              init_std=None, tp_group=group)
+                              init_std=None, tp_group=group, **device_dtype_of(weight))
     with torch.no_grad():
         layer.weight.copy_(row_shard(weight, group_size(group), group_rank(group)))
         if bias is not None:
             layer.bias.copy_(bias)
     return layer
+
+
+def device_dtype_of(weight: torch.Tensor) -> dict:
+    """The device and dtype of transformers' weight, for the layer that takes its place (a bf16 model stays bf16)."""
+    return dict(device=weight.device, dtype=weight.dtype)
 
 
 def _gather_rows(t: torch.Tensor, group) -> list[torch.Tensor]:
