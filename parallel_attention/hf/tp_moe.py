@@ -61,9 +61,8 @@ class TensorParallelSparseMoe(nn.Module):
         p, rank = group_size(group), group_rank(group)
         self.tp_group = group
         self.gate, self.experts = old.gate, old.experts  # the experts module computes on its shards as it is
-        with torch.no_grad():
-            self.experts.gate_up_proj = nn.Parameter(expert_gate_up_shard(old.experts.gate_up_proj.detach(), p, rank))
-            self.experts.down_proj = nn.Parameter(old.experts.down_proj.detach().chunk(p, dim=2)[rank].contiguous())
+        self.experts.gate_up_proj = nn.Parameter(expert_gate_up_shard(old.experts.gate_up_proj.detach(), p, rank))
+        self.experts.down_proj = nn.Parameter(old.experts.down_proj.detach().chunk(p, dim=2)[rank].contiguous())
         shared = getattr(old, "shared_expert", None)
         if shared is not None:
             self.shared_expert, self.shared_expert_gate = SharedExpertMLP(shared, group), old.shared_expert_gate
