@@ -153,6 +153,9 @@ def test_the_plumbing_check_names_what_would_not_start(tmp_path):
         "program 'no-such-program' is not on PATH", "module 'no_such_module' is not importable", "no file missing.py"]
     kernels = str(ROOT / "benchmarks" / "_gpu_check_kernels.py")
     assert problems([sys.executable, "-m", "torch.distributed.run", kernels]) == []
+    skipping = tmp_path / "test_needs_a_missing_package.py"  # as tests/test_fp8_torchao_oracle.py without torchao
+    skipping.write_text("import pytest\n\npytest.importorskip('no_such_package_here')\n")
+    assert problems([sys.executable, "-m", "pytest", str(skipping)]) == []  # pytest would start and skip it
 
 
 def test_the_summary_reports_each_target_met_or_not(tmp_path):
