@@ -219,6 +219,19 @@ def test_kv_cache_decoding_and_bf16_autocast_run_through_moe_layers():
     assert set(record.rows) == {0, 1}
 
 
+def test_the_router_stays_float32_under_bf16_autocast():
+    """Autocast would run the router's matmul in bf16: its logits, and so the choice among near ties, must be the
+    float32 ones bit for bit."""
+    torch.manual_seed(0)
+    layer = MoELayer(moe_config())
+    x = torch.randn(40, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routed = layer.gate(x)
+    plain = layer.gate(x)
+    assert routed.logits.dtype == torch.float32 and torch.equal(routed.logits, plain.logits)
+    assert torch.equal(routed.expert_ids, plain.expert_ids)
+
+
 @pytest.mark.slow
 def test_compiled_moe_layers_train_like_eager():
     """model.compile (each layer through torch.compile; about 15 s of CPU to compile): the loss, the router's and

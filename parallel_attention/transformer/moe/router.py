@@ -78,8 +78,10 @@ class TopKRouter(nn.Module):
         return scores + self.e_score_correction_bias.to(scores.dtype)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        """x [T, h] (any dtype) -> Routing, computed in self.router_dtype."""
-        logits = x.to(self.router_dtype) @ self.weight.to(self.router_dtype).t()
+        """x [T, h] (any dtype) -> Routing, computed in self.router_dtype (autocast would round the logits to
+        bf16 and move near-tie choices)."""
+        with torch.autocast(x.device.type, enabled=False):
+            logits = x.to(self.router_dtype) @ self.weight.to(self.router_dtype).t()
         scores = self._score(logits)
         with torch.no_grad():
             expert_ids = top_k_lowest_id(self._choice_scores(scores.detach()), self.top_k)
