@@ -113,7 +113,8 @@ def _figures(logs: Path, steps: dict) -> None:
         steps.get(name, {}).update(facts)
         if name in steps and not facts["ok"] and steps[name]["status"] == "passed":
             steps[name]["status"] = "failed(check)"
-    for name in ("probe", "flash_sdpa", "kernels", "attention_block", "fp8", "ring_cp", "hang_named"):
+    for name in ("probe", "flash_sdpa", "kernels", "attention_block", "fp8", "moe", "ring_cp",
+                 "hang_named"):
         if name in steps:
             steps[name].update(_last_json_line(logs, steps[name]))
     steps.get("bench_attention", {}).update(result=_json(logs / "bench_attention.json", ()))

@@ -33,6 +33,9 @@
 #                    b 4, bf16, no recomputation, with its MFU (target >= 40 %)
 #   train_1b_fp8     the same step with training.fp8 tensorwise: its MFU (against the bf16 peak) and its speed-up
 #                    over train_1b's step (the summary's "fp8_step_speedup")
+#   fp8              torch._scaled_mm against the CPU's emulation; bf16 and FP8 linear times (_gpu_check_fp8.py)
+#   moe              an MoE layer's bf16 grouped-matmul experts against the CPU's float32 layer, forward and
+#                    backward (within 2e-2); its tokens/s at Qwen3-30B-A3B's shape (benchmarks/_gpu_check_moe.py)
 # --gpus N (N >= 2 GPUs of one machine), instead:
 #   ring_cp          a cp = N ring (NCCL, bf16) with k/v blocks of 64 MiB each against one flash SDPA call over the
 #                    whole sequence, forward and backward (benchmarks/_gpu_check_ring.py)
@@ -145,6 +148,7 @@ one_gpu() {
     step train_1b_fp8 80 "${torchrun[@]}" benchmarks/benchmark_training.py "${one_b[@]}" --no-baselines \
         --no-variants --iters 5 --warmup 2 --out "$LOGS/train_1b_fp8.json" --training.fp8=tensorwise
     step fp8 30 "$PYTHON" benchmarks/_gpu_check_fp8.py  # _scaled_mm vs the emulation; bf16/FP8 linear times
+    step moe 40 "$PYTHON" benchmarks/_gpu_check_moe.py  # bf16 grouped-matmul experts vs float32 CPU; tokens/s
 }
 
 many_gpus() {

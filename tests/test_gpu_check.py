@@ -23,7 +23,7 @@ from _gpu_check_plumbing import problems  # noqa: E402
 from _gpu_check_summary import main as summarize  # noqa: E402
 
 STEPS = ["cuda_tests", "probe", "pretrain_bf16", "pretrain_fp16", "flash_sdpa", "kernels", "attention_block",
-         "bench_attention", "train_1b", "train_1b_fp8", "fp8"]
+         "bench_attention", "train_1b", "train_1b_fp8", "fp8", "moe"]
 HIDDEN = ("parallel_attention", "__editable__", "pytest", "_pytest", "xdist", "pytest_timeout")
 
 
@@ -144,6 +144,21 @@ def test_the_probe_step_runs_its_checks_on_the_cpu():
     assert report["varlen"] == {"skipped": "varlen_attn runs on CUDA only"} and report["dropout_hash"]["ok"]
 
 
+def test_the_moe_step_runs_its_check_on_the_cpu():
+    """The MoE step's program on CPU (bf16 autocast on the CPU's torch._grouped_mm against float32): within its
+    tolerance, no token routed otherwise (the router is float32 under autocast too), tokens/s reported."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_gpu_check_moe.py"), "--device", "cpu",
+                             "--shape", "check", "--tokens", "64", "--iters", "1", "--warmup", "0"],
+                            cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    agreement = report["agreement"]
+    assert report["ok"] and agreement["tokens_flipped"] == 0
+    assert all(agreement[name]["ok"] and agreement[name]["error"] <= agreement["tolerance"]
+               for name in ("out", "dx", "d_router", "d_gate_up_proj", "d_down_proj"))
+    assert report["timing"]["tokens_per_s"] > 0 and report["timing"]["experts"].startswith("torch._grouped_mm")
+
+
 def test_the_plumbing_check_names_what_would_not_start(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import parallel_attention.no_such_module\n")
@@ -205,7 +220,7 @@ exit 0
     assert {name: step["status"] for name, step in steps.items()} == {
         "cuda_tests": "passed", "probe": "passed", "pretrain_bf16": "failed(check)", "pretrain_fp16": "failed(check)",
         "flash_sdpa": "timeout(25s)", "kernels": "failed(3)", "attention_block": "passed", "bench_attention": "passed",
-        "train_1b": "passed", "train_1b_fp8": "passed", "fp8": "passed"}
+        "train_1b": "passed", "train_1b_fp8": "passed", "fp8": "passed", "moe": "passed"}
     assert 25 <= steps["flash_sdpa"]["seconds"] <= 25 + 15  # the limit, then at most the grace
     # every step that did not pass says why and ends with its log's last 30 lines
     assert steps["kernels"]["reason"] == "its command exited with status 3"
