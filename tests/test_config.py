@@ -168,14 +168,21 @@ def test_the_70b_pipeline_config_fits_an_80_gb_gpu_per_stage():
 
 def test_the_qwen3_30b_a3b_config_has_its_parameters_active_and_total_and_fits_an_h100():
     """Qwen3-30B-A3B's shape: the run summary's experts row, from the config alone, gives its published 30.5B
-    parameters and 3.3B active per token, and at ep 16 under ZeRO-3 what each GPU holds (under 80 GB before
-    activations: 16 bytes a parameter, the 1.5B outside the experts over 16 ranks)."""
+    parameters and 3.3B active per token, and at its layout (16 GPUs: ep 16 over dp 16, ZeRO-3, micro-batch 1, full
+    recomputation) what each GPU holds, state and activations, within an H100's 80 GB (74.5 GiB)."""
     from parallel_attention.training.run.moe_summary import moe_rows, parameter_counts
 
     cfg = load_config(ROOT / "configs" / "qwen3_30b_a3b.yaml")
     cfg.validate(16)
+    assert (cfg.parallel.zero_stage, cfg.parallel.expert_parallel_size) == (3, 16)
     counts = parameter_counts(cfg.model)
     assert 30.4e9 < counts["total"] < 30.6e9 and 3.3e9 < counts["active"] < 3.4e9
     row = moe_rows(cfg, 16)["experts"]
-    assert "30.53B parameters, 3.35B active per token; ep 16: 8 experts a rank" in row and "(ZeRO-3)" in row
-    assert 25 < float(re.search(r"([0-9.]+) GiB/rank", row).group(1)) < 32
+    assert "30.53B parameters, 3.35B active per token; ep 16: 8 experts a rank" in row
+    state, activations, total = map(float, re.search(
+        r"([0-9.]+) GiB/rank of weights, gradients and AdamW \(ZeRO-3\) \+ about ([0-9.]+) GiB of activations at "
+        r"micro-batch 1 \(4096 tokens a rank, full recomputation\) = ([0-9.]+) GiB/rank", row).groups())
+    assert 25 < state < 32 and 5 < activations < 10 and total < 74.5
+    # 16 sequences a rank (what ep 16 over dp 16 needed before validation batches were padded) would not fit
+    crowded = load_config(ROOT / "configs" / "qwen3_30b_a3b.yaml", ["--training.micro_batch_size=16"])
+    assert float(re.search(r"= ([0-9.]+) GiB/rank", moe_rows(crowded, 16)["experts"]).group(1)) > 100
