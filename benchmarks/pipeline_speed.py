@@ -35,14 +35,16 @@ def step_seconds(run_dir: Path, tokens_per_step: int) -> float:
     return statistics.median(times[2:] or times)
 
 
-def launch(world: int, run_dir: Path, steps: int, data_dir: Path, extra: list[str]) -> float:
+def launch(world: int, run_dir: Path, steps: int, data_dir: Path, extra: list[str], model: list[str] = MODEL,
+           tokens_per_step: int = 8 * 256) -> float:
+    """The median step (s) of pretrain.py on gpt_tiny.yaml with `model` and `extra` overrides, one thread a rank."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               str(ROOT / "scripts" / "pretrain.py"), "--config", str(ROOT / "configs" / "gpt_tiny.yaml"), *MODEL,
+               str(ROOT / "scripts" / "pretrain.py"), "--config", str(ROOT / "configs" / "gpt_tiny.yaml"), *model,
                f"--training.max_steps={steps}", f"--logging.run_dir={run_dir}", f"--data.data_dir={data_dir}",
                *extra]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                    timeout=1800)
-    return step_seconds(run_dir, 8 * 256)
+    return step_seconds(run_dir, tokens_per_step)
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,60 @@
+"""A mixture-of-experts model's training step at ep 2 against ep 1 for the same global batch, side by side: the
+trainer itself (scripts/pretrain.py under torchrun), alternating the two layouts and repeating.
+
+    python benchmarks/moe_ep_speed.py --rounds 3 --steps 8
+
+ep 1 is one process that runs every expert on the whole global batch (8 sequences of 256 tokens as 2 micro-batches
+of 4); ep 2 is two processes, data parallel 2 with the experts split over them (each runs its 4 sequences, half of
+the experts, and the all-to-alls that bring each token to its expert and back). The model: 4 layers, hidden 256,
+every MLP a 16-expert top-2 SwiGLU MoE (each expert's FFN 256) with a load-balancing loss. A step's time is tokens
+per step / tokens_per_s from metrics.jsonl, the median over the steps after the first two. Prints one JSON object:
+each layout's median step, every launch's, the ratio ep 2 / ep 1 of the medians and the median of each round's
+ratio (the issue's limit 0.65; the ideal 0.5 plus the all-to-alls and the data-parallel all-reduce). On a CPU each
+process takes one core: run it on an otherwise idle host with at least two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from pipeline_speed import launch
+
+SEQ, BATCH = 256, 8
+MODEL = ["--model.hidden_size=256", "--model.num_layers=4", "--model.num_heads=4", f"--model.max_seq_len={SEQ}",
+         "--model.activation=swiglu", "--model.norm=rmsnorm", "--model.position_embedding=rotary",
+         "--model.num_experts=16", "--model.moe_top_k=2", "--model.moe_ffn_hidden_size=256",
+         "--model.moe_aux_loss_coeff=0.01", f"--data.seq_len={SEQ}", f"--training.global_batch_size={BATCH}",
+         "--training.micro_batch_size=4", "--training.eval_interval=100000", "--training.eval_batches=1",
+         "--checkpoint.interval=100000", "--logging.log_interval=1", "--logging.progress_bar=false",
+         "--logging.tensorboard=false", "--parallel.tensor_parallel_size=1", "--checkpoint.resume=none",
+         "--schedule.warmup_steps=1"]
+LAYOUTS = {"ep1": (1, ["--parallel.expert_parallel_size=1"]), "ep2": (2, ["--parallel.expert_parallel_size=2"])}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args(argv)
+    times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            order = list(LAYOUTS) if round_ % 2 == 0 else list(reversed(LAYOUTS))  # the first one rotates
+            for name in order:
+                world, extra = LAYOUTS[name]
+                times[name].append(launch(world, Path(tmp) / f"{name}_{round_}", args.steps, Path(tmp) / "data",
+                                          extra, MODEL, BATCH * SEQ))
+    medians = {name: round(statistics.median(t), 4) for name, t in times.items()}
+    paired = statistics.median(ep2 / ep1 for ep1, ep2 in zip(times["ep1"], times["ep2"]))
+    print(json.dumps({"step_s": medians, "runs": times, "ep2_over_ep1": round(medians["ep2"] / medians["ep1"], 3),
+                      "ep2_over_ep1_paired": round(paired, 3), "limit": 0.65, "ideal": 0.5}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
