@@ -7,10 +7,11 @@ ep 1 is one process that runs every expert on the whole global batch (8 sequence
 of 4); ep 2 is two processes, data parallel 2 with the experts split over them (each runs its 4 sequences, half of
 the experts, and the all-to-alls that bring each token to its expert and back). The model: 4 layers, hidden 256,
 every MLP a 16-expert top-2 SwiGLU MoE (each expert's FFN 256) with a load-balancing loss. A step's time is tokens
-per step / tokens_per_s from metrics.jsonl, the median over the steps after the first two. Prints one JSON object:
-each layout's median step, every launch's, the ratio ep 2 / ep 1 of the medians and the median of each round's
-ratio (the issue's limit 0.65; the ideal 0.5 plus the all-to-alls and the data-parallel all-reduce). On a CPU each
-process takes one core: run it on an otherwise idle host with at least two.
+per step / tokens_per_s from metrics.jsonl, the median over the steps after the first two. The two layouts' losses
+must agree step by step within 1e-5 (it exits naming the difference otherwise). Prints one JSON object: that worst
+relative difference, each layout's median step, every launch's, the ratio ep 2 / ep 1 of the medians and the median
+of each round's ratio (the issue's limit 0.65; the ideal 0.5 plus the all-to-alls and the data-parallel all-reduce).
+On a CPU each process takes one core: run it on an otherwise idle host with at least two.
 """
 
 from __future__ import annotations
@@ -34,6 +35,26 @@ MODEL = ["--model.hidden_size=256", "--model.num_layers=4", "--model.num_heads=4
          "--logging.tensorboard=false", "--parallel.tensor_parallel_size=1", "--checkpoint.resume=none",
          "--schedule.warmup_steps=1"]
 LAYOUTS = {"ep1": (1, ["--parallel.expert_parallel_size=1"]), "ep2": (2, ["--parallel.expert_parallel_size=2"])}
+TOLERANCE = 1e-5  # float32: every layout trains like one process (tests/test_moe_training.py)
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def same_training(tmp: Path, rounds: int) -> float:
+    """The worst relative difference of ep 2's losses from ep 1's, step by step, over every round (the two
+    must train alike before their times mean anything)."""
+    worst = 0.0
+    for round_ in range(rounds):
+        ep1, ep2 = losses(tmp / f"ep1_{round_}"), losses(tmp / f"ep2_{round_}")
+        if len(ep1) != len(ep2) or not ep1:
+            raise SystemExit(f"round {round_}: ep 1 logged {len(ep1)} losses, ep 2 {len(ep2)}")
+        worst = max(worst, max(abs(a - b) / abs(a) for a, b in zip(ep1, ep2)))
+    if worst > TOLERANCE:
+        raise SystemExit(f"ep 2's losses differ from ep 1's by {worst:.3g} (> {TOLERANCE})")
+    return worst
 
 
 def main(argv: list[str]) -> int:
@@ -49,9 +70,10 @@ def main(argv: list[str]) -> int:
                 world, extra = LAYOUTS[name]
                 times[name].append(launch(world, Path(tmp) / f"{name}_{round_}", args.steps, Path(tmp) / "data",
                                           extra, MODEL, BATCH * SEQ))
+        worst = same_training(Path(tmp), args.rounds)
     medians = {name: round(statistics.median(t), 4) for name, t in times.items()}
     paired = statistics.median(ep2 / ep1 for ep1, ep2 in zip(times["ep1"], times["ep2"]))
-    print(json.dumps({"step_s": medians, "runs": times, "ep2_over_ep1": round(medians["ep2"] / medians["ep1"], 3),
+    print(json.dumps({"loss_worst_relative_difference": worst, "step_s": medians, "runs": times, "ep2_over_ep1": round(medians["ep2"] / medians["ep1"], 3),
                       "ep2_over_ep1_paired": round(paired, 3), "limit": 0.65, "ideal": 0.5}, indent=1))
     return 0
 
