@@ -104,10 +104,13 @@ def test_a_blend_trains_and_evaluates_at_pp_2_as_one_process(blend, tmp_path):
             assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)
 
 
-def test_experts_split_over_two_ranks_train_and_evaluate_a_blend_as_one_process(blend, tmp_path):
-    """ep 2 (the experts split over the two data-parallel ranks) on a blend with one-row micro-batches: a
-    validation batch is one rank's part of one source, so the other rank pads its forward (every MoE layer's
-    all-to-all needs both); the losses, per source too, are one process's."""
+@pytest.mark.parametrize("layout", [("--parallel.expert_parallel_size=2",), ("--parallel.zero_stage=3",)],
+                         ids=["ep2", "zero3"])
+def test_two_ranks_whose_forwards_pair_up_train_and_evaluate_a_blend_as_one_process(blend, tmp_path, layout):
+    """ep 2 (the experts split over the two data-parallel ranks: each MoE layer's all-to-alls) and ZeRO-3 (FSDP2's
+    parameter all-gathers) join the two ranks' forwards. On a blend with one-row micro-batches a validation batch is
+    one rank's part of one source, so the other rank pads its forward; the losses, per source too, are one
+    process's (before the padding, ZeRO-3 hung here and ep 1 at ZeRO-0 died of an IndexError)."""
     moe = ("--model.num_experts=4", "--model.moe_top_k=2", "--model.moe_ffn_hidden_size=32",
            "--model.moe_aux_loss_coeff=0.01", "--training.eval_batches=4")
 
@@ -116,7 +119,7 @@ def test_experts_split_over_two_ranks_train_and_evaluate_a_blend_as_one_process(
                                                   *moe, *extra, micro_batch_size=1))
         return [r for r in metrics(tmp_path / name) if "loss" in r or "val_loss" in r]
 
-    one, two = run("ep1", 1), run("ep2", 2, "--parallel.expert_parallel_size=2")
+    one, two = run("one", 1), run("two", 2, *layout)
     assert [r["step"] for r in two] == [r["step"] for r in one] and any("val_loss/web_text_document" in r for r in two)
     for got, want in zip(two, one):
         for key in [k for k in want if k in ("loss", "moe_aux_loss") or k.startswith("val_loss")]:

@@ -137,6 +137,43 @@ def test_fsdp2_gathers_fp8_weights_with_the_numbers_of_gathering_then_quantizing
     assert min(skipped) >= DIFFERENT, skipped
 
 
+class _Narrow(torch.nn.Module):
+    """One FP8 linear of 3 output rows: over 4 ranks FSDP2 leaves the last one's shard of its weight empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([ColumnParallelLinear(H, 3)])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def _narrow_step(gather_in_fp8: bool):
+    dp_group = ps.get_data_context_parallel_group()
+    torch.manual_seed(7)
+    model = _Narrow()
+    gather = Fp8WeightGather(model, dp_group) if gather_in_fp8 else None
+    shard_fully(model, mesh_of(dp_group))
+    weights = {"weights": gather.refresh()} if gather is not None else {}
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(8)).requires_grad_()
+    with fp8_linears("tensorwise", "cpu", **weights):
+        y = model(x)
+        y.sum().backward()
+    return y.detach(), x.grad, tuple(model.layers[0].weight.to_local().shape)
+
+
+def _empty_shard_worker():
+    (y, dx, shape), (y_high, dx_high, _) = _narrow_step(True), _narrow_step(False)
+    return {"equal": torch.equal(y, y_high) and torch.equal(dx, dx_high), "shape": shape}
+
+
+def test_a_rank_whose_shard_is_empty_scales_and_gathers_like_the_others():
+    """Its amax counts as 0 in the MAX over the shard group (no rank stops short of the all-reduce)."""
+    ranks = run_distributed(_empty_shard_worker, 4, 1, timeout=120)
+    assert [rank["shape"][0] for rank in ranks] == [1, 1, 1, 0]
+    assert all(rank["equal"] for rank in ranks)
+
+
 def _build(args, gather_in_fp8: bool):
     """The trainer's run; gather_in_fp8 False: its weights left to gather in float32 (as before FP8 all-gather)."""
     build_gather = trainer.fp8_weight_gather

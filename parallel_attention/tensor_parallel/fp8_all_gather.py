@@ -157,10 +157,16 @@ class Fp8WeightGather:
         the FSDP group, then one over each tensor-parallel group (one for a model's layers). Returns the GEMMs'
         weight policy."""
         shards = [module.weight.to_local() for module in self.modules]
-        amaxes = list(max_over(self.shard_group, *(amax(shard, None) for shard in shards)))
+        amaxes = list(max_over(self.shard_group, *(_shard_amax(shard) for shard in shards)))
         for group, indices in self.tp_groups:
             for i, reduced in zip(indices, max_over(group, *(amaxes[i] for i in indices))):
                 amaxes[i] = reduced
         for shard, reduced in zip(shards, amaxes):
             shard.box.scale = scale_for(reduced, E4M3)
         return GATHERED_IN_FP8
+
+
+def _shard_amax(shard: torch.Tensor) -> torch.Tensor:
+    """A shard's amax; 0 for an empty one (FSDP2 cuts dim 0 into chunks of ceil(rows / ranks), so a rank may hold
+    none: 3 rows over 4 ranks), which leaves the MAX over the group the other shards'."""
+    return amax(shard, None) if shard.numel() else torch.zeros((), dtype=torch.float32, device=shard.device)

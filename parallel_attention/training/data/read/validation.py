@@ -45,8 +45,7 @@ def run_validation(cfg: PretrainConfig, sources: list[TokenSource], weights, dp_
     is every rank's (run_data.read_agreed)."""
     return read_agreed(lambda: validation_batches_by_source(
         sources, weights, cfg.data.seq_len, cfg.training.micro_batch_size, cfg.training.eval_batches, dp_rank=dp_rank,
-        dp_size=dp_size, document_masking=cfg.data.document_masking,
-        aligned=cfg.parallel.expert_parallel_size > 1))
+        dp_size=dp_size, document_masking=cfg.data.document_masking, aligned=True))
 
 
 def validation_batches(sources: list[TokenSource], weights: list[float], seq_len: int, batch_size: int,
@@ -73,10 +72,11 @@ def validation_batches_by_source(sources: list[TokenSource], weights: list[float
     micro-batch) pairs, for a validation loss per source (validation_record). A source of one gives the very
     micro-batches of `validation_batches`.
 
-    `aligned`: every data-parallel rank gets as many parts of each batch as the rank with the most (each rank
-    works out every rank's count: no communication), the missing ones a one-row part of the batch's first row with
-    source PADDING. Expert parallelism needs it: each MoE layer's all-to-alls join the forwards of its ep ranks,
-    which a blend (parts per source) or a batch of fewer rows than ranks would otherwise leave unmatched."""
+    `aligned` (the trainer's): every data-parallel rank gets as many parts of each batch as the rank with the most
+    (each rank works out every rank's count: no communication), the missing ones a one-row part of the batch's first
+    row with source PADDING. The data-parallel ranks' forwards then pair up, as FSDP2's all-gathers and each MoE
+    layer's all-to-alls need, where a blend (parts per source) or a batch of fewer rows than ranks would otherwise
+    leave them unmatched, and no rank is left without a validation micro-batch."""
     return _validation_parts(sources, weights, seq_len, batch_size, num_batches, dp_rank, dp_size,
                              document_masking, by_source=True, aligned=aligned)
 
