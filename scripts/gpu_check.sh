@@ -26,6 +26,9 @@
 #   kernels          the ring's pair kernels on CUDA (bf16, fp16) against MathBlocks in float32, forward and
 #                    backward: causal diagonals, full pairs, GQA, documents; varlen_attn against one SDPA call per
 #                    document, forward and backward, bf16, odd and single-token documents (one process)
+#   fp8              torch._scaled_mm against the CPU's emulation; bf16 and FP8 linear times (_gpu_check_fp8.py)
+#   moe              an MoE layer's bf16 grouped-matmul experts against the CPU's float32 layer, forward and
+#                    backward (within 2e-2); its tokens/s at Qwen3-30B-A3B's shape (benchmarks/_gpu_check_moe.py)
 #   attention_block  the attention block's forward + backward TFLOP/s, h 4096, 32 / 8 heads, s 4096, b 2, bf16,
 #                    p = 1, against the device's dense bf16 peak (target >= 50 %)
 #   bench_attention  benchmarks/benchmark_attention.py on its CUDA preset (p = 1)
@@ -33,9 +36,6 @@
 #                    b 4, bf16, no recomputation, with its MFU (target >= 40 %)
 #   train_1b_fp8     the same step with training.fp8 tensorwise: its MFU (against the bf16 peak) and its speed-up
 #                    over train_1b's step (the summary's "fp8_step_speedup")
-#   fp8              torch._scaled_mm against the CPU's emulation; bf16 and FP8 linear times (_gpu_check_fp8.py)
-#   moe              an MoE layer's bf16 grouped-matmul experts against the CPU's float32 layer, forward and
-#                    backward (within 2e-2); its tokens/s at Qwen3-30B-A3B's shape (benchmarks/_gpu_check_moe.py)
 # --gpus N (N >= 2 GPUs of one machine), instead:
 #   ring_cp          a cp = N ring (NCCL, bf16) with k/v blocks of 64 MiB each against one flash SDPA call over the
 #                    whole sequence, forward and backward (benchmarks/_gpu_check_ring.py)
@@ -140,6 +140,9 @@ one_gpu() {
         --training.dtype=float16 --logging.run_dir="$LOGS/run_fp16"
     step flash_sdpa 25 "$PYTHON" benchmarks/_gpu_check_flash.py
     step kernels 60 "$PYTHON" benchmarks/_gpu_check_kernels.py
+    # the checks first, the timings after: a budget spent early cuts a timing, not a check
+    step fp8 30 "$PYTHON" benchmarks/_gpu_check_fp8.py  # _scaled_mm vs the emulation; bf16/FP8 linear times
+    step moe 40 "$PYTHON" benchmarks/_gpu_check_moe.py  # bf16 grouped-matmul experts vs float32 CPU; tokens/s
     step attention_block 40 "$PYTHON" benchmarks/_gpu_check_attention.py --iters 10 --warmup 3
     step bench_attention 45 "${torchrun[@]}" benchmarks/benchmark_attention.py --sizes cuda \
         --iters 3 --warmup 1 --out "$LOGS/bench_attention.json"
@@ -147,8 +150,6 @@ one_gpu() {
         --iters 5 --warmup 2 --out "$LOGS/train_1b.json"
     step train_1b_fp8 80 "${torchrun[@]}" benchmarks/benchmark_training.py "${one_b[@]}" --no-baselines \
         --no-variants --iters 5 --warmup 2 --out "$LOGS/train_1b_fp8.json" --training.fp8=tensorwise
-    step fp8 30 "$PYTHON" benchmarks/_gpu_check_fp8.py  # _scaled_mm vs the emulation; bf16/FP8 linear times
-    step moe 40 "$PYTHON" benchmarks/_gpu_check_moe.py  # bf16 grouped-matmul experts vs float32 CPU; tokens/s
 }
 
 many_gpus() {

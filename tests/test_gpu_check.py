@@ -22,8 +22,8 @@ from _gpu_check_archive import LIMIT, pack  # noqa: E402
 from _gpu_check_plumbing import problems  # noqa: E402
 from _gpu_check_summary import main as summarize  # noqa: E402
 
-STEPS = ["cuda_tests", "probe", "pretrain_bf16", "pretrain_fp16", "flash_sdpa", "kernels", "attention_block",
-         "bench_attention", "train_1b", "train_1b_fp8", "fp8", "moe"]
+STEPS = ["cuda_tests", "probe", "pretrain_bf16", "pretrain_fp16", "flash_sdpa", "kernels", "fp8", "moe",
+         "attention_block", "bench_attention", "train_1b", "train_1b_fp8"]
 HIDDEN = ("parallel_attention", "__editable__", "pytest", "_pytest", "xdist", "pytest_timeout")
 
 
