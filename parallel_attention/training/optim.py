@@ -16,6 +16,12 @@ from .experts_beside_zero import ExpertsBesideZero
 from .sharded_optimizer import sharded_adamw
 
 
+def state_bytes_per_parameter(zero_stage: int, shards: int) -> float:
+    """A parameter's float32 training state on one rank when `shards` ranks share it: weight and gradient (8 bytes)
+    whole and AdamW's two moments (8) split under ZeRO-1, all 16 split under ZeRO-3 (FSDP2)."""
+    return 16 / shards if zero_stage == 3 else 8 + 8 / (shards if zero_stage == 1 else 1)
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, dp_group: ProcessGroup | None = None,
                     zero_stage: int = 0) -> torch.optim.Optimizer:
     """Matrices (linear and embedding weights) decay; biases, norms and other vectors do not.

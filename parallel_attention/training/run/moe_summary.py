@@ -10,6 +10,7 @@ of its activations' peak.
 from __future__ import annotations
 
 from ..activation_memory import layer_activation_bytes, layer_activation_terms
+from ..optim import state_bytes_per_parameter
 
 
 def _attention(m) -> int:
@@ -74,12 +75,6 @@ def activation_gib(cfg) -> float:
     return (saved + 2 * 4 * s * b * m.vocab_size / p) / 2**30
 
 
-def _bytes_per_parameter(zero_stage: int, shards: int) -> float:
-    """float32 weights, gradients and AdamW's two moments of a parameter over `shards` ranks: the moments divided
-    by them under ZeRO-1, everything under ZeRO-3 (as the pipeline row counts them)."""
-    return 16 / shards if zero_stage == 3 else 8 + 8 / (shards if zero_stage == 1 else 1)
-
-
 def moe_rows(cfg, world_size: int) -> dict[str, str]:
     """{"experts": ...} for a model with experts, {} without. Per GPU: the experts split over ep, the rest split by
     tp where the layers shard it (taken as all of it: an upper bound), in float32 with gradients and AdamW's two
@@ -94,8 +89,8 @@ def moe_rows(cfg, world_size: int) -> dict[str, str]:
     rest, experts = (counts["total"] - counts["experts"]) / par.tensor_parallel_size, counts["experts"] / ep
     per_rank = rest + experts
     experts_zero = 0 if ep > 1 and par.zero_stage == 1 else par.zero_stage
-    state = (rest * _bytes_per_parameter(par.zero_stage, data_context)
-             + experts * _bytes_per_parameter(experts_zero, max(1, data_context // ep))) / 2**30
+    state = (rest * state_bytes_per_parameter(par.zero_stage, data_context)
+             + experts * state_bytes_per_parameter(experts_zero, max(1, data_context // ep))) / 2**30
     zero = f" (ZeRO-{par.zero_stage})" if par.zero_stage else ""
     memory = f"{state:.1f} GiB/rank of weights, gradients and AdamW{zero}"
     if par.pipeline_parallel_size == 1:  # a pipeline's stages row gives each stage's state

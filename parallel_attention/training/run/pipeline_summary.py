@@ -15,6 +15,7 @@ from ...pipeline.layout import StageCosts, rank_stages
 from ...pipeline.messages import buffers_in_flight
 from ...pipeline.schedules import build_schedule, schedule
 from ...transformer.pipeline_stage import PipelineStage
+from ..optim import state_bytes_per_parameter
 
 
 def layer_parameters(cfg) -> int:
@@ -51,9 +52,7 @@ def total_parameters(cfg) -> int:
 
 def _gigabytes_per_rank(cfg, parameters: int, dp: int) -> float:
     par = cfg.parallel
-    per_rank = parameters / par.tensor_parallel_size
-    state = 8 + 8 / (dp if par.zero_stage >= 1 else 1)  # weights + gradients, then the two AdamW moments
-    return per_rank * (16 / dp if par.zero_stage == 3 else state) / 2**30
+    return parameters / par.tensor_parallel_size * state_bytes_per_parameter(par.zero_stage, dp) / 2**30
 
 
 def _flops(value: float) -> str:
