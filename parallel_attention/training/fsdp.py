@@ -78,27 +78,29 @@ def shard_split_experts(model: nn.Module) -> None:
     """`fully_shard` each module of experts split over ep > 1 ranks over the ranks that hold the same experts
     (`ExpertShard.expert_data_group`; at ep = dp x cp this rank alone): its reduce-scatter sums their gradients
     there, and `reduce_expert_grads` divides by dp x cp, as at zero_stage 0."""
-    from torch.distributed.fsdp import fully_shard
-
     for module_name, kind in {name.rpartition(".")[0]: kind for name, kind in split_experts(model).items()}.items():
-        experts = fully_shard(model.get_submodule(module_name), mesh=mesh_of(kind.expert_data_group))
+        experts = shard_through_ours(model.get_submodule(module_name), mesh_of(kind.expert_data_group))
         experts.set_gradient_divide_factor(1.0)  # with forced SUM: no division in FSDP2, even on one rank
         experts.set_force_sum_reduction_for_comms(True)
-        experts.set_custom_all_gather(NamedAllGather())
-        experts.set_custom_reduce_scatter(NamedReduceScatter())
 
 
 def shard_fully(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     """`fully_shard` each of `model.layers` and then the root over `dp_mesh` (a 1-D mesh), their collectives
     issued through ours, after the split experts over their own ranks (`shard_split_experts`); returns `model`."""
-    from torch.distributed.fsdp import fully_shard
-
     shard_split_experts(model)
     for module in (*model.layers, model):
-        fully_shard(module, mesh=dp_mesh)
-        module.set_custom_all_gather(NamedAllGather())
-        module.set_custom_reduce_scatter(NamedReduceScatter())
+        shard_through_ours(module, dp_mesh)
     return model
+
+
+def shard_through_ours(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """`fully_shard(module)` over `mesh`, its all-gathers and reduce-scatters issued through `collectives`."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh)
+    module.set_custom_all_gather(NamedAllGather())
+    module.set_custom_reduce_scatter(NamedReduceScatter())
+    return module
 
 
 @contextlib.contextmanager
