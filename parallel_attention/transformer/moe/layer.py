@@ -170,8 +170,8 @@ class MoELayer(nn.Module):
         if not (self.training and torch.is_grad_enabled()):  # evaluation and generation: no losses, no counts
             return y
         counts = torch.bincount(routing.expert_ids.reshape(-1), minlength=self.num_experts).float()  # chosen
-        share, record, _ = self.losses(routing.logits, self._probabilities(routing.scores), routing.expert_ids,
-                                       counts, counted_tokens(), slots.dropped)
+        share, record = self.losses(routing.logits, self._probabilities(routing.scores), routing.expert_ids,
+                                    counts, counted_tokens(), slots.dropped)
         self.gate.step_counts.add_(counts)  # this rank's: update_expert_bias sums them over the step's ranks
         return attach_aux_loss(y, share, record, self.layer_number)
 

@@ -125,9 +125,9 @@ class RouterLosses:
 
     def __call__(self, logits: torch.Tensor, probabilities: torch.Tensor, expert_ids: torch.Tensor,
                  counts: torch.Tensor, counted: AllTokens,
-                 dropped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 dropped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the losses, with gradient; the global [aux, z, max/mean load, dropped share, each
-        expert's share of the routed tokens]; global counts [E]).
+        expert's share of the routed tokens]).
 
         probabilities [T, E] summing to 1 per token; expert_ids [T, k]; counts [E] this rank's tokens per expert
         (float32); `counted`: the tokens the losses count (counted_tokens.py); `dropped`: capacity's share."""
@@ -150,4 +150,4 @@ class RouterLosses:
         load = global_counts.max() / global_counts.mean()
         record = torch.cat([torch.stack([aux, z.reshape(()), load, dropped.to(dtype)]),
                             global_counts / global_counts.sum()]).detach()
-        return (share * self.cp_size).sum(), record, global_counts
+        return (share * self.cp_size).sum(), record
