@@ -42,12 +42,27 @@ def preloaded_context():
     return ctx
 
 
+def crash_log(init_file: str, rank: int) -> str:
+    """Where rank `rank` writes Python's stacks if a signal kills it (see enable_crash_log)."""
+    return f"{init_file}.crash{rank}"
+
+
+def enable_crash_log(init_file: str, rank: int) -> None:
+    """Every thread's Python stack into crash_log(...) if this rank dies of SIGSEGV, SIGABRT or the like: a rank's
+    own stderr goes to whichever test's capture was open when the forkserver started, so _collect reads this file
+    into the failure instead."""
+    import faulthandler
+
+    faulthandler.enable(file=open(crash_log(init_file, rank), "w"), all_threads=True)  # noqa: SIM115 (held by faulthandler)
+
+
 def _worker(rank, world_size, tp_size, init_file, fn, args, results, timeout, backend):
     import torch
     import torch.distributed as dist
 
     import parallel_attention as pa
 
+    enable_crash_log(init_file, rank)
     torch.set_num_threads(1)  # ranks share two cores: do not oversubscribe them
     try:
         if backend == "nccl":
@@ -85,7 +100,7 @@ def run_distributed(fn, world_size: int, tp_size: int | None = None, *args, time
         for p in procs:
             p.start()
         try:
-            return _collect(procs, results, timeout)
+            return _collect(procs, results, timeout, init_file)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -93,7 +108,7 @@ def run_distributed(fn, world_size: int, tp_size: int | None = None, *args, time
                 p.join(5)
 
 
-def _collect(procs, results, timeout):
+def _collect(procs, results, timeout, init_file=None):
     collected = {}
     deadline = time.monotonic() + timeout
     dead_since: dict[int, float] = {}
@@ -110,12 +125,29 @@ def _collect(procs, results, timeout):
                 if rank not in collected and not p.is_alive():
                     # allow a moment for a report still in the pipe, then call it a crash
                     if now - dead_since.setdefault(rank, now) > 5:
-                        raise RuntimeError(f"rank {rank} exited with code {p.exitcode} without reporting")
+                        raise RuntimeError(f"rank {rank} exited with code {p.exitcode} without reporting"
+                                           + _crash_stacks(init_file, len(procs)))
             continue
         if not ok:
             raise RuntimeError(f"rank {rank} failed:\n{payload}")
         collected[rank] = pickle.loads(payload)
     return [collected[r] for r in range(len(procs))]
+
+
+def _crash_stacks(init_file, world_size: int) -> str:
+    """What the ranks' crash logs hold (empty where none was written)."""
+    if init_file is None:
+        return ""
+    texts = []
+    for rank in range(world_size):
+        try:
+            with open(crash_log(init_file, rank), encoding="utf-8", errors="replace") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            texts.append(f"\n--- rank {rank}'s stacks at the signal:\n{text}")
+    return "".join(texts)
 
 
 def device_params(world_sizes=(1, 2, 4)):

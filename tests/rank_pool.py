@@ -15,13 +15,14 @@ import pickle
 import tempfile
 import traceback
 
-from distributed import DEFAULT_TIMEOUT_S, _collect, preloaded_context
+from distributed import DEFAULT_TIMEOUT_S, _collect, enable_crash_log, preloaded_context
 
 
 def _serve(rank, world_size, init_file, inbox, results, timeout):
     import torch
     import torch.distributed as dist
 
+    enable_crash_log(init_file, rank)
     torch.set_num_threads(1)  # ranks share two cores: do not oversubscribe them
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
@@ -80,7 +81,7 @@ class RankPool:
         ctx = preloaded_context()
         self._tmp = tempfile.TemporaryDirectory()
         self._results, self._inboxes = ctx.Queue(), [ctx.Queue() for _ in range(self.world_size)]
-        init_file = os.path.join(self._tmp.name, "store")
+        init_file = self._init_file = os.path.join(self._tmp.name, "store")
         self._procs = [ctx.Process(target=_serve, daemon=True, args=(r, self.world_size, init_file, self._inboxes[r],
                                                                      self._results, self.timeout))
                        for r in range(self.world_size)]
@@ -101,7 +102,7 @@ class RankPool:
         for inbox in self._inboxes:
             inbox.put((fn, args, reset_tp))
         try:
-            results = _collect(self._procs, self._results, timeout or self.timeout)
+            results = _collect(self._procs, self._results, timeout or self.timeout, self._init_file)
         except BaseException:
             self.close()  # the other ranks may wait in a collective forever
             raise

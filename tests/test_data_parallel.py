@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import parallel_attention as pa
@@ -46,14 +47,23 @@ def build_run(args: list[str]):
 
 
 def count_reductions(run) -> list[int]:
-    """Wraps DDP's default all-reduce in a comm hook that records the index of each bucket it reduces."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    """A comm hook that records the index of each bucket DDP reduces and averages it as DDP's default does.
 
+    It reduces synchronously and returns a finished future: torch's own allreduce_hook chains a Python callback
+    that gloo's worker thread runs when the all-reduce completes. This test's 4-rank layout is the only place the
+    suite did that, and the only test that ever crashed all its ranks with SIGSEGV (twice: once in CI, once in a
+    full run at a load of 40+; not reproduced in 766 runs of the layout alone nor in 4 other full runs). Every rank's
+    hooks run in bucket order (DDP launches bucket i only after bucket i - 1), so a blocking all-reduce cannot
+    cross another rank's."""
     seen: list[int] = []
 
     def hook(group, bucket):
         seen.append(bucket.index())
-        return allreduce_hook(group, bucket)
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer.div_(dist.get_world_size(group)), group=group)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
 
     run.data_parallel_model.register_comm_hook(pa.get_data_parallel_group(), hook)
     return seen
