@@ -77,7 +77,8 @@ def _model(gather_in_fp8: bool):
 
 def _step(gather_in_fp8: bool, skip=None):
     """(Y, dX, the local shards of dW) of one forward and backward in tensorwise FP8; the MAX all-reduces of the
-    scales (`skip`: the one left out) and the layer's parameter all-gathers (dtype, elements), from the log."""
+    scales (`skip`: the one left out), the layer's parameter all-gathers (dtype, elements), from the log, and the MAX
+    all-reduces of the forward and backward."""
     model, gather = _model(gather_in_fp8)
     g = torch.Generator().manual_seed(6)
     x, dy = torch.randn(S, B, H, generator=g).requires_grad_(), torch.randn(S, B, H, generator=g)
@@ -85,14 +86,15 @@ def _step(gather_in_fp8: bool, skip=None):
         weights = gather.refresh() if gather is not None else None
     enable_collective_log()
     try:
-        with fp8_linears("tensorwise", "cpu", **({"weights": weights} if weights is not None else {})):
+        with fp8_linears("tensorwise", "cpu", **({"weights": weights} if weights is not None else {})), \
+                skipping_max_all_reduce(None) as in_step:
             y = model(x)
             y.backward(dy)
         gathers = [(c.dtype, c.shape[0]) for c in active_log().calls if c.op == "FSDP2's parameter all_gather"]
     finally:
         disable_collective_log()
     grads = [p.grad.to_local() for p in model.parameters()]
-    return (y.detach(), x.grad, *grads), seen[0], gathers
+    return (y.detach(), x.grad, *grads), seen[0], gathers, in_step[0]
 
 
 def _relative(a, b):
@@ -113,13 +115,14 @@ def _outside_the_policy(refresh: bool) -> str:
 
 def _worker():
     errors = [_outside_the_policy(refresh) for refresh in (False, True)]
-    high, _, high_gathers = _step(False)
-    low, reductions, low_gathers = _step(True)
+    high, _, high_gathers, high_in_step = _step(False)
+    low, reductions, low_gathers, low_in_step = _step(True)
     tp, dp = ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size()
     weights, biases = (2 * H * F) // (tp * dp), (F // tp + H) // dp  # this rank's elements of the layer
     skipped = [max(_relative(a, b) for a, b in zip(_step(True, skip)[0], high)) for skip in range(reductions)]
     return {"equal": all(torch.equal(a, b) for a, b in zip(low, high)), "reductions": reductions,
             "skipped": skipped, "high": set(high_gathers), "low": set(low_gathers),
+            "in_step": (high_in_step, low_in_step),
             "expected_high": ("float32", weights + biases), "expected_low": ("uint8", weights + 4 * biases),
             "errors": errors}
 
@@ -130,6 +133,9 @@ def test_fsdp2_gathers_fp8_weights_with_the_numbers_of_gathering_then_quantizing
         assert rank["equal"]  # bit for bit: quantizing is elementwise, the scale the same global one
         assert rank["high"] == {rank["expected_high"]} and rank["low"] == {rank["expected_low"]}, rank
         assert rank["reductions"] == 2  # the scales: one MAX all-reduce over dp, one over tp, for both weights
+        # over tp: the column's forward (W's rows split; none when W came with its global scale, X being whole),
+        # the column's dX (dY's features split) and the row's forward (X's and W's features split)
+        assert rank["in_step"] == (3, 2), rank["in_step"]
         assert "scale was never computed: enter the step's FP8 policy" in rank["errors"][0], rank["errors"]
         assert "gathered in FP8 (zero_stage 3 with training.fp8=tensorwise): only the FP8 linears" in rank["errors"][1]
     # without the tp one, the ranks holding the larger tp half still have the global scale: the others break

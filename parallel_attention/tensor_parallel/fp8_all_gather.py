@@ -119,6 +119,8 @@ class Fp8GatheredWeight(torch.Tensor):
 class GatheredInFp8:
     """The FP8 GEMMs' weights as FSDP2 gathered them: e4m3 with the step's global scale, used as they are."""
 
+    scaled_in_linear = False  # refresh() reduced the amax over every group the weight is split over
+
     @staticmethod
     def amaxes(weight: Fp8GatheredWeight) -> tuple:
         return ()

@@ -73,6 +73,8 @@ class QuantizedInLinear:
     """The FP8 GEMMs' weights in their own precision, quantized by the linear with the scale of this call's amax
     (reduced with X's); `fp8_all_gather.GATHERED_IN_FP8` reads weights FSDP2 gathered in e4m3 instead."""
 
+    scaled_in_linear = True  # the weight's amax is taken here, so a split weight's is reduced here
+
     @staticmethod
     def amaxes(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (amax(weight, None),)
@@ -113,9 +115,10 @@ class TensorwiseGemms(Fp8Gemms):
     scaled_grad = None  # (dY in e5m2, its scale), made by the first backward GEMM
 
     @staticmethod
-    def column_groups(tp_group):
-        """(forward, dX) amax groups of a column linear: W's rows and dY's features are split over tp."""
-        return tp_group, tp_group
+    def column_groups(tp_group, weights):
+        """(forward, dX) amax groups of a column linear: W's rows and dY's features are split over tp. X is whole
+        on every rank, so a weight whose scale came with it (GATHERED_IN_FP8) leaves the forward nothing to reduce."""
+        return (tp_group if weights.scaled_in_linear else None), tp_group
 
     def forward(self, x, weight, bias):
         x2 = _rows(x)
@@ -149,7 +152,7 @@ class RowwiseGemms(Fp8Gemms):
     """One call's FP8 GEMMs with one scale per row of each operand along the contraction dimension (all e4m3)."""
 
     @staticmethod
-    def column_groups(tp_group):
+    def column_groups(tp_group, weights):
         """(forward, dX) amax groups of a column linear: rows of X and W are whole; dY's and W's columns split."""
         return None, tp_group
 
@@ -183,8 +186,8 @@ class Fp8:
 
     def column(self, tp_group):
         """W split by output rows; X whole on every rank (gathered under SP), dY split by output features."""
-        return self.gemms_class(*self.gemms_class.column_groups(tp_group), self.data_group, self.matmul,
-                                self.weights)
+        return self.gemms_class(*self.gemms_class.column_groups(tp_group, self.weights), self.data_group,
+                                self.matmul, self.weights)
 
     def row(self, tp_group):
         """W and X split by input features; dY whole on every rank (gathered under SP)."""
