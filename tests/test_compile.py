@@ -88,13 +88,30 @@ def test_compile_refuses_layout_invariant_dropout():
         cfg.validate(1)
 
 
+def _compiled_from_seed_0(cfg):
+    """GPTModel(cfg) drawn from seed 0, each layer compiled with aot_eager (the traced graph run by eager kernels:
+    eager's arithmetic), with dynamo's caches and counters cleared."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from parallel_attention.transformer.model import GPTModel
+
+    torch.manual_seed(0)
+    model = GPTModel(cfg)
+    for layer in model.layers:
+        layer.compile(backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    return model
+
+
 def test_one_compilation_serves_every_layer_step_and_micro_batch_with_layout_invariant_dropout():
     """The layer index, the (seed, step) key and the micro-batch's first sample reach the hash as tensors: dynamo
     compiles a layer's forward once for 12 layers, 2 steps and 2 micro-batches (it guarded on the layer index before:
     one compilation per layer until the recompile limit, eager after it), and the losses are eager's exactly
     (aot_eager runs the traced graph with eager kernels: the same masks, the same arithmetic)."""
     import torch
-    import torch._dynamo
     from torch._dynamo.utils import counters
 
     from parallel_attention.tensor_parallel.rng import dropout_coordinates
@@ -117,12 +134,7 @@ def test_one_compilation_serves_every_layer_step_and_micro_batch_with_layout_inv
 
     torch.manual_seed(0)
     eager = losses(GPTModel(cfg))
-    torch.manual_seed(0)
-    model = GPTModel(cfg)
-    for layer in model.layers:
-        layer.compile(backend="aot_eager")
-    torch._dynamo.reset()
-    counters.clear()
+    model = _compiled_from_seed_0(cfg)
     assert losses(model) == eager
     assert counters["frames"]["ok"] == 1 and counters["stats"]["unique_graphs"] == 1, dict(counters["frames"])
 
@@ -133,3 +145,38 @@ def test_compiled_fp8_layers_train_like_eager(data_dir, tmp_path):  # noqa: F811
     between or inside the compiled graphs, with the same losses as eager FP8 (docs/fp8.md)."""
     extra = ("--model.num_layers=1", "--parallel.sequence_parallel=true", "--training.fp8=tensorwise")
     _check(run_distributed(_eager_then_compiled, 2, 2, data_dir, tmp_path, 2, 3, extra)[0], 3)
+
+
+def test_a_compiled_moe_model_compiles_once_for_every_step():
+    """Each step's auxiliary-loss record and loss scale are new objects: traced, they made dynamo recompile every MoE
+    layer on every step (0.44 s a step of this model instead of 0.01 s) until its recompile limit left the layer
+    eager. eager_attach_aux_loss() runs it eagerly between the compiled pieces: after the first step nothing compiles, and
+    the losses and aux losses are eager's."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from parallel_attention.transformer.model import GPTModel
+    from parallel_attention.transformer.moe.losses import moe_step
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, activation="swiglu", norm="rmsnorm",
+                      position_embedding="rotary", num_experts=4, moe_top_k=2, moe_ffn_hidden_size=8,
+                      moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, max_seq_len=16)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def steps(model, after_first=None) -> list[float]:
+        found = []
+        for step in range(3):
+            with moe_step(0.5 + step) as record:
+                loss = model(tokens, tokens)
+                loss.backward()
+            found += [loss.item(), record.metrics(cfg)["moe_aux_loss"]]
+            if after_first is not None and step == 0:
+                after_first.update(counters["frames"])
+        return found
+
+    torch.manual_seed(0)
+    eager = steps(GPTModel(cfg))
+    model = _compiled_from_seed_0(cfg)
+    first: dict = {}
+    assert steps(model, first) == pytest.approx(eager, rel=1e-6)
+    assert first["total"] > 0 and dict(counters["frames"]) == first, (first, dict(counters["frames"]))

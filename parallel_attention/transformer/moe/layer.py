@@ -34,7 +34,7 @@ from .capacity import Dropless, TokenCapacity
 from .counted_tokens import counted_tokens
 from .dispatch import ExpertDispatch
 from .experts import GroupedExperts
-from .losses import RouterLosses, attach_aux_loss
+from .losses import RouterLosses, eager_attach_aux_loss
 from .router import TopKRouter
 
 
@@ -51,6 +51,7 @@ class MoELayer(nn.Module):
         ep_group None: the default expert-parallel group (none before initialize_model_parallel), and its
         expert_data_group (the dp x cp ranks holding the same experts)."""
         super().__init__()
+        eager_attach_aux_loss()  # made now, before a torch.compile could trace the forward that calls it
         if ep_group is None:
             ep_group, expert_data_group = get_expert_model_parallel_group(), get_expert_data_parallel_group()
         E, h, f = cfg.num_experts, cfg.hidden_size, cfg.resolved_moe_ffn_hidden_size()
@@ -173,7 +174,7 @@ class MoELayer(nn.Module):
         share, record = self.losses(routing.logits, self._probabilities(routing.scores), routing.expert_ids,
                                     counts, counted_tokens(), slots.dropped)
         self.gate.step_counts.add_(counts)  # this rank's: update_expert_bias sums them over the step's ranks
-        return attach_aux_loss(y, share, record, self.layer_number)
+        return eager_attach_aux_loss()(y, share, record, self.layer_number)
 
 
 def _keep_this_ranks_experts(layer: MoELayer, state_dict: dict, prefix: str, *_) -> None:

@@ -106,9 +106,24 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 def attach_aux_loss(x: torch.Tensor, loss: torch.Tensor, record: torch.Tensor, layer: int) -> torch.Tensor:
-    """x, carrying `loss`'s gradient (scaled by the current step's loss scale); records `record`."""
+    """x, carrying `loss`'s gradient (scaled by the current step's loss scale); records `record`. MoE layers call
+    it through `eager_attach_aux_loss()`."""
     _CURRENT.add(layer, record)
     return _AttachAuxLoss.apply(x, loss.float(), _CURRENT.loss_scale)
+
+
+_EAGER_ATTACH = None  # attach_aux_loss under torch.compiler.disable, made by the first MoE layer
+
+
+def eager_attach_aux_loss():
+    """attach_aux_loss as torch.compile must run it: eagerly, between a compiled layer's pieces. Traced, it guarded
+    on the step's record and loss scale, new each step, so every MoE layer recompiled at every step until dynamo's
+    limit left it eager. Made on the first call, which each MoE layer's construction makes, before anything is
+    traced (torch.compiler.disable imports torch._dynamo, which `import parallel_attention` leaves alone)."""
+    global _EAGER_ATTACH
+    if _EAGER_ATTACH is None:
+        _EAGER_ATTACH = torch.compiler.disable(attach_aux_loss)
+    return _EAGER_ATTACH
 
 
 class RouterLosses:
