@@ -34,16 +34,26 @@ from ..context_parallel import held_positions
 
 
 class Slots(NamedTuple):
+    """A micro-batch's slots on this rank, with their counts per expert made once: the dispatch reads `counts`,
+    the auxiliary losses and the balancing bias `chosen` (a bincount is a host sync on CUDA)."""
+
     experts: torch.Tensor  # [T k] int64: each (token, choice) slot's expert, token-major; E where dropped
     kept: int  # how many slots an expert runs
+    counts: torch.Tensor  # [E] int64: the slots each expert runs
+    chosen: torch.Tensor  # [E] int64: the router's choices of each expert, kept or not
     dropped: torch.Tensor  # () float32: the share of the micro-batch's slots dropped (over every rank of it)
 
 
 class Dropless:
     """Every slot kept (the default)."""
 
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+
     def __call__(self, expert_ids: torch.Tensor, rows: int) -> Slots:
-        return Slots(expert_ids.reshape(-1), expert_ids.numel(), expert_ids.new_zeros((), dtype=torch.float32))
+        flat = expert_ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        return Slots(flat, flat.numel(), counts, counts, expert_ids.new_zeros((), dtype=torch.float32))
 
 
 class TokenCapacity:
@@ -86,4 +96,6 @@ class TokenCapacity:
         capacity = self.capacity(every.shape[0] * (T // rows), k)
         keep = place + before[row_of_slot, flat] < capacity
         dropped = (every.sum(0) - capacity).clamp(min=0).sum() / every.sum()
-        return Slots(torch.where(keep, flat, E), int(keep.sum()), dropped.float())
+        experts = torch.where(keep, flat, E)
+        kept = torch.bincount(experts, minlength=E + 1)[:E]
+        return Slots(experts, int(keep.sum()), kept, counts, dropped.float())

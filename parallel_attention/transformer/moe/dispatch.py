@@ -33,7 +33,7 @@ class ExpertDispatch:
     """Runs `experts` (this rank's E/ep experts, global ids ep_rank E/ep ...) on the rows routed to them."""
 
     def __init__(self, num_experts: int, ep_group: ProcessGroup | None) -> None:
-        self.num_experts, self.ep_group = num_experts, ep_group
+        self.ep_group = ep_group
         self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
         self.num_local = num_experts // self.ep_size
         self._run = _local_experts if self.ep_size == 1 else self._across_ranks
@@ -42,8 +42,7 @@ class ExpertDispatch:
         """y [T, h] from the kept `slots` (capacity.py: expert E marks a dropped one) and gates [T, k]."""
         order = torch.argsort(slots.experts, stable=True)[:slots.kept]  # the dropped slots sort last
         token = order // gates.shape[1]
-        counts = torch.bincount(slots.experts, minlength=self.num_experts + 1)[:self.num_experts]
-        y_sorted = self._run(x[token], counts, experts)
+        y_sorted = self._run(x[token], slots.counts, experts)
         weighted = (y_sorted.to(gates.dtype) * gates.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
         return x.new_zeros(x.shape).index_add(0, token, weighted)
 

@@ -76,7 +76,7 @@ class MoELayer(nn.Module):
                 self._shared = self._gated_shared_expert
         token_groups = (tp_group if sequence_parallel else None, cp_group)
         self.gate.count_groups = (get_data_context_parallel_group(), token_groups[0])  # the step's tokens: dp x cp
-        self._capacities = (Dropless(), Dropless() if cfg.moe_capacity_factor is None else TokenCapacity(
+        self._capacities = (Dropless(E), Dropless(E) if cfg.moe_capacity_factor is None else TokenCapacity(
             cfg.moe_capacity_factor, E, token_groups, cp_group,
             *((group_size(tp_group), group_rank(tp_group)) if sequence_parallel else ())))  # (evaluation, training)
         self.capacity = self._capacities[1]
@@ -170,7 +170,7 @@ class MoELayer(nn.Module):
             y = y + shared
         if not (self.training and torch.is_grad_enabled()):  # evaluation and generation: no losses, no counts
             return y
-        counts = torch.bincount(routing.expert_ids.reshape(-1), minlength=self.num_experts).float()  # chosen
+        counts = slots.chosen.float()
         share, record = self.losses(routing.logits, self._probabilities(routing.scores), routing.expert_ids,
                                     counts, counted_tokens(), slots.dropped)
         self.gate.step_counts.add_(counts)  # this rank's: update_expert_bias sums them over the step's ranks
