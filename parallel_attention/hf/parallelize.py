@@ -32,8 +32,9 @@ _MARK = "_parallel_attention_tp_group"
 
 def parallelize(model: nn.Module, tp_group: ProcessGroup | None = None) -> nn.Module:
     """Make `model` (a transformers LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-    GPT2LMHeadModel, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or OlmoeForCausalLM) tensor parallel over `tp_group` (a ProcessGroup or a 1-D DeviceMesh; None: the default
-    tensor-parallel group, or the world when none is set up) in place, and return it.
+    GPT2LMHeadModel, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or OlmoeForCausalLM) tensor
+    parallel over `tp_group` (a ProcessGroup or a 1-D DeviceMesh; None: the default tensor-parallel group, or the
+    world when none is set up) in place, and return it.
 
     Every rank must call it with the same model (same weights): each keeps its shard.
     """

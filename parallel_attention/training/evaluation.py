@@ -21,7 +21,7 @@ def evaluate(run) -> dict[str, float]:
     sums = torch.zeros(len(run.sampler.sources), 2, dtype=torch.float64, device=run.device)  # [losses, tokens]
     means = validation_losses(run)
     for mean, (source, batch) in zip(means, run.val_batches):
-        if source is PADDING:  # run to keep the expert-parallel ranks' forwards in step; not a validation row
+        if source is PADDING:  # run to keep the data-parallel ranks' forwards in step (FSDP2, MoE); not a row
             continue
         count = float((batch[1] != IGNORE_INDEX).sum())
         sums[source] += torch.stack([mean * count, torch.tensor(count, dtype=torch.float64, device=run.device)])
